@@ -1,0 +1,394 @@
+"""Plain records: step classes, compensations, retry policies, reports, escalation cards.
+
+Every record is a frozen, slotted dataclass that round-trips through JSON, so a
+process that never ran the forward steps (crash recovery) can rebuild it.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from saga_otel._errors import ConfigurationError
+
+
+class StepClass(StrEnum):
+    """What a tool does to the world, which decides what the saga must remember."""
+
+    READ = "read"  # no effect: nothing to undo
+    CONVERGENT = "convergent"  # sets a desired state; retrying converges, nothing to undo
+    REVERSIBLE = "reversible"  # undone by writing back the value read before the write
+    COMPENSABLE = "compensable"  # undone by a separate operation (reverse_credit)
+    IRREVERSIBLE = "irreversible"  # cannot be undone: crossing it is the pivot
+
+    @classmethod
+    def parse(cls, value: StepClass | str) -> StepClass:
+        try:
+            return cls(value)
+        except ValueError:
+            allowed = ", ".join(c.value for c in cls)
+            raise ConfigurationError(
+                f"unknown step class {value!r}: use one of {allowed}"
+            ) from None
+
+    @property
+    def pushes(self) -> bool:
+        """Whether a successful do of this class leaves a compensation behind."""
+        return self in (StepClass.REVERSIBLE, StepClass.COMPENSABLE)
+
+    @property
+    def writes(self) -> bool:
+        return self is not StepClass.READ
+
+
+class RunStatus(StrEnum):
+    COMPLETED = "completed"
+    COMPENSATED = "compensated"
+    COMPENSATION_FAILED = "compensation_failed"
+    STUCK = "stuck"
+    REJECTED = "rejected"
+
+
+def _json_object(value: Mapping[str, Any], what: str) -> dict[str, Any]:
+    try:
+        return dict(json.loads(json.dumps(dict(value))))
+    except (TypeError, ValueError) as exc:
+        raise ConfigurationError(
+            f"{what} must be JSON-serialisable (plain str/int/float/bool/None, lists and "
+            f"dicts), got {value!r}: return plain references such as ids from the tool"
+        ) from exc
+
+
+@dataclass(frozen=True, slots=True)
+class Compensation:
+    """The operation that undoes one successful write, with the references it returned.
+
+    ``tool`` is resolved by name through a :class:`ToolRegistry` at unwind time,
+    so the record can cross a process boundary. ``step`` and ``index`` name the
+    forward step it undoes.
+    """
+
+    tool: str
+    args: Mapping[str, Any]
+    description: str = ""
+    step: str = ""
+    index: int = -1
+
+    def __post_init__(self) -> None:
+        if not self.tool or not isinstance(self.tool, str):
+            raise ConfigurationError(
+                f"a compensation needs a tool name, got {self.tool!r}: name the registered "
+                "tool that undoes the step"
+            )
+        # Freeze the arguments now: a later mutation by the caller must not change the undo.
+        object.__setattr__(self, "args", _json_object(self.args, f"arguments of {self.tool}"))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "index": self.index,
+            "tool": self.tool,
+            "args": dict(self.args),
+            "description": self.description,
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Compensation:
+        try:
+            return cls(
+                tool=str(data["tool"]),
+                args=dict(data.get("args") or {}),
+                description=str(data.get("description", "")),
+                step=str(data.get("step", "")),
+                index=int(data.get("index", -1)),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigurationError(
+                f"not a compensation record: {data!r}; expected an object with "
+                '"tool", "args", "description", "step" and "index"'
+            ) from exc
+
+    @classmethod
+    def from_json(cls, text: str) -> Compensation:
+        return cls.from_dict(json.loads(text))
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    """How often, and how far apart, an activity is tried.
+
+    Delays grow exponentially from ``initial`` by ``multiplier`` up to ``maximum``,
+    with up to ``jitter`` seconds of random spread so many retrying runs do not
+    hit a recovering backend in step.
+    """
+
+    attempts: int = 3
+    initial: float = 0.1
+    multiplier: float = 2.0
+    maximum: float = 5.0
+    jitter: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1:
+            raise ConfigurationError(
+                f"RetryPolicy(attempts={self.attempts}) never runs the activity: use attempts >= 1"
+            )
+        if self.initial < 0 or self.maximum < 0 or self.jitter < 0 or self.multiplier < 1:
+            raise ConfigurationError(
+                f"{self!r} has a negative delay or a multiplier below 1: delays must be >= 0 "
+                "and multiplier >= 1"
+            )
+
+    def delay(self, failed_attempt: int, rng: random.Random | None = None) -> float:
+        """Seconds to wait after attempt number ``failed_attempt`` (from 1) failed."""
+        base = min(self.maximum, self.initial * self.multiplier ** (failed_attempt - 1))
+        spread = (rng or random).uniform(0, self.jitter) if self.jitter else 0.0
+        return base + spread
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "attempts": self.attempts,
+            "initial": self.initial,
+            "multiplier": self.multiplier,
+            "maximum": self.maximum,
+            "jitter": self.jitter,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """One forward step as it ended."""
+
+    index: int
+    name: str
+    tool: str
+    step_class: StepClass
+    attempts: int
+    ok: bool
+    pivot: bool = False
+    compensation: Compensation | None = None
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "name": self.name,
+            "tool": self.tool,
+            "class": self.step_class.value,
+            "attempts": self.attempts,
+            "ok": self.ok,
+            "pivot": self.pivot,
+            "compensation": self.compensation.to_dict() if self.compensation else None,
+            "error": self.error,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class CompensationOutcome:
+    """One compensation as the unwind left it."""
+
+    compensation: Compensation
+    ok: bool
+    attempts: int
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "compensation": self.compensation.to_dict(),
+            "ok": self.ok,
+            "attempts": self.attempts,
+            "error": self.error,
+        }
+
+
+def describe_error(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+@dataclass(frozen=True, slots=True)
+class EscalationCard:
+    """What a person needs to act on a run the machine could not finish.
+
+    Structured for tools, and :meth:`render` for a person at 3 a.m.
+    """
+
+    saga: str
+    run_id: str
+    reason: str
+    failed_step: str | None
+    error: str | None
+    done: tuple[str, ...]
+    undone: tuple[str, ...]
+    not_undone: tuple[str, ...]
+    irreversible: tuple[str, ...]
+    decide: tuple[str, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "saga": self.saga,
+            "run_id": self.run_id,
+            "reason": self.reason,
+            "failed_step": self.failed_step,
+            "error": self.error,
+            "done": list(self.done),
+            "undone": list(self.undone),
+            "not_undone": list(self.not_undone),
+            "irreversible": list(self.irreversible),
+            "decide": list(self.decide),
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> EscalationCard:
+        return cls(
+            saga=str(data.get("saga", "")),
+            run_id=str(data.get("run_id", "")),
+            reason=str(data.get("reason", "")),
+            failed_step=data.get("failed_step"),
+            error=data.get("error"),
+            done=tuple(data.get("done", ())),
+            undone=tuple(data.get("undone", ())),
+            not_undone=tuple(data.get("not_undone", ())),
+            irreversible=tuple(data.get("irreversible", ())),
+            decide=tuple(data.get("decide", ())),
+        )
+
+    def render(self) -> str:
+        def section(title: str, items: tuple[str, ...]) -> list[str]:
+            return [f"{title}:"] + ([f"  - {i}" for i in items] or ["  (nothing)"])
+
+        head = f"saga {self.saga} run {self.run_id} needs a person: {self.reason}"
+        lines = [head, "=" * len(head)]
+        if self.failed_step:
+            lines.append(f"Failed at step {self.failed_step}: {self.error}")
+        lines += section("Done", self.done)
+        lines += section("Undone", self.undone)
+        lines += section("Could NOT be undone", self.not_undone + self.irreversible)
+        lines += section("You must decide", self.decide)
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True, slots=True)
+class PendingCall:
+    """A forward call a stuck run still owes: retried by forward recovery."""
+
+    index: int
+    name: str
+    tool: str
+    args: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"index": self.index, "name": self.name, "tool": self.tool, "args": dict(self.args)}
+
+
+@dataclass(frozen=True, slots=True)
+class SagaReport:
+    """How a run ended. ``error`` is the original exception, unchanged."""
+
+    saga: str
+    run_id: str
+    status: RunStatus
+    steps: tuple[StepRecord, ...]
+    failed_step: str | None = None
+    error: BaseException | None = None
+    compensations: tuple[CompensationOutcome, ...] = ()
+    pending: tuple[PendingCall, ...] = ()
+    trace_id: int = 0
+    span_id: int = 0
+
+    @property
+    def completed_steps(self) -> tuple[str, ...]:
+        return tuple(s.name for s in self.steps if s.ok)
+
+    @property
+    def compensations_run(self) -> tuple[Compensation, ...]:
+        return tuple(o.compensation for o in self.compensations if o.ok)
+
+    @property
+    def compensations_failed(self) -> tuple[CompensationOutcome, ...]:
+        return tuple(o for o in self.compensations if not o.ok)
+
+    @property
+    def irreversible_steps(self) -> tuple[str, ...]:
+        return tuple(
+            s.name
+            for s in self.steps
+            if s.ok and (s.step_class is StepClass.IRREVERSIBLE or s.pivot)
+        )
+
+    @property
+    def pivot_step(self) -> str | None:
+        irreversible = self.irreversible_steps
+        return irreversible[0] if irreversible else None
+
+    @property
+    def needs_person(self) -> bool:
+        return self.status in (RunStatus.COMPENSATION_FAILED, RunStatus.STUCK)
+
+    @property
+    def error_text(self) -> str | None:
+        return describe_error(self.error) if self.error is not None else None
+
+    def escalation_card(self) -> EscalationCard | None:
+        if not self.needs_person:
+            return None
+        undone = tuple(
+            o.compensation.description or f"{o.compensation.tool}({o.compensation.step})"
+            for o in self.compensations
+            if o.ok
+        )
+        not_undone = tuple(
+            f"{o.compensation.description or o.compensation.tool}: {o.error} "
+            f"(tool {o.compensation.tool}, args {json.dumps(dict(o.compensation.args))})"
+            for o in self.compensations
+            if not o.ok
+        )
+        done = tuple(f"{s.name} ({s.step_class.value})" for s in self.steps if s.ok)
+        if self.status is RunStatus.STUCK:
+            decide = (
+                f"Finish forward: retry {self.failed_step} and what follows (idempotent), "
+                "or settle by hand and resolve the run",
+                "Nothing was undone, because the run had crossed its pivot "
+                f"({self.pivot_step}).",
+            )
+        else:
+            decide = tuple(
+                f"Undo by hand or accept: {o.compensation.description or o.compensation.tool}"
+                for o in self.compensations
+                if not o.ok
+            )
+        return EscalationCard(
+            saga=self.saga,
+            run_id=self.run_id,
+            reason=self.status.value,
+            failed_step=self.failed_step,
+            error=self.error_text,
+            done=done,
+            undone=undone,
+            not_undone=not_undone,
+            irreversible=self.irreversible_steps,
+            decide=decide,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        card = self.escalation_card()
+        return {
+            "saga": self.saga,
+            "run_id": self.run_id,
+            "status": self.status.value,
+            "steps": [s.to_dict() for s in self.steps],
+            "failed_step": self.failed_step,
+            "error": self.error_text,
+            "compensations": [o.to_dict() for o in self.compensations],
+            "pending": [p.to_dict() for p in self.pending],
+            "escalation": card.to_dict() if card else None,
+        }

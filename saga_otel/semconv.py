@@ -1,0 +1,172 @@
+"""Every span, attribute, metric and log event name of the saga span contract.
+
+This is the one place these strings live. The library writes them, the sidecar
+reads them, the dashboards and alert rules are checked against them. The
+contract itself is ``docs/semantic-conventions.md``.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+CONTRACT_VERSION: Final = 1
+
+# --- resource -------------------------------------------------------------
+SERVICE_NAME: Final = "service.name"
+SERVICE_INSTANCE_ID: Final = "service.instance.id"
+
+# --- identity (every span) ------------------------------------------------
+SAGA_RUN_ID: Final = "saga.run.id"
+SAGA_NAME: Final = "saga.name"
+SAGA_CONTRACT_VERSION: Final = "saga.contract.version"
+SAGA_PHASE: Final = "saga.phase"
+
+# --- phases ---------------------------------------------------------------
+PHASE_RUN: Final = "run"
+PHASE_VALIDATE: Final = "validate"
+PHASE_DO: Final = "do"
+PHASE_UNWIND: Final = "unwind"
+PHASE_COMPENSATE: Final = "compensate"
+PHASE_ESCALATE: Final = "escalate"
+PHASE_HEARTBEAT: Final = "heartbeat"
+PHASES: Final = frozenset(
+    {
+        PHASE_RUN,
+        PHASE_VALIDATE,
+        PHASE_DO,
+        PHASE_UNWIND,
+        PHASE_COMPENSATE,
+        PHASE_ESCALATE,
+        PHASE_HEARTBEAT,
+    }
+)
+
+# --- run ------------------------------------------------------------------
+SAGA_RUN_STATUS: Final = "saga.run.status"
+SAGA_RUN_FAILED_STEP: Final = "saga.run.failed_step"
+
+# --- steps ----------------------------------------------------------------
+SAGA_STEP_NAME: Final = "saga.step.name"
+SAGA_STEP_INDEX: Final = "saga.step.index"
+SAGA_STEP_CLASS: Final = "saga.step.class"
+SAGA_STEP_ATTEMPT: Final = "saga.step.attempt"
+SAGA_STEP_PIVOT: Final = "saga.step.pivot"
+
+# --- compensation ---------------------------------------------------------
+SAGA_COMPENSATION_TOOL: Final = "saga.compensation.tool"
+SAGA_COMPENSATION_ARGS: Final = "saga.compensation.args"
+SAGA_COMPENSATION_DESCRIPTION: Final = "saga.compensation.description"
+
+# --- unwind / escalate ----------------------------------------------------
+SAGA_UNWIND_REASON: Final = "saga.unwind.reason"
+SAGA_STACK: Final = "saga.stack"
+SAGA_ESCALATION_REASON: Final = "saga.escalation.reason"
+SAGA_ESCALATION_CARD: Final = "saga.escalation.card"
+
+# --- heartbeat ------------------------------------------------------------
+SAGA_HEARTBEAT_OPEN_RUNS: Final = "saga.heartbeat.open_runs"
+SAGA_HEARTBEAT_INTERVAL_S: Final = "saga.heartbeat.interval_s"
+
+# --- OpenTelemetry GenAI conventions (tool calls) ---------------------------
+GEN_AI_OPERATION_NAME: Final = "gen_ai.operation.name"
+GEN_AI_OPERATION_EXECUTE_TOOL: Final = "execute_tool"
+GEN_AI_TOOL_NAME: Final = "gen_ai.tool.name"
+
+# --- values ---------------------------------------------------------------
+STATUS_COMPLETED: Final = "completed"
+STATUS_COMPENSATED: Final = "compensated"
+STATUS_COMPENSATION_FAILED: Final = "compensation_failed"
+STATUS_STUCK: Final = "stuck"
+STATUS_REJECTED: Final = "rejected"
+RUN_END_STATUSES: Final = frozenset(
+    {
+        STATUS_COMPLETED,
+        STATUS_COMPENSATED,
+        STATUS_COMPENSATION_FAILED,
+        STATUS_STUCK,
+        STATUS_REJECTED,
+    }
+)
+# States only the sidecar derives.
+STATE_RUNNING: Final = "running"
+STATE_UNWINDING: Final = "unwinding"
+STATE_ORPHANED: Final = "orphaned"
+STATE_RECOVERED: Final = "recovered"
+
+STEP_CLASSES: Final = ("read", "convergent", "reversible", "compensable", "irreversible")
+
+ESCALATION_COMPENSATION_FAILED: Final = "compensation_failed"
+ESCALATION_STUCK: Final = "stuck"
+
+
+# --- span names (low cardinality) ------------------------------------------
+def run_span_name(saga: str) -> str:
+    return f"saga.run {saga}"
+
+
+def validate_span_name(step: str) -> str:
+    return f"saga.validate {step}"
+
+
+def do_span_name(step: str) -> str:
+    return f"saga.do {step}"
+
+
+def unwind_span_name(saga: str) -> str:
+    return f"saga.unwind {saga}"
+
+
+def compensate_span_name(step: str) -> str:
+    return f"saga.compensate {step}"
+
+
+def escalate_span_name(saga: str) -> str:
+    return f"saga.escalate {saga}"
+
+
+HEARTBEAT_SPAN_NAME: Final = "saga.heartbeat"
+
+# --- agent metrics (prometheus-client adds _total to counters itself) -------
+M_RUNS_STARTED: Final = "saga_runs_started_total"
+M_RUNS_FINISHED: Final = "saga_runs_finished_total"
+M_RUNS_IN_PROGRESS: Final = "saga_runs_in_progress"
+M_STEPS: Final = "saga_steps_total"
+M_STEP_DURATION: Final = "saga_step_duration_seconds"
+M_STEP_RETRIES: Final = "saga_step_retries_total"
+M_PIVOTS: Final = "saga_pivots_total"
+M_UNWINDS: Final = "saga_unwinds_total"
+M_COMPENSATIONS: Final = "saga_compensations_total"
+M_COMPENSATION_FAILURES: Final = "saga_compensation_failures_total"
+M_STUCK_RUNS: Final = "saga_stuck_runs_total"
+M_EXPORT_FAILURES: Final = "saga_export_failures_total"
+M_TELEMETRY_ERRORS: Final = "saga_telemetry_errors_total"
+
+# --- sidecar metrics -------------------------------------------------------
+# Labels: spans_received{transport=http|grpc, outcome=accepted|ignored|rejected};
+# runs{state}; request_duration{transport, route}; alerts{alertname, sink,
+# outcome=delivered|retried|failed}; alert_delay{sink}. No run id, ever.
+M_SIDECAR_SPANS_RECEIVED: Final = "saga_sidecar_spans_received_total"
+M_SIDECAR_RUNS: Final = "saga_sidecar_runs"
+M_SIDECAR_ORPHANED_RUNS: Final = "saga_sidecar_orphaned_runs"
+M_SIDECAR_REQUEST_DURATION: Final = "saga_sidecar_request_duration_seconds"
+M_SIDECAR_FORWARD_DROPPED: Final = "saga_sidecar_forward_dropped_spans_total"
+M_SIDECAR_ALERTS: Final = "saga_sidecar_alerts_total"
+M_SIDECAR_ALERT_DELAY: Final = "saga_sidecar_alert_delay_seconds"
+M_SIDECAR_OUTBOX_DEPTH: Final = "saga_sidecar_outbox_depth"
+
+# --- structlog events ------------------------------------------------------
+EV_STEP_STARTED: Final = "saga.step.started"
+EV_STEP_FINISHED: Final = "saga.step.finished"
+EV_RUN_STARTED: Final = "saga.run.started"
+EV_RUN_FINISHED: Final = "saga.run.finished"
+EV_PIVOT: Final = "saga.pivot.crossed"
+EV_UNWIND: Final = "saga.unwind.started"
+EV_ESCALATION: Final = "saga.escalation"
+EV_EXPORT_FAILED: Final = "saga.export.failed"
+EV_TELEMETRY_ERROR: Final = "saga.telemetry.error"
+
+# --- alerts (sidecar) -------------------------------------------------------
+ALERT_COMPENSATION_STARTED: Final = "SagaCompensationStarted"
+ALERT_COMPENSATION_FAILED: Final = "SagaCompensationFailed"
+ALERT_RUN_STUCK: Final = "SagaRunStuck"
+ALERT_RUN_ORPHANED: Final = "SagaRunOrphaned"
