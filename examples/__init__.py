@@ -1,0 +1,1 @@
+"""Runnable examples: the refund agent, the release saga, observed() on your own runner."""

@@ -1,0 +1,797 @@
+"""The saga engine: the driver around the pure stack in ``_stack.py``.
+
+Two ways in share one engine. Agents assemble a run as they go
+(``async with saga.run() as run: await run.call("issue_credit", ...)``); code
+with a known plan passes a list of :class:`Step` to :meth:`Saga.execute`. Both
+go through :class:`_Core`, which holds the run's state and telemetry; the async
+and sync runs differ only where they call a tool, sleep, or wait for an ack,
+and those branches are spelled out, so a span ends after the awaited call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import inspect
+import json
+import random
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from types import TracebackType
+from typing import Any
+
+from opentelemetry.trace import TracerProvider
+from prometheus_client import CollectorRegistry
+from tenacity import AsyncRetrying, RetryCallState, Retrying, stop_after_attempt
+
+from saga_otel import _export
+from saga_otel import _stack as st
+from saga_otel._errors import ConfigurationError, StepRefusedError, ValidationRejectedError
+from saga_otel._records import (
+    Compensation,
+    CompensationOutcome,
+    EscalationCard,
+    PendingCall,
+    RetryPolicy,
+    RunStatus,
+    SagaReport,
+    StepClass,
+    StepRecord,
+    describe_error,
+)
+from saga_otel._registry import IDEMPOTENCY_PARAM, CallInfo, Tool, ToolRegistry
+from saga_otel._telemetry import Instrumentation, RunTelemetry
+
+EscalationHandler = Callable[[EscalationCard, SagaReport], None]
+
+
+@dataclass(frozen=True, slots=True)
+class CallContext:
+    """What the running tool may ask about its own call (see :func:`current_call`)."""
+
+    saga: str
+    run_id: str
+    step: str
+    index: int
+    phase: str
+    attempt: int
+    idempotency_key: str
+
+
+_current_call: contextvars.ContextVar[CallContext | None] = contextvars.ContextVar(
+    "saga_otel_current_call", default=None
+)
+
+
+def current_call() -> CallContext | None:
+    """The saga call this code runs inside, or None outside any saga."""
+    return _current_call.get()
+
+
+def idempotency_key(run_id: str, index: int, phase: str = "do") -> str:
+    """Stable per run and step, so a retried or resumed call converges on its backend."""
+    return f"{run_id}:{index}" if phase == "do" else f"{run_id}:{index}:{phase}"
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One step of a fixed plan: ``do(ctx)``, and ``compensate(ctx)`` to undo it.
+
+    ``step_class`` defaults to compensable when a compensate is given, else
+    irreversible for a pivot and convergent otherwise. ``validate(ctx)`` is a
+    dry run that must not change anything; it runs before the saga's first do.
+    """
+
+    name: str
+    do: Callable[[Any], Any]
+    compensate: Callable[[Any], Any] | None = None
+    validate: Callable[[Any], Any] | None = None
+    pivot: bool = False
+    step_class: StepClass | str | None = None
+    retry: RetryPolicy | None = None
+
+    def klass(self) -> StepClass:
+        if self.step_class is not None:
+            return StepClass.parse(self.step_class)
+        if self.compensate is not None:
+            return StepClass.COMPENSABLE
+        return StepClass.IRREVERSIBLE if self.pivot else StepClass.CONVERGENT
+
+    def as_tools(self, ctx: Any) -> tuple[Tool, Tool | None]:
+        """Adapt the step to the engine's tool model (the undo named ``<step>.compensate``)."""
+        undo_name = f"{self.name}.compensate"
+        do, comp, validate = self.do, self.compensate, self.validate
+        cls = self.klass()
+        undo: Tool | None = None
+        if cls.pushes:
+            if comp is None:
+                raise ConfigurationError(
+                    f"step {self.name!r} is {cls.value} but has no compensate: give it one "
+                    "or declare step_class='convergent'"
+                )
+            undo = Tool(undo_name, lambda: comp(ctx), StepClass.CONVERGENT, retry=self.retry)
+        forward = Tool(
+            self.name,
+            lambda: do(ctx),
+            cls,
+            compensate=undo_name if cls.pushes else None,
+            compensate_args=_jsonable_result,
+            describe=f"undo {self.name}",
+            validate=(lambda: validate(ctx)) if validate is not None else None,
+            pivot=self.pivot,
+        )
+        return forward, undo
+
+
+def _jsonable_result(info: CallInfo) -> Mapping[str, Any]:
+    # Keep the result in the record when it is plain data, for people and recovery.
+    try:
+        json.dumps(info.result)
+    except (TypeError, ValueError):
+        return {}
+    return {} if info.result is None else {"result": info.result}
+
+
+def log_escalation(instr: Instrumentation) -> EscalationHandler:
+    """The default handler: one error-level log event with the card, structured and as text."""
+
+    def handle(card: EscalationCard, report: SagaReport) -> None:
+        instr.log.error(
+            "saga.escalation",
+            saga=card.saga,
+            run_id=card.run_id,
+            reason=card.reason,
+            card=card.to_dict(),
+            text=card.render(),
+        )
+
+    return handle
+
+
+class _Policy:
+    """Adapts a RetryPolicy to tenacity's wait protocol, with an injectable RNG."""
+
+    def __init__(self, policy: RetryPolicy, rng: random.Random) -> None:
+        self.policy, self.rng = policy, rng
+
+    def __call__(self, state: RetryCallState) -> float:
+        return self.policy.delay(state.attempt_number, self.rng)
+
+
+class Saga:
+    """A kind of saga (``refund``) with its tools, policies and telemetry.
+
+    A Saga holds no per-run state: any number of runs may go at once, in
+    threads or tasks.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        tools: ToolRegistry | Iterable[Tool] | None = None,
+        retry: RetryPolicy | None = None,
+        forward_retry: RetryPolicy | None = None,
+        recovery_retry: RetryPolicy | None = None,
+        allow_writes_after_pivot: bool = False,
+        escalation_handlers: Sequence[EscalationHandler] | None = None,
+        tracer_provider: TracerProvider | None = None,
+        registry: CollectorRegistry | None = None,
+        logger: Any = None,
+        sleep: Callable[[float], None] = time.sleep,
+        async_sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        rng: random.Random | None = None,
+    ) -> None:
+        if not name or not isinstance(name, str):
+            raise ConfigurationError(
+                f"saga name {name!r} is empty: name the kind of saga, e.g. Saga('refund')"
+            )
+        self.name = name
+        self.tools = tools if isinstance(tools, ToolRegistry) else ToolRegistry(tools or ())
+        self.retry = retry or RetryPolicy()
+        self.forward_retry = forward_retry or RetryPolicy(attempts=1)
+        self.recovery_retry = recovery_retry or RetryPolicy(attempts=5, initial=0.2, maximum=10.0)
+        self.allow_writes_after_pivot = allow_writes_after_pivot
+        self.instr = Instrumentation(
+            name, tracer_provider=tracer_provider, registry=registry, logger=logger
+        )
+        self.escalation_handlers: tuple[EscalationHandler, ...] = (
+            tuple(escalation_handlers)
+            if escalation_handlers is not None
+            else (log_escalation(self.instr),)
+        )
+        self.sleep = sleep
+        self.async_sleep = async_sleep
+        self.rng = rng or random.Random()
+
+    # -- runtime-assembled ---------------------------------------------------
+    def run(
+        self,
+        run_id: str | None = None,
+        *,
+        validate: Sequence[tuple[str, Mapping[str, Any]]] = (),
+    ) -> Run:
+        """``async with saga.run() as run: await run.call(tool, **args)``.
+
+        ``validate`` lists (tool, args) whose dry runs must pass before anything
+        else happens.
+        """
+        return Run(_Core(self, run_id, validate=validate))
+
+    def run_sync(
+        self,
+        run_id: str | None = None,
+        *,
+        validate: Sequence[tuple[str, Mapping[str, Any]]] = (),
+    ) -> SyncRun:
+        """``with saga.run_sync() as run: run.call(tool, **args)``."""
+        return SyncRun(_Core(self, run_id, validate=validate))
+
+    # -- fixed plans ---------------------------------------------------------
+    def _plan(self, steps: Sequence[Step], ctx: Any) -> tuple[_Core, list[Tool]]:
+        overlay: dict[str, Tool] = {}
+        forwards: list[Tool] = []
+        for step in steps:
+            fwd, undo = step.as_tools(ctx)
+            if fwd.name in overlay:
+                raise ConfigurationError(
+                    f"two steps are named {fwd.name!r}: give each step of a plan its own name"
+                )
+            overlay[fwd.name] = fwd
+            if undo is not None:
+                overlay[undo.name] = undo
+            forwards.append(fwd)
+        core = _Core(
+            self,
+            None,
+            validate=[(t.name, {}) for t in forwards if t.validate is not None],
+            overlay=overlay,
+        )
+        return core, forwards
+
+    async def execute(self, steps: Sequence[Step], ctx: Any = None) -> SagaReport:
+        """Run a fixed plan; the report carries any error instead of raising it."""
+        core, forwards = self._plan(steps, ctx)
+        run = Run(core)
+        try:
+            async with run:
+                for i, t in enumerate(forwards):
+                    core.remaining = [
+                        PendingCall(-1, f.name, f.name) for f in forwards[i + 1 :]
+                    ]
+                    await run.call(t.name)
+        except Exception:
+            pass  # the report holds it, unchanged
+        assert run.report is not None
+        return run.report
+
+    def execute_sync(self, steps: Sequence[Step], ctx: Any = None) -> SagaReport:
+        core, forwards = self._plan(steps, ctx)
+        run = SyncRun(core)
+        try:
+            with run:
+                for i, t in enumerate(forwards):
+                    core.remaining = [
+                        PendingCall(-1, f.name, f.name) for f in forwards[i + 1 :]
+                    ]
+                    run.call(t.name)
+        except Exception:
+            pass
+        assert run.report is not None
+        return run.report
+
+    # -- forward recovery ------------------------------------------------------
+    def _resume_core(self, report: SagaReport, steps: Sequence[Step], ctx: Any) -> _Core:
+        if report.status is not RunStatus.STUCK:
+            raise StepRefusedError(
+                f"run {report.run_id} ended {report.status.value}; only a stuck run is resumed "
+                "forward (a compensated run is finished, a compensation_failed one needs a person)"
+            )
+        overlay = {}
+        for step in steps:
+            fwd, undo = step.as_tools(ctx)
+            overlay[fwd.name] = fwd
+            if undo is not None:
+                overlay[undo.name] = undo
+        core = _Core(self, report.run_id, overlay=overlay, trace_id=report.trace_id,
+                     parent_span_id=report.span_id)
+        state = st.StackState(
+            saga=self.name,
+            run_id=report.run_id,
+            allow_writes_after_pivot=self.allow_writes_after_pivot,
+            phase=st.Phase.ENDED,
+            status=RunStatus.STUCK,
+            next_index=max((s.index for s in report.steps), default=-1) + 1,
+            steps=report.steps,
+            pivot=next((s for s in report.steps if s.ok and (s.pivot or s.step_class is StepClass.IRREVERSIBLE)), None),
+        )
+        core.state = st.resume(state)
+        core.forward_policy = self.recovery_retry
+        return core
+
+    async def resume(
+        self, report: SagaReport, steps: Sequence[Step] = (), ctx: Any = None
+    ) -> SagaReport:
+        """Forward recovery: retry a stuck run's remaining calls until they succeed.
+
+        The calls must be idempotent: each is retried under its original
+        idempotency key. The run ends ``completed``, or ``stuck`` again.
+        """
+        core = self._resume_core(report, steps, ctx)
+        run = Run(core)
+        try:
+            async with run:
+                for p in report.pending:
+                    await run._call(p.tool, dict(p.args), index=p.index if p.index >= 0 else None)
+        except Exception:
+            pass
+        assert run.report is not None
+        return run.report
+
+    def resume_sync(
+        self, report: SagaReport, steps: Sequence[Step] = (), ctx: Any = None
+    ) -> SagaReport:
+        core = self._resume_core(report, steps, ctx)
+        run = SyncRun(core)
+        try:
+            with run:
+                for p in report.pending:
+                    run._call(p.tool, dict(p.args), index=p.index if p.index >= 0 else None)
+        except Exception:
+            pass
+        assert run.report is not None
+        return run.report
+
+
+class _Core:
+    """The run's state and telemetry; everything here is sync and does no waiting."""
+
+    def __init__(
+        self,
+        saga: Saga,
+        run_id: str | None,
+        *,
+        validate: Sequence[tuple[str, Mapping[str, Any]]] = (),
+        overlay: Mapping[str, Tool] | None = None,
+        trace_id: int = 0,
+        parent_span_id: int = 0,
+    ) -> None:
+        self.saga = saga
+        self.instr = saga.instr
+        self.requested_run_id = run_id
+        self.validations = list(validate)
+        self.overlay = dict(overlay or {})
+        self.trace_id, self.parent_span_id = trace_id, parent_span_id
+        self.forward_policy = saga.forward_retry
+        self.remaining: list[PendingCall] = []
+        self.tel: RunTelemetry | None = None
+        self.state: st.StackState | None = None
+        self.error: BaseException | None = None
+        self.report: SagaReport | None = None
+
+    # -- lifecycle -----------------------------------------------------------
+    def open(self) -> None:
+        self.tel = self.instr.start_run(
+            self.requested_run_id, trace_id=self.trace_id, parent_span_id=self.parent_span_id
+        )
+        if self.state is None:
+            self.state = st.StackState(
+                saga=self.saga.name,
+                run_id=self.tel.run_id,
+                allow_writes_after_pivot=self.saga.allow_writes_after_pivot,
+            )
+        _export.register_open_run(self.tel.run_id)
+
+    @property
+    def run_id(self) -> str:
+        assert self.tel is not None
+        return self.tel.run_id
+
+    def tool(self, name: str) -> Tool:
+        return self.overlay[name] if name in self.overlay else self.saga.tools.get(name)
+
+    def retrying(self, policy: RetryPolicy) -> Retrying:
+        return Retrying(
+            stop=stop_after_attempt(policy.attempts),
+            wait=_Policy(policy, self.saga.rng),
+            sleep=self.saga.sleep,
+            reraise=True,
+        )
+
+    def async_retrying(self, policy: RetryPolicy) -> AsyncRetrying:
+        return AsyncRetrying(
+            stop=stop_after_attempt(policy.attempts),
+            wait=_Policy(policy, self.saga.rng),
+            sleep=self.saga.async_sleep,
+            reraise=True,
+        )
+
+    def kwargs_for(self, t: Tool, args: Mapping[str, Any], key: str) -> dict[str, Any]:
+        kwargs = dict(args)
+        if t.accepts_idempotency_key and IDEMPOTENCY_PARAM not in kwargs:
+            kwargs[IDEMPOTENCY_PARAM] = key
+        return kwargs
+
+    def enter_call(self, step: str, index: int, phase: str, attempt: int) -> contextvars.Token[Any]:
+        return _current_call.set(
+            CallContext(
+                saga=self.saga.name,
+                run_id=self.run_id,
+                step=step,
+                index=index,
+                phase=phase,
+                attempt=attempt,
+                idempotency_key=idempotency_key(self.run_id, index, phase),
+            )
+        )
+
+    # -- forward ---------------------------------------------------------------
+    def begin(self, t: Tool, index: int | None) -> int:
+        assert self.state is not None
+        self.state, idx = st.begin_step(
+            self.state, t.name, t.step_class, pivot=t.pivot, index=index
+        )
+        return idx
+
+    def succeeded(
+        self, t: Tool, index: int, args: Mapping[str, Any], result: Any, snapshot: Any,
+        attempts: int,
+    ) -> Compensation | None:
+        assert self.state is not None
+        comp = t.build_compensation(
+            CallInfo(t.name, args, result, snapshot, self.run_id, index), step=t.name
+        )
+        record = StepRecord(
+            index=index, name=t.name, tool=t.name, step_class=t.step_class, attempts=attempts,
+            ok=True, pivot=t.pivot, compensation=comp,
+        )
+        had_pivot = self.state.pivot_crossed
+        self.state = st.step_succeeded(self.state, record)
+        if not had_pivot and self.state.pivot_crossed:
+            assert self.tel is not None
+            self.instr.pivot_crossed(self.tel, t.name)
+        return comp
+
+    def failed(
+        self, t: Tool, index: int, args: Mapping[str, Any], exc: BaseException, attempts: int
+    ) -> None:
+        assert self.state is not None
+        record = StepRecord(
+            index=index, name=t.name, tool=t.name, step_class=t.step_class, attempts=attempts,
+            ok=False, pivot=t.pivot, error=describe_error(exc),
+        )
+        self.state = st.step_failed(
+            self.state, record, PendingCall(index, t.name, t.name, dict(args))
+        )
+
+    # -- ending ----------------------------------------------------------------
+    def reject(self, step: str, exc: BaseException) -> None:
+        assert self.state is not None
+        self.state = st.reject(self.state, step, describe_error(exc))
+        self.error = exc
+
+    def abort(self, exc: BaseException) -> st.Decision:
+        assert self.state is not None and self.tel is not None
+        self.error = exc
+        failed_step = self.state.failed_step
+        if failed_step is None:
+            failed_step = "(agent)"  # the failure came from the agent's own code
+        self.state, decision = st.abort(self.state, describe_error(exc), failed_step=failed_step)
+        if isinstance(decision, st.Escalate):
+            later = [
+                replace(p, index=-1) for p in self.remaining
+            ]
+            self.state = replace(self.state, pending=(*self.state.pending, *later))
+        return decision
+
+    def unwind_span(self, decision: st.Unwind) -> Any:
+        assert self.state is not None and self.tel is not None
+        return self.instr.unwind(
+            self.tel, self.state.failure or "", self.state.failed_step, decision.compensations
+        )
+
+    def compensation_ended(self, comp: Compensation, ok: bool, attempts: int,
+                           exc: BaseException | None) -> None:
+        assert self.state is not None and self.tel is not None
+        self.state = st.compensation_ended(
+            self.state,
+            CompensationOutcome(comp, ok, attempts, None if exc is None else describe_error(exc)),
+        )
+        self.instr.compensation_finished(self.tel, comp.step or comp.tool, ok)
+
+    def close(self) -> SagaReport:
+        assert self.state is not None and self.tel is not None
+        self.state = st.finish(self.state)
+        s = self.state
+        assert s.status is not None
+        report = SagaReport(
+            saga=self.saga.name,
+            run_id=self.run_id,
+            status=s.status,
+            steps=s.steps,
+            failed_step=s.failed_step if s.status is not RunStatus.COMPLETED else None,
+            error=self.error,
+            compensations=s.outcomes,
+            pending=s.pending if s.status is RunStatus.STUCK else (),
+            trace_id=self.tel.trace_id,
+            span_id=self.tel.span_id,
+        )
+        card = report.escalation_card()
+        if card is not None:
+            self.instr.escalate(self.tel, card.reason, card.to_dict())
+            for handler in self.saga.escalation_handlers:
+                try:
+                    handler(card, report)
+                except Exception as exc:  # a broken pager must not hide the escalation
+                    self.instr.swallowed("escalation_handler", exc)
+        self.instr.end_run(self.tel, s.status.value, report.failed_step)
+        _export.unregister_open_run(self.run_id)
+        self.report = report
+        return report
+
+
+class _RunBase:
+    def __init__(self, core: _Core) -> None:
+        self._core = core
+
+    @property
+    def run_id(self) -> str:
+        return self._core.run_id
+
+    @property
+    def report(self) -> SagaReport | None:
+        """How the run ended; set once the ``with`` block exits."""
+        return self._core.report
+
+    @property
+    def stack(self) -> tuple[Compensation, ...]:
+        """The pending compensations, top first."""
+        s = self._core.state
+        return tuple(reversed(s.stack)) if s is not None else ()
+
+
+class Run(_RunBase):
+    """An async run. Use as ``async with saga.run() as run``."""
+
+    async def __aenter__(self) -> Run:
+        core = self._core
+        core.open()
+        for name, args in core.validations:
+            t = core.tool(name)
+            if t.validate is None:
+                continue
+            try:
+                with core.instr.attempt(core.tel, "validate", name, index=-1):  # type: ignore[arg-type]
+                    out = t.validate(**dict(args))
+                    if inspect.isawaitable(out):
+                        await out
+            except Exception as exc:
+                core.reject(name, exc)
+                core.close()
+                raise ValidationRejectedError(
+                    f"pre-flight validation of {name!r} rejected run {core.run_id}: "
+                    f"{describe_error(exc)}; fix the input, nothing was changed"
+                ) from exc
+        return self
+
+    async def call(self, tool: str, /, **args: Any) -> Any:
+        """Run one tool; on success its compensation is pushed before this returns."""
+        return await self._call(tool, args)
+
+    async def _call(self, name: str, args: Mapping[str, Any], index: int | None = None) -> Any:
+        core = self._core
+        t = core.tool(name)
+        idx = core.begin(t, index)
+        snapshot: Any = None
+        attempts = 0
+        comp: Compensation | None = None
+        obs: Any = None
+        result: Any = None
+        try:
+            if t.snapshot is not None:
+                snapshot = t.snapshot(**dict(args))
+                if inspect.isawaitable(snapshot):
+                    snapshot = await snapshot
+            async for attempt in core.async_retrying(core.forward_policy):
+                with attempt:
+                    attempts = attempt.retry_state.attempt_number
+                    token = core.enter_call(t.name, idx, "do", attempts)
+                    try:
+                        with core.instr.attempt(
+                            core.tel, "do", t.name, index=idx, attempt=attempts,  # type: ignore[arg-type]
+                            tool=t.name, step_class=t.step_class, pivot=t.pivot,
+                        ) as obs:
+                            result = t.fn(**core.kwargs_for(t, args, idempotency_key(core.run_id, idx)))
+                            if inspect.isawaitable(result):
+                                result = await result
+                            comp = core.succeeded(t, idx, args, result, snapshot, attempts)
+                            if comp is not None:
+                                obs.pushed(comp)
+                    finally:
+                        _current_call.reset(token)
+        except BaseException as exc:
+            core.failed(t, idx, args, exc, max(attempts, 1))
+            raise
+        if comp is not None:
+            # Durable mode: the sidecar holds this compensation before the agent moves on.
+            await _export.wait_for_ack_async(obs.span)
+        return result
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool:
+        core = self._core
+        if core.report is not None:  # rejected in __aenter__
+            return False
+        if exc is None:
+            core.close()
+            return False
+        task = asyncio.ensure_future(self._abort(exc))
+        # The unwind is shielded: cancelling the agent's task must not cut it short.
+        while not task.done():
+            try:
+                await asyncio.shield(task)
+            except asyncio.CancelledError:
+                continue
+        task.result()
+        return False  # the agent's own exception propagates unchanged
+
+    async def _abort(self, exc: BaseException) -> None:
+        core = self._core
+        decision = core.abort(exc)
+        if isinstance(decision, st.Unwind):
+            span = core.unwind_span(decision)
+            await _export.wait_for_ack_async(span)
+            for comp in decision.compensations:
+                await self._compensate(comp)
+        core.close()
+
+    async def _compensate(self, comp: Compensation) -> None:
+        core = self._core
+        attempts = 0
+        try:
+            t = core.tool(comp.tool)
+            policy = t.retry or core.saga.retry
+            async for attempt in core.async_retrying(policy):
+                with attempt:
+                    attempts = attempt.retry_state.attempt_number
+                    token = core.enter_call(comp.step, comp.index, "compensate", attempts)
+                    try:
+                        with core.instr.attempt(
+                            core.tel, "compensate", comp.step or comp.tool, index=comp.index,  # type: ignore[arg-type]
+                            attempt=attempts, tool=comp.tool, compensation=comp,
+                        ):
+                            key = idempotency_key(core.run_id, comp.index, "compensate")
+                            out = t.fn(**core.kwargs_for(t, comp.args, key))
+                            if inspect.isawaitable(out):
+                                await out
+                    finally:
+                        _current_call.reset(token)
+        except Exception as exc:
+            core.compensation_ended(comp, False, max(attempts, 1), exc)
+            return
+        core.compensation_ended(comp, True, attempts, None)
+
+
+class SyncRun(_RunBase):
+    """A sync run. Use as ``with saga.run_sync() as run``."""
+
+    def __enter__(self) -> SyncRun:
+        core = self._core
+        core.open()
+        for name, args in core.validations:
+            t = core.tool(name)
+            if t.validate is None:
+                continue
+            try:
+                with core.instr.attempt(core.tel, "validate", name, index=-1):  # type: ignore[arg-type]
+                    _no_await(t.validate(**dict(args)), name)
+            except Exception as exc:
+                core.reject(name, exc)
+                core.close()
+                raise ValidationRejectedError(
+                    f"pre-flight validation of {name!r} rejected run {core.run_id}: "
+                    f"{describe_error(exc)}; fix the input, nothing was changed"
+                ) from exc
+        return self
+
+    def call(self, tool: str, /, **args: Any) -> Any:
+        return self._call(tool, args)
+
+    def _call(self, name: str, args: Mapping[str, Any], index: int | None = None) -> Any:
+        core = self._core
+        t = core.tool(name)
+        if t.is_async:
+            raise ConfigurationError(
+                f"tool {name!r} is async and cannot run in a sync run: use "
+                "`async with saga.run()`, or register a sync function"
+            )
+        idx = core.begin(t, index)
+        snapshot: Any = None
+        attempts = 0
+        comp: Compensation | None = None
+        obs: Any = None
+        result: Any = None
+        try:
+            if t.snapshot is not None:
+                snapshot = _no_await(t.snapshot(**dict(args)), name)
+            for attempt in core.retrying(core.forward_policy):
+                with attempt:
+                    attempts = attempt.retry_state.attempt_number
+                    token = core.enter_call(t.name, idx, "do", attempts)
+                    try:
+                        with core.instr.attempt(
+                            core.tel, "do", t.name, index=idx, attempt=attempts,  # type: ignore[arg-type]
+                            tool=t.name, step_class=t.step_class, pivot=t.pivot,
+                        ) as obs:
+                            result = _no_await(
+                                t.fn(**core.kwargs_for(t, args, idempotency_key(core.run_id, idx))),
+                                name,
+                            )
+                            comp = core.succeeded(t, idx, args, result, snapshot, attempts)
+                            if comp is not None:
+                                obs.pushed(comp)
+                    finally:
+                        _current_call.reset(token)
+        except BaseException as exc:
+            core.failed(t, idx, args, exc, max(attempts, 1))
+            raise
+        if comp is not None:
+            _export.wait_for_ack(obs.span)
+        return result
+
+    def __exit__(
+        self, et: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool:
+        core = self._core
+        if core.report is not None:
+            return False
+        if exc is None:
+            core.close()
+            return False
+        # KeyboardInterrupt too: the unwind runs before it propagates.
+        decision = core.abort(exc)
+        if isinstance(decision, st.Unwind):
+            span = core.unwind_span(decision)
+            _export.wait_for_ack(span)
+            for comp in decision.compensations:
+                self._compensate(comp)
+        core.close()
+        return False
+
+    def _compensate(self, comp: Compensation) -> None:
+        core = self._core
+        attempts = 0
+        try:
+            t = core.tool(comp.tool)
+            policy = t.retry or core.saga.retry
+            for attempt in core.retrying(policy):
+                with attempt:
+                    attempts = attempt.retry_state.attempt_number
+                    token = core.enter_call(comp.step, comp.index, "compensate", attempts)
+                    try:
+                        with core.instr.attempt(
+                            core.tel, "compensate", comp.step or comp.tool, index=comp.index,  # type: ignore[arg-type]
+                            attempt=attempts, tool=comp.tool, compensation=comp,
+                        ):
+                            key = idempotency_key(core.run_id, comp.index, "compensate")
+                            _no_await(t.fn(**core.kwargs_for(t, comp.args, key)), comp.tool)
+                    finally:
+                        _current_call.reset(token)
+        except Exception as exc:
+            core.compensation_ended(comp, False, max(attempts, 1), exc)
+            return
+        core.compensation_ended(comp, True, attempts, None)
+
+
+def _no_await(value: Any, name: str) -> Any:
+    if inspect.isawaitable(value):
+        close = getattr(value, "close", None)
+        if close is not None:
+            close()  # avoid "coroutine was never awaited" noise
+        raise ConfigurationError(
+            f"{name!r} returned an awaitable inside a sync run: use `async with saga.run()` "
+            "(or Saga.execute) for async tools"
+        )
+    return value

@@ -1,0 +1,365 @@
+"""observed(): the engine's telemetry for saga steps that users already have.
+
+Wrap a step object (``do`` and ``compensate``) or a single function, sync or
+async, and each call emits the same spans, log events and metrics as a step
+run by :class:`saga_otel.Saga`. Wrap the runner's body in
+:func:`observed_run` so the steps share one run span, run id and index
+counter; without it each call joins the current trace (its trace id becomes
+the run id) as the contract's default.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import inspect
+import os
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import wrapt
+from opentelemetry import trace
+from opentelemetry.trace import TracerProvider
+from prometheus_client import CollectorRegistry
+
+from saga_otel import _export
+from saga_otel import semconv as sc
+from saga_otel._errors import ConfigurationError
+from saga_otel._records import Compensation, StepClass, describe_error
+from saga_otel._registry import CallInfo
+from saga_otel._telemetry import Instrumentation, RunTelemetry
+
+CompensationRecipe = Callable[[CallInfo], Compensation | Mapping[str, Any] | None]
+
+
+@dataclass(slots=True)
+class ObservedRun:
+    """The shared state of one run driven by the user's own runner."""
+
+    instr: Instrumentation
+    tel: RunTelemetry
+    next_index: int = 0
+    indexes: dict[str, int] = field(default_factory=dict)
+    stack: dict[int, Compensation] = field(default_factory=dict)
+    pivot: str | None = None
+    failed_step: str | None = None
+    unwound: bool = False
+    compensations_failed: int = 0
+    status: str | None = None  # set by the user to override the derived status
+
+    @property
+    def run_id(self) -> str:
+        return self.tel.run_id
+
+
+_current: contextvars.ContextVar[ObservedRun | None] = contextvars.ContextVar(
+    "saga_otel_observed_run", default=None
+)
+
+
+@contextmanager
+def observed_run(
+    saga: str,
+    run_id: str | None = None,
+    *,
+    tracer_provider: TracerProvider | None = None,
+    registry: CollectorRegistry | None = None,
+    logger: Any = None,
+) -> Iterator[ObservedRun]:
+    """One run span around a user's own saga runner (use a plain ``with``, also in async code).
+
+    The run's status is derived: completed without an exception; else stuck
+    past a pivot, compensation_failed if an observed compensate failed, and
+    compensated otherwise. Set ``run.status`` to say otherwise.
+    """
+    instr = Instrumentation(saga, tracer_provider=tracer_provider, registry=registry, logger=logger)
+    run = ObservedRun(instr, instr.start_run(run_id))
+    token = _current.set(run)
+    _export.register_open_run(run.run_id)
+    try:
+        yield run
+    except BaseException:
+        status = run.status or (
+            sc.STATUS_STUCK
+            if run.pivot
+            else sc.STATUS_COMPENSATION_FAILED
+            if run.compensations_failed
+            else sc.STATUS_COMPENSATED
+        )
+        _end(run, status)
+        raise
+    else:
+        _end(run, run.status or sc.STATUS_COMPLETED)
+    finally:
+        _current.reset(token)
+        _export.unregister_open_run(run.run_id)
+
+
+def _end(run: ObservedRun, status: str) -> None:
+    if status in (sc.STATUS_STUCK, sc.STATUS_COMPENSATION_FAILED):
+        card = {
+            "saga": run.instr.saga,
+            "run_id": run.run_id,
+            "reason": status,
+            "failed_step": run.failed_step,
+            "not_undone": [c.to_dict() for c in run.stack.values()],
+        }
+        run.instr.escalate(run.tel, status, card)
+    run.instr.end_run(run.tel, status, run.failed_step)
+
+
+def _adhoc_run(instr: Instrumentation) -> ObservedRun:
+    """No observed_run around the call: join the current trace, its id being the run id."""
+    ctx = trace.get_current_span().get_span_context()
+    rid = format(ctx.trace_id, "032x") if ctx.is_valid else os.urandom(16).hex()
+    tel = RunTelemetry(
+        saga=instr.saga,
+        run_id=rid,
+        span=trace.get_current_span(),
+        context=trace.set_span_in_context(trace.get_current_span()),
+        started=0.0,
+        identity={
+            sc.SAGA_RUN_ID: rid,
+            sc.SAGA_NAME: instr.saga,
+            sc.SAGA_CONTRACT_VERSION: sc.CONTRACT_VERSION,
+        },
+    )
+    return ObservedRun(instr, tel)
+
+
+class _Observer:
+    """Instruments one step's do and compensate calls."""
+
+    def __init__(
+        self,
+        instr: Instrumentation,
+        step: str,
+        step_class: StepClass,
+        pivot: bool,
+        index: int | None,
+        compensation: CompensationRecipe | None,
+        has_compensate: bool,
+    ) -> None:
+        self.instr, self.step, self.step_class = instr, step, step_class
+        self.pivot, self.fixed_index = pivot, index
+        self.recipe, self.has_compensate = compensation, has_compensate
+        self._adhoc: ObservedRun | None = None
+
+    def run(self) -> ObservedRun:
+        current = _current.get()
+        if current is not None:
+            return current
+        if self._adhoc is None or self._adhoc.run_id != _adhoc_run(self.instr).run_id:
+            self._adhoc = _adhoc_run(self.instr)
+        return self._adhoc
+
+    def _index(self, run: ObservedRun) -> int:
+        if self.fixed_index is not None:
+            idx = self.fixed_index
+        else:
+            idx = run.next_index
+        run.next_index = max(run.next_index, idx + 1)
+        run.indexes[self.step] = idx
+        return idx
+
+    def _compensation(self, run: ObservedRun, idx: int, args: Any, result: Any) -> Compensation | None:
+        if not self.step_class.pushes:
+            return None
+        info = CallInfo(self.step, {"args": list(args)} if args else {}, result, None, run.run_id, idx)
+        made: Any = None
+        if self.recipe is not None:
+            try:
+                made = self.recipe(info)
+            except Exception as exc:  # the user's recipe must not break their step
+                self.instr.swallowed("compensation_recipe", exc)
+        if isinstance(made, Compensation):
+            return Compensation(made.tool, made.args, made.description, self.step, idx)
+        args_map = dict(made) if isinstance(made, Mapping) else {}
+        try:
+            return Compensation(f"{self.step}.compensate", args_map, f"undo {self.step}", self.step, idx)
+        except ConfigurationError as exc:
+            self.instr.swallowed("compensation_recipe", exc)
+            return Compensation(f"{self.step}.compensate", {}, f"undo {self.step}", self.step, idx)
+
+    def _after_do(self, run: ObservedRun, obs: Any, idx: int, args: Any, result: Any) -> Compensation | None:
+        comp = self._compensation(run, idx, args, result)
+        if comp is not None:
+            obs.pushed(comp)
+            run.stack[idx] = comp
+        if run.pivot is None and (self.pivot or self.step_class is StepClass.IRREVERSIBLE):
+            run.pivot = self.step
+            self.instr.pivot_crossed(run.tel, self.step)
+        return comp
+
+    def _do_failed(self, run: ObservedRun, exc: BaseException) -> None:
+        run.failed_step = self.step
+
+    def _before_compensate(self, run: ObservedRun) -> tuple[int, Compensation]:
+        idx = run.indexes.get(self.step, self.fixed_index if self.fixed_index is not None else -1)
+        comp = run.stack.get(idx) or Compensation(
+            f"{self.step}.compensate", {}, f"undo {self.step}", self.step, idx
+        )
+        if not run.unwound:
+            # The first compensate of a run is the moment the unwind begins.
+            run.unwound = True
+            pending = sorted(run.stack.values(), key=lambda c: -c.index)
+            span = self.instr.unwind(run.tel, "", run.failed_step, pending)
+            _export.wait_for_ack(span)
+        return idx, comp
+
+    def _compensate_ended(self, run: ObservedRun, idx: int, ok: bool) -> None:
+        if ok:
+            run.stack.pop(idx, None)
+        else:
+            run.compensations_failed += 1
+        self.instr.compensation_finished(run.tel, self.step, ok)
+
+    # -- sync ------------------------------------------------------------------
+    def do_sync(self, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+        run = self.run()
+        idx = self._index(run)
+        try:
+            with self.instr.attempt(
+                run.tel, sc.PHASE_DO, self.step, index=idx, tool=self.step,
+                step_class=self.step_class, pivot=self.pivot,
+            ) as obs:
+                result = fn(*args, **kwargs)
+                comp = self._after_do(run, obs, idx, args, result)
+        except BaseException as exc:
+            self._do_failed(run, exc)
+            raise
+        if comp is not None:
+            _export.wait_for_ack(obs.span)
+        return result
+
+    def compensate_sync(self, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+        run = self.run()
+        idx, comp = self._before_compensate(run)
+        try:
+            with self.instr.attempt(
+                run.tel, sc.PHASE_COMPENSATE, self.step, index=idx, tool=comp.tool,
+                compensation=comp,
+            ):
+                out = fn(*args, **kwargs)
+        except BaseException:
+            self._compensate_ended(run, idx, False)
+            raise
+        self._compensate_ended(run, idx, True)
+        return out
+
+    # -- async -----------------------------------------------------------------
+    async def do_async(self, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+        run = self.run()
+        idx = self._index(run)
+        try:
+            with self.instr.attempt(
+                run.tel, sc.PHASE_DO, self.step, index=idx, tool=self.step,
+                step_class=self.step_class, pivot=self.pivot,
+            ) as obs:
+                result = await fn(*args, **kwargs)
+                comp = self._after_do(run, obs, idx, args, result)
+        except BaseException as exc:
+            self._do_failed(run, exc)
+            raise
+        if comp is not None:
+            await _export.wait_for_ack_async(obs.span)
+        return result
+
+    async def compensate_async(self, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+        run = self.run()
+        idx, comp = self._before_compensate(run)
+        try:
+            with self.instr.attempt(
+                run.tel, sc.PHASE_COMPENSATE, self.step, index=idx, tool=comp.tool,
+                compensation=comp,
+            ):
+                out = await fn(*args, **kwargs)
+        except BaseException:
+            self._compensate_ended(run, idx, False)
+            raise
+        self._compensate_ended(run, idx, True)
+        return out
+
+
+def _wrap(fn: Callable[..., Any], observer: _Observer, phase: str) -> Any:
+    if inspect.iscoroutinefunction(fn):
+        run_async = observer.do_async if phase == sc.PHASE_DO else observer.compensate_async
+
+        @wrapt.decorator
+        async def async_wrapper(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+            return await run_async(wrapped, args, kwargs)
+
+        return async_wrapper(fn)
+    run_sync = observer.do_sync if phase == sc.PHASE_DO else observer.compensate_sync
+
+    @wrapt.decorator
+    def sync_wrapper(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+        return run_sync(wrapped, args, kwargs)
+
+    return sync_wrapper(fn)
+
+
+class _ObservedStep(wrapt.ObjectProxy):  # type: ignore[misc]
+    """The user's step object, with ``do`` and ``compensate`` instrumented."""
+
+    def __init__(self, target: Any, observer: _Observer) -> None:
+        super().__init__(target)
+        self._self_do = _wrap(target.do, observer, sc.PHASE_DO)
+        self._self_compensate = _wrap(target.compensate, observer, sc.PHASE_COMPENSATE)
+
+    @property
+    def do(self) -> Any:
+        return self._self_do
+
+    @property
+    def compensate(self) -> Any:
+        return self._self_compensate
+
+
+def observed(
+    target: Any,
+    *,
+    saga: str,
+    step: str | None = None,
+    step_class: StepClass | str | None = None,
+    pivot: bool = False,
+    index: int | None = None,
+    compensation: CompensationRecipe | None = None,
+    phase: str = sc.PHASE_DO,
+    tracer_provider: TracerProvider | None = None,
+    registry: CollectorRegistry | None = None,
+    logger: Any = None,
+) -> Any:
+    """Instrument an existing saga step (object with do/compensate) or one function.
+
+    A step object comes back with the same shape; a function keeps its name,
+    signature and docstring (``phase="compensate"`` marks an undo function).
+    ``compensation(info)`` may return the record (or its args) to push, so the
+    sidecar can show what would be undone. Exceptions pass through unchanged.
+    """
+    has_do = callable(getattr(target, "do", None))
+    has_comp = callable(getattr(target, "compensate", None))
+    if not (has_do and has_comp) and not callable(target):
+        raise ConfigurationError(
+            f"observed() needs an object with do() and compensate(), or a function; got "
+            f"{type(target).__name__}: wrap the step object or its function"
+        )
+    name = step or getattr(target, "name", None) or getattr(target, "__name__", None)
+    if not isinstance(name, str) or not name:
+        name = type(target).__name__
+    if step_class is None:
+        cls = StepClass.COMPENSABLE if has_do and has_comp else StepClass.CONVERGENT
+        if pivot and cls is StepClass.CONVERGENT:
+            cls = StepClass.IRREVERSIBLE
+    else:
+        cls = StepClass.parse(step_class)
+    if phase not in (sc.PHASE_DO, sc.PHASE_COMPENSATE):
+        raise ConfigurationError(f"phase={phase!r}: use 'do' or 'compensate'")
+    instr = Instrumentation(saga, tracer_provider=tracer_provider, registry=registry, logger=logger)
+    observer = _Observer(instr, name, cls, pivot, index, compensation, has_comp)
+    if has_do and has_comp:
+        return _ObservedStep(target, observer)
+    return _wrap(target, observer, phase)
+
+

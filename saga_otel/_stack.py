@@ -1,0 +1,213 @@
+"""The compensation stack as a pure state machine.
+
+Events go in (a step began, succeeded, failed; the run aborted; a compensation
+ended) and a new immutable state comes out, with the decision the driver must
+carry out. No clocks, no I/O, no callables: the engine in ``_engine.py`` is the
+driver, and tests can walk this machine directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from enum import Enum
+
+from saga_otel._errors import StepRefusedError
+from saga_otel._records import (
+    Compensation,
+    CompensationOutcome,
+    PendingCall,
+    RunStatus,
+    StepClass,
+    StepRecord,
+)
+
+
+class Phase(Enum):
+    FORWARD = "forward"
+    UNWINDING = "unwinding"
+    ENDED = "ended"
+
+
+@dataclass(frozen=True, slots=True)
+class Unwind:
+    """Decision: run these compensations, top of stack first."""
+
+    compensations: tuple[Compensation, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Escalate:
+    """Decision: do not unwind; a person must take over (failure past the pivot)."""
+
+    reason: str
+
+
+Decision = Unwind | Escalate
+
+
+@dataclass(frozen=True, slots=True)
+class StackState:
+    saga: str
+    run_id: str
+    allow_writes_after_pivot: bool = False
+    phase: Phase = Phase.FORWARD
+    next_index: int = 0
+    # Bottom of the stack first; the top is the last item.
+    stack: tuple[Compensation, ...] = ()
+    in_flight: frozenset[int] = frozenset()
+    in_flight_writes: frozenset[int] = frozenset()
+    pivot: StepRecord | None = None
+    steps: tuple[StepRecord, ...] = ()
+    failed_step: str | None = None
+    failure: str | None = None
+    pending: tuple[PendingCall, ...] = ()
+    outcomes: tuple[CompensationOutcome, ...] = ()
+    status: RunStatus | None = None
+
+    @property
+    def pivot_crossed(self) -> bool:
+        return self.pivot is not None
+
+
+def begin_step(
+    state: StackState,
+    name: str,
+    step_class: StepClass,
+    *,
+    pivot: bool = False,
+    index: int | None = None,
+) -> tuple[StackState, int]:
+    """Admit a forward step, or refuse it before any side effect."""
+    if state.phase is not Phase.FORWARD:
+        raise StepRefusedError(
+            f"step {name!r} refused: run {state.run_id} is {state.phase.value}, not running "
+            "forward; start a new run for new work"
+        )
+    irreversible = step_class is StepClass.IRREVERSIBLE or pivot
+    if irreversible and state.in_flight_writes:
+        raise StepRefusedError(
+            f"irreversible step {name!r} refused: {len(state.in_flight_writes)} other write(s) "
+            f"of run {state.run_id} are still in flight, and a failure among them could no "
+            "longer be undone once this step runs; await them first, then call it"
+        )
+    if step_class.pushes and state.pivot_crossed and not state.allow_writes_after_pivot:
+        assert state.pivot is not None
+        raise StepRefusedError(
+            f"{step_class.value} step {name!r} refused: run {state.run_id} crossed its pivot at "
+            f"{state.pivot.name!r}, so this write could never be undone; move it before the "
+            "pivot, or create the Saga with allow_writes_after_pivot=True"
+        )
+    # Forward recovery re-runs a step under its original index, so its
+    # idempotency key (run id + index) is the same and the retry converges.
+    index = state.next_index if index is None else index
+    writes = state.in_flight_writes | {index} if step_class.writes else state.in_flight_writes
+    return (
+        replace(
+            state,
+            next_index=max(state.next_index, index + 1),
+            in_flight=state.in_flight | {index},
+            in_flight_writes=writes,
+        ),
+        index,
+    )
+
+
+def _settle(state: StackState, record: StepRecord) -> StackState:
+    return replace(
+        state,
+        in_flight=state.in_flight - {record.index},
+        in_flight_writes=state.in_flight_writes - {record.index},
+        steps=(*state.steps, record),
+    )
+
+
+def step_succeeded(state: StackState, record: StepRecord) -> StackState:
+    """Record a successful do; push its compensation; mark the pivot."""
+    state = _settle(state, record)
+    if record.compensation is not None:
+        state = replace(state, stack=(*state.stack, record.compensation))
+    if state.pivot is None and (record.pivot or record.step_class is StepClass.IRREVERSIBLE):
+        state = replace(state, pivot=record)
+    return state
+
+
+def step_failed(
+    state: StackState, record: StepRecord, pending: PendingCall | None = None
+) -> StackState:
+    """Record a failed do. Whether it ends the run is the caller's choice (see abort)."""
+    state = _settle(state, record)
+    return replace(
+        state,
+        failed_step=record.name,
+        failure=record.error,
+        # Only the latest failure is owed: one the agent caught and worked around is not.
+        pending=(pending,) if pending else (),
+    )
+
+
+def abort(state: StackState, error: str, *, failed_step: str | None = None) -> tuple[StackState, Decision]:
+    """The run failed: unwind before the pivot, escalate after it."""
+    failed = failed_step or state.failed_step
+    if state.pivot_crossed:
+        return (
+            replace(
+                state,
+                phase=Phase.ENDED,
+                status=RunStatus.STUCK,
+                failed_step=failed,
+                failure=error,
+            ),
+            Escalate(reason=RunStatus.STUCK.value),
+        )
+    top_first = tuple(reversed(state.stack))
+    return (
+        replace(state, phase=Phase.UNWINDING, failed_step=failed, failure=error),
+        Unwind(top_first),
+    )
+
+
+def late_success(state: StackState, record: StepRecord) -> tuple[StackState, Compensation | None]:
+    """A write that was in flight when the run aborted succeeded anyway.
+
+    Its effect is real, so its compensation must join the unwind.
+    """
+    state = step_succeeded(state, record)
+    return state, record.compensation
+
+
+def compensation_ended(state: StackState, outcome: CompensationOutcome) -> StackState:
+    """Record one compensation's final outcome; a success pops it off the stack."""
+    stack = state.stack
+    if outcome.ok:
+        stack = tuple(c for c in stack if c.index != outcome.compensation.index)
+    return replace(state, stack=stack, outcomes=(*state.outcomes, outcome))
+
+
+def reject(state: StackState, step: str, error: str) -> StackState:
+    """A pre-flight validation said no: end before any side effect."""
+    return replace(
+        state, phase=Phase.ENDED, status=RunStatus.REJECTED, failed_step=step, failure=error
+    )
+
+
+def finish(state: StackState) -> StackState:
+    """End the run, deriving the status from what happened."""
+    if state.status is not None and state.phase is Phase.ENDED:
+        return state
+    if state.phase is Phase.FORWARD:
+        status = RunStatus.COMPLETED
+    elif any(not o.ok for o in state.outcomes):
+        status = RunStatus.COMPENSATION_FAILED
+    else:
+        status = RunStatus.COMPENSATED
+    return replace(state, phase=Phase.ENDED, status=status)
+
+
+def resume(state: StackState) -> StackState:
+    """Reopen a stuck run for forward recovery: only its pending calls may run."""
+    if state.status is not RunStatus.STUCK:
+        raise StepRefusedError(
+            f"run {state.run_id} is {state.status.value if state.status else 'running'}, not "
+            "stuck; only a stuck run is resumed forward"
+        )
+    return replace(state, phase=Phase.FORWARD, status=None, failed_step=None, failure=None)

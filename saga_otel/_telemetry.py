@@ -1,0 +1,405 @@
+"""Spans, log events and metrics for every run, do, compensate, unwind and escalation.
+
+One :class:`Instrumentation` serves the engine and ``observed()`` alike, so both
+emit exactly the same telemetry. Telemetry never breaks the agent: any error
+raised by a tracer, logger or metric is caught, logged and counted, and the
+agent's own exception always propagates unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.trace import (
+    NonRecordingSpan,
+    Span,
+    SpanContext,
+    SpanKind,
+    Status,
+    StatusCode,
+    TraceFlags,
+    TracerProvider,
+)
+from prometheus_client import CollectorRegistry
+
+from saga_otel import semconv as sc
+from saga_otel._metrics import SagaMetrics, metrics_for
+from saga_otel._records import Compensation, StepClass, describe_error
+
+_VERSION = "0.1.0"
+
+
+def default_logger() -> Any:
+    """The library's own logger: the user's structlog pipeline if they set one up,
+    else JSON lines on stderr, without touching structlog's global configuration."""
+    if structlog.is_configured():
+        return structlog.get_logger("saga_otel")
+    level = getattr(logging, os.environ.get("SAGA_OTEL_LOG_LEVEL", "INFO").upper(), logging.INFO)
+    return structlog.wrap_logger(
+        structlog.PrintLogger(sys.stderr),
+        processors=[
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.JSONRenderer(),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(level),
+        logger_name="saga_otel",
+    )
+
+
+def _hex_trace(ctx: SpanContext) -> str:
+    return format(ctx.trace_id, "032x")
+
+
+def _hex_span(ctx: SpanContext) -> str:
+    return format(ctx.span_id, "016x")
+
+
+@dataclass(slots=True)
+class RunTelemetry:
+    """The live telemetry of one run: its span and the context its steps hang from."""
+
+    saga: str
+    run_id: str
+    span: Span
+    context: Context
+    started: float
+    identity: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def trace_id(self) -> int:
+        return self.span.get_span_context().trace_id
+
+    @property
+    def span_id(self) -> int:
+        return self.span.get_span_context().span_id
+
+
+@dataclass(slots=True)
+class Attempt:
+    """Handle given to the body of one do/compensate/validate attempt."""
+
+    span: Span
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def pushed(self, comp: Compensation) -> None:
+        self.extra[sc.SAGA_COMPENSATION_TOOL] = comp.tool
+        self.extra[sc.SAGA_COMPENSATION_ARGS] = json.dumps(dict(comp.args), sort_keys=True)
+        self.extra[sc.SAGA_COMPENSATION_DESCRIPTION] = comp.description
+
+
+class Instrumentation:
+    """Tracer, metrics and logger for one saga name; the globals unless given."""
+
+    def __init__(
+        self,
+        saga: str,
+        *,
+        tracer_provider: TracerProvider | None = None,
+        registry: CollectorRegistry | None = None,
+        logger: Any = None,
+    ) -> None:
+        self.saga = saga
+        provider = tracer_provider or trace.get_tracer_provider()
+        self.tracer = provider.get_tracer("saga_otel", _VERSION)
+        self.metrics: SagaMetrics = metrics_for(registry)
+        self.log = logger if logger is not None else default_logger()
+
+    # -- safety ------------------------------------------------------------
+    def _guard(self, kind: str, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except Exception as exc:  # telemetry must never break the agent
+            self.swallowed(kind, exc)
+            return None
+
+    def swallowed(self, kind: str, exc: BaseException) -> None:
+        """Count and log an error that must not reach the agent."""
+        try:
+            self.metrics.telemetry_errors.labels(kind=kind).inc()
+            self.log.error(sc.EV_TELEMETRY_ERROR, kind=kind, error=describe_error(exc))
+        except Exception:
+            pass
+
+    def _event(self, level: str, event: str, span: Span | None, **fields: Any) -> None:
+        def emit() -> None:
+            if span is not None:
+                ctx = span.get_span_context()
+                fields["trace_id"] = _hex_trace(ctx)
+                fields["span_id"] = _hex_span(ctx)
+            getattr(self.log, level)(event, **fields)
+
+        self._guard("log", emit)
+
+    def _identity(self, run: RunTelemetry, phase: str) -> dict[str, Any]:
+        return {**run.identity, sc.SAGA_PHASE: phase}
+
+    # -- runs ----------------------------------------------------------------
+    def start_run(
+        self, run_id: str | None = None, *, trace_id: int = 0, parent_span_id: int = 0
+    ) -> RunTelemetry:
+        """Open the run span. Given ``trace_id``, the span joins that trace (recovery)."""
+        parent: Context | None = None
+        if trace_id:
+            remote = SpanContext(
+                trace_id=trace_id,
+                span_id=parent_span_id or 1,
+                is_remote=True,
+                trace_flags=TraceFlags(TraceFlags.SAMPLED),
+            )
+            parent = trace.set_span_in_context(NonRecordingSpan(remote))
+        span = self._guard(
+            "span",
+            lambda: self.tracer.start_span(
+                sc.run_span_name(self.saga), context=parent, kind=SpanKind.INTERNAL
+            ),
+        ) or trace.INVALID_SPAN
+        rid = run_id or _hex_trace(span.get_span_context())
+        if rid == "0" * 32:  # no SDK installed: still give the run a unique id
+            rid = os.urandom(16).hex()
+        run = RunTelemetry(
+            saga=self.saga,
+            run_id=rid,
+            span=span,
+            context=trace.set_span_in_context(span),
+            started=time.perf_counter(),
+            identity={
+                sc.SAGA_RUN_ID: rid,
+                sc.SAGA_NAME: self.saga,
+                sc.SAGA_CONTRACT_VERSION: sc.CONTRACT_VERSION,
+            },
+        )
+        self._guard("span", lambda: span.set_attributes(self._identity(run, sc.PHASE_RUN)))
+        self._guard("metric", lambda: self.metrics.runs_started.labels(saga=self.saga).inc())
+        self._guard("metric", lambda: self.metrics.runs_in_progress.labels(saga=self.saga).inc())
+        self._event("info", sc.EV_RUN_STARTED, span, saga=self.saga, run_id=rid)
+        return run
+
+    def end_run(self, run: RunTelemetry, status: str, failed_step: str | None) -> None:
+        def close() -> None:
+            run.span.set_attribute(sc.SAGA_RUN_STATUS, status)
+            if failed_step is not None and status != sc.STATUS_COMPLETED:
+                run.span.set_attribute(sc.SAGA_RUN_FAILED_STEP, failed_step)
+            if status == sc.STATUS_COMPLETED:
+                run.span.set_status(Status(StatusCode.OK))
+            else:
+                run.span.set_status(Status(StatusCode.ERROR, f"run ended {status}"))
+            run.span.end()
+
+        self._guard("span", close)
+        self._guard("metric", lambda: self.metrics.runs_in_progress.labels(saga=self.saga).dec())
+        self._guard(
+            "metric",
+            lambda: self.metrics.runs_finished.labels(saga=self.saga, status=status).inc(),
+        )
+        if status == sc.STATUS_STUCK:
+            self._guard("metric", lambda: self.metrics.stuck_runs.labels(saga=self.saga).inc())
+        level = "info" if status == sc.STATUS_COMPLETED else "warning"
+        self._event(
+            level,
+            sc.EV_RUN_FINISHED,
+            run.span,
+            saga=self.saga,
+            run_id=run.run_id,
+            status=status,
+            failed_step=failed_step,
+            duration_s=round(time.perf_counter() - run.started, 6),
+        )
+
+    # -- attempts ----------------------------------------------------------
+    @contextmanager
+    def attempt(
+        self,
+        run: RunTelemetry,
+        phase: str,
+        step: str,
+        *,
+        index: int,
+        attempt: int = 1,
+        tool: str | None = None,
+        step_class: StepClass | None = None,
+        pivot: bool = False,
+        compensation: Compensation | None = None,
+    ) -> Iterator[Attempt]:
+        """One attempt as a span, two log events and metrics.
+
+        The body's exception is recorded and re-raised unchanged. Used as a
+        plain ``with`` in sync and async code alike, so the span closes after
+        the awaited call, never before.
+        """
+        names = {
+            sc.PHASE_DO: sc.do_span_name,
+            sc.PHASE_COMPENSATE: sc.compensate_span_name,
+            sc.PHASE_VALIDATE: sc.validate_span_name,
+        }
+        attrs: dict[str, Any] = {**self._identity(run, phase), sc.SAGA_STEP_NAME: step}
+        if phase != sc.PHASE_VALIDATE:  # the contract gives validate spans no index/attempt
+            attrs[sc.SAGA_STEP_INDEX] = index
+            attrs[sc.SAGA_STEP_ATTEMPT] = attempt
+        if phase == sc.PHASE_DO:
+            attrs[sc.SAGA_STEP_CLASS] = (step_class or StepClass.CONVERGENT).value
+            attrs[sc.SAGA_STEP_PIVOT] = bool(pivot)
+        if compensation is not None:
+            attrs[sc.SAGA_COMPENSATION_TOOL] = compensation.tool
+            attrs[sc.SAGA_COMPENSATION_ARGS] = json.dumps(dict(compensation.args), sort_keys=True)
+        if tool is not None and phase in (sc.PHASE_DO, sc.PHASE_COMPENSATE):
+            attrs[sc.GEN_AI_OPERATION_NAME] = sc.GEN_AI_OPERATION_EXECUTE_TOOL
+            attrs[sc.GEN_AI_TOOL_NAME] = tool
+        span: Span = (
+            self._guard(
+                "span",
+                lambda: self.tracer.start_span(
+                    names[phase](step), context=run.context, attributes=attrs
+                ),
+            )
+            or trace.INVALID_SPAN
+        )
+        handle = Attempt(span)
+        common = {
+            "saga": self.saga,
+            "run_id": run.run_id,
+            "step": step,
+            "phase": phase,
+            "attempt": attempt,
+        }
+        self._event("info", sc.EV_STEP_STARTED, span, **common)
+        if attempt > 1:
+            self._guard(
+                "metric",
+                lambda: self.metrics.step_retries.labels(
+                    saga=self.saga, step=step, phase=phase
+                ).inc(),
+            )
+        t0 = time.perf_counter()
+        try:
+            yield handle
+        except BaseException as exc:
+            elapsed = time.perf_counter() - t0
+            self._finish_attempt(span, handle, common, elapsed, exc)
+            raise
+        else:
+            self._finish_attempt(span, handle, common, time.perf_counter() - t0, None)
+
+    def _finish_attempt(
+        self,
+        span: Span,
+        handle: Attempt,
+        common: Mapping[str, Any],
+        elapsed: float,
+        exc: BaseException | None,
+    ) -> None:
+        outcome = "ok" if exc is None else "error"
+
+        def close() -> None:
+            if handle.extra:
+                span.set_attributes(handle.extra)
+            if exc is None:
+                span.set_status(Status(StatusCode.OK))
+            else:
+                span.record_exception(exc)
+                span.set_status(Status(StatusCode.ERROR, describe_error(exc)))
+            span.end()
+
+        self._guard("span", close)
+        step, phase = common["step"], common["phase"]
+        self._guard(
+            "metric",
+            lambda: self.metrics.steps.labels(
+                saga=self.saga, step=step, phase=phase, outcome=outcome
+            ).inc(),
+        )
+        self._guard(
+            "metric",
+            lambda: self.metrics.step_duration.labels(
+                saga=self.saga, step=step, phase=phase
+            ).observe(elapsed),
+        )
+        self._event(
+            "info" if exc is None else "warning",
+            sc.EV_STEP_FINISHED,
+            span,
+            **common,
+            outcome=outcome,
+            duration_s=round(elapsed, 6),
+            error=None if exc is None else describe_error(exc),
+        )
+
+    # -- moments -------------------------------------------------------------
+    def pivot_crossed(self, run: RunTelemetry, step: str) -> None:
+        self._guard(
+            "metric", lambda: self.metrics.pivots.labels(saga=self.saga, step=step).inc()
+        )
+        self._event("info", sc.EV_PIVOT, run.span, saga=self.saga, run_id=run.run_id, step=step)
+
+    def compensation_finished(self, run: RunTelemetry, step: str, ok: bool) -> None:
+        outcome = "ok" if ok else "failed"
+        self._guard(
+            "metric",
+            lambda: self.metrics.compensations.labels(
+                saga=self.saga, step=step, outcome=outcome
+            ).inc(),
+        )
+        if not ok:
+            self._guard(
+                "metric",
+                lambda: self.metrics.compensation_failures.labels(saga=self.saga, step=step).inc(),
+            )
+
+    def _instant(self, run: RunTelemetry, name: str, attrs: Mapping[str, Any]) -> Span:
+        def make() -> Span:
+            now = time.time_ns()
+            span = self.tracer.start_span(
+                name, context=run.context, attributes=dict(attrs), start_time=now
+            )
+            span.end(end_time=now)
+            return span
+
+        return self._guard("span", make) or trace.INVALID_SPAN
+
+    def unwind(
+        self,
+        run: RunTelemetry,
+        reason: str,
+        failed_step: str | None,
+        stack: Sequence[Compensation],
+    ) -> Span:
+        """The zero-duration span that tells the world an unwind begins."""
+        attrs = {
+            **self._identity(run, sc.PHASE_UNWIND),
+            sc.SAGA_UNWIND_REASON: reason,
+            sc.SAGA_RUN_FAILED_STEP: failed_step or "",
+            sc.SAGA_STACK: json.dumps([c.to_dict() for c in stack], sort_keys=True),
+        }
+        span = self._instant(run, sc.unwind_span_name(self.saga), attrs)
+        self._guard("metric", lambda: self.metrics.unwinds.labels(saga=self.saga).inc())
+        self._event(
+            "warning",
+            sc.EV_UNWIND,
+            span,
+            saga=self.saga,
+            run_id=run.run_id,
+            failed_step=failed_step,
+            reason=reason,
+            pending=[c.tool for c in stack],
+        )
+        return span
+
+    def escalate(self, run: RunTelemetry, reason: str, card: Mapping[str, Any]) -> Span:
+        attrs = {
+            **self._identity(run, sc.PHASE_ESCALATE),
+            sc.SAGA_ESCALATION_REASON: reason,
+            sc.SAGA_ESCALATION_CARD: json.dumps(dict(card), sort_keys=True),
+        }
+        # The log line is the default escalation handler's job (see _engine.log_escalation).
+        return self._instant(run, sc.escalate_span_name(self.saga), attrs)

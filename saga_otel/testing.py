@@ -1,0 +1,210 @@
+"""Helpers for testing your own sagas and their telemetry.
+
+* :func:`capture` gives an in-memory tracer provider, a private Prometheus
+  registry and a list of log events, and builds sagas wired to them.
+* :class:`FailureInjector` makes chosen tools (or a seeded random share of
+  calls) fail in do or in compensate, transiently or for good, so the
+  compensation paths, the least-run code you have, run in your tests.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import structlog
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from prometheus_client import CollectorRegistry
+
+from saga_otel import semconv as sc
+from saga_otel._engine import Saga, current_call
+from saga_otel._registry import Tool, ToolRegistry
+
+__all__ = ["Captured", "FailureInjector", "InjectedFailure", "capture", "metric_value", "span_attrs"]
+
+
+def metric_value(registry: CollectorRegistry, name: str, **labels: str) -> float:
+    """A sample's value, 0.0 when the series does not exist yet."""
+    return registry.get_sample_value(name, labels) or 0.0
+
+
+@dataclass
+class Captured:
+    """Everything one test's sagas emitted."""
+
+    provider: TracerProvider
+    exporter: InMemorySpanExporter
+    registry: CollectorRegistry
+    logs: list[dict[str, Any]]
+    logger: Any
+
+    def spans(self, phase: str | None = None, run_id: str | None = None) -> list[ReadableSpan]:
+        out = []
+        for s in self.exporter.get_finished_spans():
+            attrs = s.attributes or {}
+            if phase is not None and attrs.get(sc.SAGA_PHASE) != phase:
+                continue
+            if run_id is not None and attrs.get(sc.SAGA_RUN_ID) != run_id:
+                continue
+            out.append(s)
+        return out
+
+    def metric(self, name: str, **labels: str) -> float:
+        return metric_value(self.registry, name, **labels)
+
+    def events(self, event: str) -> list[dict[str, Any]]:
+        return [e for e in self.logs if e.get("event") == event]
+
+    def saga(self, name: str, **kwargs: Any) -> Saga:
+        """A Saga wired to this capture, with no real sleeping between retries."""
+        kwargs.setdefault("sleep", lambda _s: None)
+        kwargs.setdefault("async_sleep", _no_sleep)
+        return Saga(
+            name,
+            tracer_provider=self.provider,
+            registry=self.registry,
+            logger=self.logger,
+            **kwargs,
+        )
+
+    def clear(self) -> None:
+        self.exporter.clear()
+        self.logs.clear()
+
+
+async def _no_sleep(_seconds: float) -> None:
+    return None
+
+
+def capture() -> Captured:
+    """A private tracer provider, metrics registry and log list; nothing global is touched."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    logs: list[dict[str, Any]] = []
+
+    def keep(_logger: Any, _method: str, event: Any) -> Any:
+        logs.append(dict(event))
+        raise structlog.DropEvent
+
+    logger = structlog.wrap_logger(
+        structlog.PrintLogger(),
+        processors=[structlog.processors.add_log_level, keep],
+    )
+    return Captured(provider, exporter, CollectorRegistry(), logs, logger)
+
+
+class InjectedFailure(Exception):
+    """Raised by a tool that a FailureInjector told to fail."""
+
+
+@dataclass
+class _Plan:
+    phase: str
+    times: int | None  # None: fail for good
+    error: Callable[[str], BaseException]
+    count: int = 0
+
+
+@dataclass
+class FailureInjector:
+    """Decides which tool calls fail. Thread-safe; seeded for repeatable random runs.
+
+    ``fail("send_reply")`` breaks a tool's do for good; ``fail("reverse_credit",
+    phase="compensate", times=2)`` makes its first two compensate attempts
+    fail, after which retries carry it. ``rate`` fails that share of all other
+    calls (in ``phases``), each transiently for ``transient_attempts``.
+    """
+
+    seed: int | None = None
+    rate: float = 0.0
+    phases: tuple[str, ...] = ("do", "compensate")
+    transient_attempts: int = 1
+    _plans: dict[tuple[str, str], _Plan] = field(default_factory=dict)
+    _random_left: dict[tuple[str, str, int], int] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    injected: list[tuple[str, str, int]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._rng = random.Random(self.seed)
+
+    def fail(
+        self,
+        tool: str,
+        *,
+        phase: str = "do",
+        times: int | None = None,
+        error: Callable[[str], BaseException] = InjectedFailure,
+    ) -> FailureInjector:
+        self._plans[(tool, phase)] = _Plan(phase, times, error)
+        return self
+
+    def should_fail(self, tool: str, phase: str, index: int) -> BaseException | None:
+        with self._lock:
+            plan = self._plans.get((tool, phase))
+            if plan is not None:
+                if plan.times is None or plan.count < plan.times:
+                    plan.count += 1
+                    self.injected.append((tool, phase, index))
+                    return plan.error(f"injected failure in {phase} of {tool}")
+                return None
+            if self.rate and phase in self.phases:
+                key = (tool, phase, index)
+                left = self._random_left.get(key)
+                if left is None:
+                    left = self.transient_attempts if self._rng.random() < self.rate else 0
+                if left > 0:
+                    self._random_left[key] = left - 1
+                    self.injected.append(key)
+                    return InjectedFailure(f"injected transient failure in {phase} of {tool}")
+                self._random_left[key] = 0
+        return None
+
+    def wrap(self, registry: ToolRegistry | Iterable[Tool]) -> ToolRegistry:
+        """A copy of the registry whose tools consult this injector before running."""
+        tools = registry if isinstance(registry, ToolRegistry) else ToolRegistry(registry)
+        out = ToolRegistry()
+        for name in tools:
+            out.register(self._wrap_tool(tools.get(name)), name=name)
+        return out
+
+    def _wrap_tool(self, t: Tool) -> Tool:
+        injector, fn = self, t.fn
+
+        def check() -> None:
+            call = current_call()
+            phase = call.phase if call else "do"
+            index = call.index if call else -1
+            exc = injector.should_fail(t.name, phase, index)
+            if exc is not None:
+                raise exc
+
+        if t.is_async:
+
+            async def wrapped_async(**kwargs: Any) -> Any:
+                check()
+                return await fn(**kwargs)
+
+            new_fn: Callable[..., Any] = wrapped_async
+        else:
+
+            def wrapped(**kwargs: Any) -> Any:
+                check()
+                return fn(**kwargs)
+
+            new_fn = wrapped
+        keep_key = t.accepts_idempotency_key
+
+        made = replace(t, fn=new_fn)
+        object.__setattr__(made, "accepts_idempotency_key", keep_key)
+        return made
+
+
+def span_attrs(span: ReadableSpan) -> Mapping[str, Any]:
+    """A span's attributes as a plain dict."""
+    return dict(span.attributes or {})
