@@ -1,0 +1,282 @@
+"""Spans, log events and metrics of every kind of run, against the span contract."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from opentelemetry.trace import StatusCode
+
+from examples.refund_agent import run_refund
+from examples.refund_tools import refund_tools
+from examples.release_saga import Release, release
+from examples.world import ServiceDown, World
+from saga_otel import RetryPolicy, RunStatus, observed, observed_run
+from saga_otel import semconv as sc
+from saga_otel.testing import Captured, FailureInjector, capture, contract_violations, span_attrs
+
+
+@pytest.fixture
+def cap() -> Captured:
+    return capture()
+
+
+def _one(cap: Captured, phase: str) -> dict[str, Any]:
+    spans = cap.spans(phase=phase)
+    assert len(spans) == 1, [s.name for s in spans]
+    return dict(span_attrs(spans[0]))
+
+
+async def test_completed_run_spans(cap: Captured) -> None:
+    report = await run_refund(cap.saga("refund", tools=refund_tools(World())))
+    assert report.status is RunStatus.COMPLETED
+    spans = cap.spans()
+    assert contract_violations(spans) == []
+    run = _one(cap, "run")
+    assert run[sc.SAGA_RUN_STATUS] == "completed"
+    assert run[sc.SAGA_RUN_ID] == report.run_id
+    assert sc.SAGA_RUN_FAILED_STEP not in run
+    # One run is one trace, and the run id defaults to its trace id.
+    trace_ids = {s.context.trace_id for s in spans}
+    assert trace_ids == {int(report.run_id, 16)}
+    run_span = cap.spans(phase="run")[0]
+    dos = cap.spans(phase="do")
+    assert [span_attrs(s)[sc.SAGA_STEP_INDEX] for s in dos] == [0, 1, 2, 3, 4]
+    assert all(s.parent is not None and s.parent.span_id == run_span.context.span_id for s in dos)
+    credit = span_attrs(dos[1])
+    assert credit[sc.SAGA_STEP_CLASS] == "compensable"
+    assert credit[sc.SAGA_COMPENSATION_TOOL] == "reverse_credit"
+    assert json.loads(credit[sc.SAGA_COMPENSATION_ARGS]) == {"credit_id": "cr_9104_4921"}
+    assert "reverse credit cr_9104_4921" in credit[sc.SAGA_COMPENSATION_DESCRIPTION]
+    assert credit[sc.GEN_AI_OPERATION_NAME] == "execute_tool"
+    assert credit[sc.GEN_AI_TOOL_NAME] == "issue_credit"
+    reply = span_attrs(dos[3])
+    assert reply[sc.SAGA_STEP_CLASS] == "irreversible"
+    assert sc.SAGA_COMPENSATION_TOOL not in span_attrs(dos[0])  # reads push nothing
+    assert cap.spans(phase="unwind") == []
+
+
+async def test_compensated_run_spans_logs_and_metrics(cap: Captured) -> None:
+    report = await run_refund(cap.saga("refund", tools=refund_tools(World(mail_down=True))))
+    assert report.status is RunStatus.COMPENSATED
+    assert contract_violations(cap.spans()) == []
+    unwind = _one(cap, "unwind")
+    assert unwind[sc.SAGA_RUN_FAILED_STEP] == "send_reply"
+    assert unwind[sc.SAGA_UNWIND_REASON].startswith("ServiceDown: mail service")
+    stack = json.loads(unwind[sc.SAGA_STACK])
+    assert [c["tool"] for c in stack] == ["set_ticket_status", "reverse_credit"]
+    assert set(stack[0]) == {"step", "index", "tool", "args", "description"}
+    comps = cap.spans(phase="compensate")
+    assert [span_attrs(s)[sc.SAGA_STEP_INDEX] for s in comps] == [2, 1]
+    assert all(s.status.status_code is StatusCode.OK for s in comps)
+    failed_do = [s for s in cap.spans(phase="do") if s.status.status_code is StatusCode.ERROR]
+    assert len(failed_do) == 1
+    assert failed_do[0].events[0].name == "exception"
+    assert failed_do[0].events[0].attributes["exception.type"].endswith("ServiceDown")  # type: ignore[index]
+    # the unwind span is emitted before the first compensation starts
+    unwind_span = cap.spans(phase="unwind")[0]
+    assert unwind_span.start_time is not None and comps[0].start_time is not None
+    assert unwind_span.start_time <= comps[0].start_time
+    assert _one(cap, "run")[sc.SAGA_RUN_STATUS] == "compensated"
+
+    m = cap.metric
+    assert m("saga_runs_started_total", saga="refund") == 1
+    assert m("saga_runs_finished_total", saga="refund", status="compensated") == 1
+    assert m("saga_runs_in_progress", saga="refund") == 0
+    assert m("saga_unwinds_total", saga="refund") == 1
+    assert m("saga_compensations_total", saga="refund", step="issue_credit", outcome="ok") == 1
+    assert m("saga_steps_total", saga="refund", step="send_reply", phase="do", outcome="error") == 1
+    assert m("saga_step_duration_seconds_count", saga="refund", step="get_order", phase="do") == 1
+    assert m("saga_pivots_total", saga="refund", step="send_reply") == 0
+
+    finished = cap.events(sc.EV_STEP_FINISHED)
+    assert len(finished) == 4 + 2  # four dos, two compensations
+    failed = next(e for e in finished if e["outcome"] == "error")
+    assert failed["error"].startswith("ServiceDown")
+    assert set(failed) >= {"saga", "run_id", "step", "phase", "attempt", "duration_s"}
+    assert failed["trace_id"] == report.run_id
+    assert failed["span_id"] == format(failed_do[0].context.span_id, "016x")
+    assert cap.events(sc.EV_UNWIND)[0]["failed_step"] == "send_reply"
+
+
+async def test_compensation_failed_run_spans(cap: Captured) -> None:
+    injector = FailureInjector().fail("reverse_credit", phase="compensate")
+    saga = cap.saga(
+        "refund",
+        tools=injector.wrap(refund_tools(World(mail_down=True))),
+        retry=RetryPolicy(attempts=2),
+    )
+    report = await run_refund(saga)
+    assert report.status is RunStatus.COMPENSATION_FAILED
+    assert contract_violations(cap.spans()) == []
+    attempts = [
+        (span_attrs(s)[sc.SAGA_STEP_INDEX], span_attrs(s)[sc.SAGA_STEP_ATTEMPT], s.status.status_code)
+        for s in cap.spans(phase="compensate")
+    ]
+    assert attempts == [(2, 1, StatusCode.OK), (1, 1, StatusCode.ERROR), (1, 2, StatusCode.ERROR)]
+    esc = _one(cap, "escalate")
+    assert esc[sc.SAGA_ESCALATION_REASON] == "compensation_failed"
+    card = json.loads(esc[sc.SAGA_ESCALATION_CARD])
+    assert "reverse_credit" in card["not_undone"][0]
+    assert cap.metric("saga_compensation_failures_total", saga="refund", step="issue_credit") == 1
+    assert cap.metric("saga_step_retries_total", saga="refund", step="issue_credit", phase="compensate") == 1
+    assert _one(cap, "run")[sc.SAGA_RUN_FAILED_STEP] == "send_reply"
+    assert cap.events("saga.escalation")[0]["level"] == "error"
+
+
+async def test_stuck_run_spans(cap: Captured) -> None:
+    report = await run_refund(cap.saga("refund", tools=refund_tools(World(), close_fails=True)))
+    assert report.status is RunStatus.STUCK
+    assert contract_violations(cap.spans()) == []
+    pivot = [s for s in cap.spans(phase="do") if span_attrs(s)[sc.SAGA_STEP_NAME] == "send_reply"]
+    assert span_attrs(pivot[0])[sc.SAGA_STEP_CLASS] == "irreversible"
+    assert cap.spans(phase="unwind") == [] and cap.spans(phase="compensate") == []
+    assert _one(cap, "escalate")[sc.SAGA_ESCALATION_REASON] == "stuck"
+    assert _one(cap, "run")[sc.SAGA_RUN_STATUS] == "stuck"
+    assert cap.metric("saga_stuck_runs_total", saga="refund") == 1
+    assert cap.metric("saga_pivots_total", saga="refund", step="send_reply") == 1
+
+
+async def test_rejected_run_spans(cap: Captured) -> None:
+    ctx = Release(World(), {"waterfall": []}, "x" * 100)
+    report = await release(cap.saga("release"), ctx)
+    assert report.status is RunStatus.REJECTED
+    assert contract_violations(cap.spans()) == []
+    v = cap.spans(phase="validate")
+    assert len(v) == 1 and v[0].status.status_code is StatusCode.ERROR
+    assert span_attrs(v[0])[sc.SAGA_STEP_NAME] == "appstore_metadata"
+    run = _one(cap, "run")
+    assert run[sc.SAGA_RUN_STATUS] == "rejected"
+    assert run[sc.SAGA_RUN_FAILED_STEP] == "appstore_metadata"
+
+
+async def test_broken_telemetry_never_changes_the_outcome() -> None:
+    class Boom:
+        def __getattr__(self, name: str) -> Any:
+            def fail(*a: Any, **k: Any) -> None:
+                raise OSError("log sink gone")
+
+            return fail
+
+    class BadProvider:
+        def get_tracer(self, *a: Any, **k: Any) -> Any:
+            return self
+
+        def start_span(self, *a: Any, **k: Any) -> Any:
+            raise RuntimeError("tracer broken")
+
+    cap = capture()
+    world = World(mail_down=True)
+    saga = cap.saga("refund", tools=refund_tools(world))
+    saga.instr.log = Boom()
+    saga.instr.tracer = BadProvider()
+    report = await run_refund(saga)
+    assert report.status is RunStatus.COMPENSATED
+    assert isinstance(report.error, ServiceDown)
+    assert world.balance(4921) == 0
+    assert cap.metric("saga_telemetry_errors_total", kind="span") > 0
+
+
+# -- observed() on the user's own runner --------------------------------------------
+class CreditStep:
+    """A user's existing saga step, with do and compensate."""
+
+    name = "issue_credit"
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+        self.credit: dict[str, Any] | None = None
+
+    async def do(self, order_id: int, amount: int) -> dict[str, Any]:
+        self.credit = self.world.issue_credit(order_id, amount)
+        return self.credit
+
+    async def compensate(self) -> None:
+        assert self.credit is not None
+        self.world.reverse_credit(self.credit["credit_id"])
+
+
+async def test_observed_step_object_and_function_match_the_engine() -> None:
+    # The engine's telemetry for: issue_credit ok, send_reply fails, unwind.
+    engine_cap = capture()
+    await run_refund(engine_cap.saga("refund", tools=refund_tools(World(mail_down=True))))
+
+    cap = capture()
+    world = World(mail_down=True)
+    kw: dict[str, Any] = {
+        "saga": "refund",
+        "tracer_provider": cap.provider,
+        "registry": cap.registry,
+        "logger": cap.logger,
+    }
+    step = observed(
+        CreditStep(world),
+        compensation=lambda i: {"credit_id": i.result["credit_id"]},
+        **kw,
+    )
+    assert isinstance(step, CreditStep)  # same shape as the user's object
+
+    def send_reply(ticket_id: str, body: str) -> None:
+        """Send the customer a reply."""
+        world.send_reply(ticket_id, body)
+
+    send = observed(send_reply, step_class="irreversible", **kw)
+    assert send.__name__ == "send_reply" and send.__doc__ == "Send the customer a reply."
+    import inspect
+
+    assert list(inspect.signature(send).parameters) == ["ticket_id", "body"]
+
+    with pytest.raises(ServiceDown), observed_run(**kw):  # the user's own runner
+        await step.do(4921, 2500)
+        try:
+            send("T-9104", "hi")
+        except ServiceDown:
+            await step.compensate()
+            raise
+
+    assert world.balance(4921) == 0
+    assert contract_violations(cap.spans()) == []
+
+    def shape(c: Captured, phase: str) -> list[tuple[str, str, Any]]:
+        out = []
+        for s in c.spans(phase=phase):
+            a = span_attrs(s)
+            if a.get(sc.SAGA_STEP_NAME) in ("issue_credit", "send_reply", None):
+                out.append((s.name, a.get(sc.SAGA_STEP_CLASS, ""), s.status.status_code))
+        return out
+
+    assert shape(cap, "do") == [s for s in shape(engine_cap, "do") if s[0] != "saga.do get_order" and s[0] != "saga.do set_ticket_status"]
+    assert len(cap.spans(phase="unwind")) == 1
+    assert shape(cap, "run") == [("saga.run refund", "", StatusCode.ERROR)]
+    assert _one(cap, "run")[sc.SAGA_RUN_STATUS] == "compensated"
+    comp = _one(cap, "compensate")
+    assert json.loads(comp[sc.SAGA_COMPENSATION_ARGS]) == {"credit_id": world.ledger[0]["credit_id"]}
+    # Same metric families and log events as the engine.
+    for name in ("saga_runs_started_total", "saga_unwinds_total"):
+        assert cap.metric(name, saga="refund") == engine_cap.metric(name, saga="refund") == 1
+    assert cap.metric("saga_compensations_total", saga="refund", step="issue_credit", outcome="ok") == 1
+    assert {e["event"] for e in cap.logs} >= {sc.EV_STEP_STARTED, sc.EV_STEP_FINISHED, sc.EV_UNWIND}
+
+
+def test_observed_plain_sync_function_propagates_exceptions_unchanged() -> None:
+    cap = capture()
+    err = ValueError("bad input")
+
+    def flaky() -> None:
+        raise err
+
+    wrapped = observed(flaky, saga="s", tracer_provider=cap.provider, registry=cap.registry, logger=cap.logger)
+    with pytest.raises(ValueError) as info:
+        wrapped()
+    assert info.value is err
+    span = cap.spans(phase="do")[0]
+    assert span.status.status_code is StatusCode.ERROR
+    assert contract_violations([span]) == []
+
+
+def test_observed_rejects_what_it_cannot_wrap() -> None:
+    from saga_otel import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match="needs an object with do"):
+        observed(42, saga="s")
