@@ -29,6 +29,7 @@ from saga_otel._records import (
     StepClass,
     StepRecord,
 )
+from saga_otel._recovery import fetch_run, recover
 from saga_otel._registry import CallInfo, Tool, ToolRegistry, tool
 
 __version__ = "0.1.0"
@@ -61,9 +62,11 @@ __all__ = [
     "ValidationRejectedError",
     "configure",
     "current_call",
+    "fetch_run",
     "idempotency_key",
     "observed",
     "observed_run",
+    "recover",
     "start_metrics_server",
     "tool",
 ]

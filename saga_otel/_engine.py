@@ -19,7 +19,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal
 
 from opentelemetry.trace import TracerProvider
 from prometheus_client import CollectorRegistry
@@ -257,9 +257,7 @@ class Saga:
         try:
             async with run:
                 for i, t in enumerate(forwards):
-                    core.remaining = [
-                        PendingCall(-1, f.name, f.name) for f in forwards[i + 1 :]
-                    ]
+                    core.remaining = [PendingCall(-1, f.name, f.name) for f in forwards[i + 1 :]]
                     await run.call(t.name)
         except Exception:
             pass  # the report holds it, unchanged
@@ -272,9 +270,7 @@ class Saga:
         try:
             with run:
                 for i, t in enumerate(forwards):
-                    core.remaining = [
-                        PendingCall(-1, f.name, f.name) for f in forwards[i + 1 :]
-                    ]
+                    core.remaining = [PendingCall(-1, f.name, f.name) for f in forwards[i + 1 :]]
                     run.call(t.name)
         except Exception:
             pass
@@ -294,8 +290,13 @@ class Saga:
             overlay[fwd.name] = fwd
             if undo is not None:
                 overlay[undo.name] = undo
-        core = _Core(self, report.run_id, overlay=overlay, trace_id=report.trace_id,
-                     parent_span_id=report.span_id)
+        core = _Core(
+            self,
+            report.run_id,
+            overlay=overlay,
+            trace_id=report.trace_id,
+            parent_span_id=report.span_id,
+        )
         state = st.StackState(
             saga=self.name,
             run_id=report.run_id,
@@ -304,7 +305,14 @@ class Saga:
             status=RunStatus.STUCK,
             next_index=max((s.index for s in report.steps), default=-1) + 1,
             steps=report.steps,
-            pivot=next((s for s in report.steps if s.ok and (s.pivot or s.step_class is StepClass.IRREVERSIBLE)), None),
+            pivot=next(
+                (
+                    s
+                    for s in report.steps
+                    if s.ok and (s.pivot or s.step_class is StepClass.IRREVERSIBLE)
+                ),
+                None,
+            ),
         )
         core.state = st.resume(state)
         core.forward_policy = self.recovery_retry
@@ -385,8 +393,12 @@ class _Core:
 
     @property
     def run_id(self) -> str:
-        assert self.tel is not None
-        return self.tel.run_id
+        return self.telemetry.run_id
+
+    @property
+    def telemetry(self) -> RunTelemetry:
+        assert self.tel is not None, "the run is not open"
+        return self.tel
 
     def tool(self, name: str) -> Tool:
         return self.overlay[name] if name in self.overlay else self.saga.tools.get(name)
@@ -435,7 +447,12 @@ class _Core:
         return idx
 
     def succeeded(
-        self, t: Tool, index: int, args: Mapping[str, Any], result: Any, snapshot: Any,
+        self,
+        t: Tool,
+        index: int,
+        args: Mapping[str, Any],
+        result: Any,
+        snapshot: Any,
         attempts: int,
     ) -> Compensation | None:
         assert self.state is not None
@@ -443,8 +460,14 @@ class _Core:
             CallInfo(t.name, args, result, snapshot, self.run_id, index), step=t.name
         )
         record = StepRecord(
-            index=index, name=t.name, tool=t.name, step_class=t.step_class, attempts=attempts,
-            ok=True, pivot=t.pivot, compensation=comp,
+            index=index,
+            name=t.name,
+            tool=t.name,
+            step_class=t.step_class,
+            attempts=attempts,
+            ok=True,
+            pivot=t.pivot,
+            compensation=comp,
         )
         had_pivot = self.state.pivot_crossed
         self.state = st.step_succeeded(self.state, record)
@@ -458,8 +481,14 @@ class _Core:
     ) -> None:
         assert self.state is not None
         record = StepRecord(
-            index=index, name=t.name, tool=t.name, step_class=t.step_class, attempts=attempts,
-            ok=False, pivot=t.pivot, error=describe_error(exc),
+            index=index,
+            name=t.name,
+            tool=t.name,
+            step_class=t.step_class,
+            attempts=attempts,
+            ok=False,
+            pivot=t.pivot,
+            error=describe_error(exc),
         )
         self.state = st.step_failed(
             self.state, record, PendingCall(index, t.name, t.name, dict(args))
@@ -479,9 +508,7 @@ class _Core:
             failed_step = "(agent)"  # the failure came from the agent's own code
         self.state, decision = st.abort(self.state, describe_error(exc), failed_step=failed_step)
         if isinstance(decision, st.Escalate):
-            later = [
-                replace(p, index=-1) for p in self.remaining
-            ]
+            later = [replace(p, index=-1) for p in self.remaining]
             self.state = replace(self.state, pending=(*self.state.pending, *later))
         return decision
 
@@ -491,8 +518,9 @@ class _Core:
             self.tel, self.state.failure or "", self.state.failed_step, decision.compensations
         )
 
-    def compensation_ended(self, comp: Compensation, ok: bool, attempts: int,
-                           exc: BaseException | None) -> None:
+    def compensation_ended(
+        self, comp: Compensation, ok: bool, attempts: int, exc: BaseException | None
+    ) -> None:
         assert self.state is not None and self.tel is not None
         self.state = st.compensation_ended(
             self.state,
@@ -562,7 +590,7 @@ class Run(_RunBase):
             if t.validate is None:
                 continue
             try:
-                with core.instr.attempt(core.tel, "validate", name, index=-1):  # type: ignore[arg-type]
+                with core.instr.attempt(core.telemetry, "validate", name, index=-1):
                     out = t.validate(**dict(args))
                     if inspect.isawaitable(out):
                         await out
@@ -599,10 +627,18 @@ class Run(_RunBase):
                     token = core.enter_call(t.name, idx, "do", attempts)
                     try:
                         with core.instr.attempt(
-                            core.tel, "do", t.name, index=idx, attempt=attempts,  # type: ignore[arg-type]
-                            tool=t.name, step_class=t.step_class, pivot=t.pivot,
+                            core.telemetry,
+                            "do",
+                            t.name,
+                            index=idx,
+                            attempt=attempts,
+                            tool=t.name,
+                            step_class=t.step_class,
+                            pivot=t.pivot,
                         ) as obs:
-                            result = t.fn(**core.kwargs_for(t, args, idempotency_key(core.run_id, idx)))
+                            result = t.fn(
+                                **core.kwargs_for(t, args, idempotency_key(core.run_id, idx))
+                            )
                             if inspect.isawaitable(result):
                                 result = await result
                             comp = core.succeeded(t, idx, args, result, snapshot, attempts)
@@ -620,7 +656,7 @@ class Run(_RunBase):
 
     async def __aexit__(
         self, et: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> bool:
+    ) -> Literal[False]:
         core = self._core
         if core.report is not None:  # rejected in __aenter__
             return False
@@ -659,9 +695,14 @@ class Run(_RunBase):
                     token = core.enter_call(comp.step, comp.index, "compensate", attempts)
                     try:
                         with core.instr.attempt(
-                            core.tel, "compensate", comp.step or comp.tool, index=comp.index,  # type: ignore[arg-type]
-                            attempt=attempts, tool=comp.tool, compensation=comp,
-                        ):
+                            core.telemetry,
+                            "compensate",
+                            comp.step or comp.tool,
+                            index=comp.index,
+                            attempt=attempts,
+                            tool=comp.tool,
+                            compensation=comp,
+                        ) as obs:
                             key = idempotency_key(core.run_id, comp.index, "compensate")
                             out = t.fn(**core.kwargs_for(t, comp.args, key))
                             if inspect.isawaitable(out):
@@ -672,6 +713,8 @@ class Run(_RunBase):
             core.compensation_ended(comp, False, max(attempts, 1), exc)
             return
         core.compensation_ended(comp, True, attempts, None)
+        # Once the sidecar knows this undo is done, a recovery elsewhere will not repeat it.
+        await _export.wait_for_ack_async(obs.span)
 
 
 class SyncRun(_RunBase):
@@ -685,7 +728,7 @@ class SyncRun(_RunBase):
             if t.validate is None:
                 continue
             try:
-                with core.instr.attempt(core.tel, "validate", name, index=-1):  # type: ignore[arg-type]
+                with core.instr.attempt(core.telemetry, "validate", name, index=-1):
                     _no_await(t.validate(**dict(args)), name)
             except Exception as exc:
                 core.reject(name, exc)
@@ -722,8 +765,14 @@ class SyncRun(_RunBase):
                     token = core.enter_call(t.name, idx, "do", attempts)
                     try:
                         with core.instr.attempt(
-                            core.tel, "do", t.name, index=idx, attempt=attempts,  # type: ignore[arg-type]
-                            tool=t.name, step_class=t.step_class, pivot=t.pivot,
+                            core.telemetry,
+                            "do",
+                            t.name,
+                            index=idx,
+                            attempt=attempts,
+                            tool=t.name,
+                            step_class=t.step_class,
+                            pivot=t.pivot,
                         ) as obs:
                             result = _no_await(
                                 t.fn(**core.kwargs_for(t, args, idempotency_key(core.run_id, idx))),
@@ -743,7 +792,7 @@ class SyncRun(_RunBase):
 
     def __exit__(
         self, et: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> bool:
+    ) -> Literal[False]:
         core = self._core
         if core.report is not None:
             return False
@@ -772,9 +821,14 @@ class SyncRun(_RunBase):
                     token = core.enter_call(comp.step, comp.index, "compensate", attempts)
                     try:
                         with core.instr.attempt(
-                            core.tel, "compensate", comp.step or comp.tool, index=comp.index,  # type: ignore[arg-type]
-                            attempt=attempts, tool=comp.tool, compensation=comp,
-                        ):
+                            core.telemetry,
+                            "compensate",
+                            comp.step or comp.tool,
+                            index=comp.index,
+                            attempt=attempts,
+                            tool=comp.tool,
+                            compensation=comp,
+                        ) as obs:
                             key = idempotency_key(core.run_id, comp.index, "compensate")
                             _no_await(t.fn(**core.kwargs_for(t, comp.args, key)), comp.tool)
                     finally:
@@ -783,6 +837,11 @@ class SyncRun(_RunBase):
             core.compensation_ended(comp, False, max(attempts, 1), exc)
             return
         core.compensation_ended(comp, True, attempts, None)
+        _export.wait_for_ack(obs.span)
+
+
+def _is_pivot(record: StepRecord) -> bool:
+    return record.pivot or record.step_class is StepClass.IRREVERSIBLE
 
 
 def _no_await(value: Any, name: str) -> Any:

@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry
 from saga_otel import _export
 from saga_otel import semconv as sc
 from saga_otel._errors import ConfigurationError
-from saga_otel._records import Compensation, StepClass, describe_error
+from saga_otel._records import Compensation, StepClass
 from saga_otel._registry import CallInfo
 from saga_otel._telemetry import Instrumentation, RunTelemetry
 
@@ -155,18 +155,19 @@ class _Observer:
         return self._adhoc
 
     def _index(self, run: ObservedRun) -> int:
-        if self.fixed_index is not None:
-            idx = self.fixed_index
-        else:
-            idx = run.next_index
+        idx = self.fixed_index if self.fixed_index is not None else run.next_index
         run.next_index = max(run.next_index, idx + 1)
         run.indexes[self.step] = idx
         return idx
 
-    def _compensation(self, run: ObservedRun, idx: int, args: Any, result: Any) -> Compensation | None:
+    def _compensation(
+        self, run: ObservedRun, idx: int, args: Any, result: Any
+    ) -> Compensation | None:
         if not self.step_class.pushes:
             return None
-        info = CallInfo(self.step, {"args": list(args)} if args else {}, result, None, run.run_id, idx)
+        info = CallInfo(
+            self.step, {"args": list(args)} if args else {}, result, None, run.run_id, idx
+        )
         made: Any = None
         if self.recipe is not None:
             try:
@@ -177,12 +178,16 @@ class _Observer:
             return Compensation(made.tool, made.args, made.description, self.step, idx)
         args_map = dict(made) if isinstance(made, Mapping) else {}
         try:
-            return Compensation(f"{self.step}.compensate", args_map, f"undo {self.step}", self.step, idx)
+            return Compensation(
+                f"{self.step}.compensate", args_map, f"undo {self.step}", self.step, idx
+            )
         except ConfigurationError as exc:
             self.instr.swallowed("compensation_recipe", exc)
             return Compensation(f"{self.step}.compensate", {}, f"undo {self.step}", self.step, idx)
 
-    def _after_do(self, run: ObservedRun, obs: Any, idx: int, args: Any, result: Any) -> Compensation | None:
+    def _after_do(
+        self, run: ObservedRun, obs: Any, idx: int, args: Any, result: Any
+    ) -> Compensation | None:
         comp = self._compensation(run, idx, args, result)
         if comp is not None:
             obs.pushed(comp)
@@ -221,8 +226,13 @@ class _Observer:
         idx = self._index(run)
         try:
             with self.instr.attempt(
-                run.tel, sc.PHASE_DO, self.step, index=idx, tool=self.step,
-                step_class=self.step_class, pivot=self.pivot,
+                run.tel,
+                sc.PHASE_DO,
+                self.step,
+                index=idx,
+                tool=self.step,
+                step_class=self.step_class,
+                pivot=self.pivot,
             ) as obs:
                 result = fn(*args, **kwargs)
                 comp = self._after_do(run, obs, idx, args, result)
@@ -238,7 +248,11 @@ class _Observer:
         idx, comp = self._before_compensate(run)
         try:
             with self.instr.attempt(
-                run.tel, sc.PHASE_COMPENSATE, self.step, index=idx, tool=comp.tool,
+                run.tel,
+                sc.PHASE_COMPENSATE,
+                self.step,
+                index=idx,
+                tool=comp.tool,
                 compensation=comp,
             ):
                 out = fn(*args, **kwargs)
@@ -254,8 +268,13 @@ class _Observer:
         idx = self._index(run)
         try:
             with self.instr.attempt(
-                run.tel, sc.PHASE_DO, self.step, index=idx, tool=self.step,
-                step_class=self.step_class, pivot=self.pivot,
+                run.tel,
+                sc.PHASE_DO,
+                self.step,
+                index=idx,
+                tool=self.step,
+                step_class=self.step_class,
+                pivot=self.pivot,
             ) as obs:
                 result = await fn(*args, **kwargs)
                 comp = self._after_do(run, obs, idx, args, result)
@@ -271,7 +290,11 @@ class _Observer:
         idx, comp = self._before_compensate(run)
         try:
             with self.instr.attempt(
-                run.tel, sc.PHASE_COMPENSATE, self.step, index=idx, tool=comp.tool,
+                run.tel,
+                sc.PHASE_COMPENSATE,
+                self.step,
+                index=idx,
+                tool=comp.tool,
                 compensation=comp,
             ):
                 out = await fn(*args, **kwargs)
@@ -300,7 +323,7 @@ def _wrap(fn: Callable[..., Any], observer: _Observer, phase: str) -> Any:
     return sync_wrapper(fn)
 
 
-class _ObservedStep(wrapt.ObjectProxy):  # type: ignore[misc]
+class _ObservedStep(wrapt.ObjectProxy):  # type: ignore[type-arg]
     """The user's step object, with ``do`` and ``compensate`` instrumented."""
 
     def __init__(self, target: Any, observer: _Observer) -> None:
@@ -361,5 +384,3 @@ def observed(
     if has_do and has_comp:
         return _ObservedStep(target, observer)
     return _wrap(target, observer, phase)
-
-

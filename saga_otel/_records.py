@@ -353,12 +353,12 @@ class SagaReport:
             if not o.ok
         )
         done = tuple(f"{s.name} ({s.step_class.value})" for s in self.steps if s.ok)
+        decide: tuple[str, ...]
         if self.status is RunStatus.STUCK:
             decide = (
                 f"Finish forward: retry {self.failed_step} and what follows (idempotent), "
                 "or settle by hand and resolve the run",
-                "Nothing was undone, because the run had crossed its pivot "
-                f"({self.pivot_step}).",
+                f"Nothing was undone, because the run had crossed its pivot ({self.pivot_step}).",
             )
         else:
             decide = tuple(

@@ -145,7 +145,9 @@ def step_failed(
     )
 
 
-def abort(state: StackState, error: str, *, failed_step: str | None = None) -> tuple[StackState, Decision]:
+def abort(
+    state: StackState, error: str, *, failed_step: str | None = None
+) -> tuple[StackState, Decision]:
     """The run failed: unwind before the pivot, escalate after it."""
     failed = failed_step or state.failed_step
     if state.pivot_crossed:

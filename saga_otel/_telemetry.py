@@ -159,12 +159,15 @@ class Instrumentation:
                 trace_flags=TraceFlags(TraceFlags.SAMPLED),
             )
             parent = trace.set_span_in_context(NonRecordingSpan(remote))
-        span = self._guard(
-            "span",
-            lambda: self.tracer.start_span(
-                sc.run_span_name(self.saga), context=parent, kind=SpanKind.INTERNAL
-            ),
-        ) or trace.INVALID_SPAN
+        span = (
+            self._guard(
+                "span",
+                lambda: self.tracer.start_span(
+                    sc.run_span_name(self.saga), context=parent, kind=SpanKind.INTERNAL
+                ),
+            )
+            or trace.INVALID_SPAN
+        )
         rid = run_id or _hex_trace(span.get_span_context())
         if rid == "0" * 32:  # no SDK installed: still give the run a unique id
             rid = os.urandom(16).hex()
@@ -337,9 +340,7 @@ class Instrumentation:
 
     # -- moments -------------------------------------------------------------
     def pivot_crossed(self, run: RunTelemetry, step: str) -> None:
-        self._guard(
-            "metric", lambda: self.metrics.pivots.labels(saga=self.saga, step=step).inc()
-        )
+        self._guard("metric", lambda: self.metrics.pivots.labels(saga=self.saga, step=step).inc())
         self._event("info", sc.EV_PIVOT, run.span, saga=self.saga, run_id=run.run_id, step=step)
 
     def compensation_finished(self, run: RunTelemetry, step: str, ok: bool) -> None:

@@ -281,7 +281,11 @@ def contract_violations(spans: Iterable[ReadableSpan]) -> list[str]:
                 except ValueError:
                     out.append(f"{where}: {key} is not JSON")
         if phase in names:
-            ref = a.get(sc.SAGA_NAME) if phase in (sc.PHASE_RUN, sc.PHASE_UNWIND, sc.PHASE_ESCALATE) else a.get(sc.SAGA_STEP_NAME)
+            ref = (
+                a.get(sc.SAGA_NAME)
+                if phase in (sc.PHASE_RUN, sc.PHASE_UNWIND, sc.PHASE_ESCALATE)
+                else a.get(sc.SAGA_STEP_NAME)
+            )
             if span.name != names[phase](str(ref)):
                 out.append(f"{where}: name should be {names[phase](str(ref))!r}")
         elif span.name != sc.HEARTBEAT_SPAN_NAME:

@@ -16,3 +16,15 @@ def free_port() -> int:
 @pytest.fixture
 def port() -> int:
     return free_port()
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """In CI a skipped test is a failed test: nothing may quietly not run."""
+    import os
+
+    skipped = terminalreporter.stats.get("skipped", [])
+    if os.environ.get("CI") and skipped:
+        terminalreporter.write_line(
+            f"CI: {len(skipped)} test(s) skipped; every test must run in CI", red=True
+        )
+        terminalreporter._session.exitstatus = pytest.ExitCode.TESTS_FAILED  # type: ignore[attr-defined]
