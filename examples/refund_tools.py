@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from examples.world import World
 from saga_otel import CallInfo, ToolRegistry, tool
 
 
@@ -12,8 +11,11 @@ class CloseDown(Exception):
     """The ticket system refuses to close tickets right now."""
 
 
-def refund_tools(world: World, *, close_fails: bool = False) -> ToolRegistry:
-    """A registry bound to one world. ``close_fails`` breaks the step after the pivot."""
+def refund_tools(world: Any, *, close_fails: bool = False) -> ToolRegistry:
+    """A registry bound to one world (a World or a RemoteWorld).
+
+    ``close_fails`` breaks the step after the pivot.
+    """
 
     @tool("read")
     def get_order(order_id: int) -> dict[str, Any]:

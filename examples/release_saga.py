@@ -66,10 +66,19 @@ async def light_flag(ctx: Release) -> None:
 
 
 RELEASE_STEPS = [
-    Step("admob_mediation", do=update_mediation, compensate=restore_mediation,
-         step_class="reversible"),
-    Step("appstore_metadata", do=update_metadata, compensate=restore_metadata,
-         validate=validate_metadata, step_class="reversible"),
+    Step(
+        "admob_mediation",
+        do=update_mediation,
+        compensate=restore_mediation,
+        step_class="reversible",
+    ),
+    Step(
+        "appstore_metadata",
+        do=update_metadata,
+        compensate=restore_metadata,
+        validate=validate_metadata,
+        step_class="reversible",
+    ),
     Step("remote_config_flag", do=light_flag, pivot=True),
 ]
 

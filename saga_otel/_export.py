@@ -54,6 +54,7 @@ __all__ = [
     "SidecarExport",
     "configure",
     "export_failures_counter",
+    "instance_id",
     "register_open_run",
     "unregister_open_run",
     "wait_for_ack",
@@ -189,7 +190,7 @@ def _judge(ticket: _Ticket, reason: str | None, span: object) -> bool:
     return False
 
 
-def wait_for_ack(span: object) -> bool:
+def wait_for_ack(span: ReadableSpan | trace.Span) -> bool:
     """Block until the sidecar acknowledged ``span``, at most the processor's ack_timeout.
 
     True when acknowledged, or when no durable processor took the span (cheap).
@@ -208,7 +209,7 @@ def wait_for_ack(span: object) -> bool:
         return False
 
 
-async def wait_for_ack_async(span: object) -> bool:
+async def wait_for_ack_async(span: ReadableSpan | trace.Span) -> bool:
     """:func:`wait_for_ack` for coroutines: awaits without blocking the event loop."""
     ticket = _take_ticket(span)
     if ticket is None:

@@ -134,8 +134,8 @@ class Instrumentation:
 
     def _event(self, level: str, event: str, span: Span | None, **fields: Any) -> None:
         def emit() -> None:
-            if span is not None:
-                ctx = span.get_span_context()
+            ctx = span.get_span_context() if span is not None else None
+            if ctx is not None and ctx.is_valid:
                 fields["trace_id"] = _hex_trace(ctx)
                 fields["span_id"] = _hex_span(ctx)
             getattr(self.log, level)(event, **fields)

@@ -1,0 +1,258 @@
+"""`make demo`: the whole story in three acts, in under a minute.
+
+1. A refund that succeeds.
+2. The mail service is down: the run unwinds, and the alert arrives at a
+   webhook the moment compensation starts.
+3. The agent is killed with SIGKILL right after issuing the credit: the
+   sidecar notices (heartbeats stop), raises SagaRunOrphaned with the stack
+   it rebuilt, and `saga-otel recover` finishes the unwind from a new process.
+
+Everything runs on loopback: a sidecar (SQLite in a temporary folder), a fake
+world server (ledger, tickets, mail), a webhook receiver standing in for a
+pager, and the agent processes. Everything it starts, it stops.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+from rich.console import Console
+
+from examples.world import World
+from examples.world_server import serve_world
+
+console = Console(highlight=False)
+PY = sys.executable
+BIN = Path(PY).parent
+
+
+class Webhook:
+    """The pager: records every alert the sidecar delivers."""
+
+    def __init__(self) -> None:
+        self.alerts: list[dict[str, Any]] = []
+        self.lock = threading.Lock()
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, format: str, *args: Any) -> None:
+                return
+
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                with outer.lock:
+                    outer.alerts.append({**json.loads(body), "_received": time.time()})
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_port}/alerts"
+
+    def find(self, alertname: str, run_id: str, status: str = "firing") -> dict[str, Any] | None:
+        with self.lock:
+            for a in self.alerts:
+                if (a.get("alertname"), a.get("run_id"), a.get("status")) == (
+                    alertname,
+                    run_id,
+                    status,
+                ):
+                    return a
+        return None
+
+
+def wait_for(what: str, probe: Callable[[], Any], timeout: float = 20.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = probe()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise SystemExit(f"demo: gave up waiting for {what} after {timeout:.0f} s")
+
+
+@contextmanager
+def sidecar(tmp: Path, webhook: str) -> Iterator[dict[str, Any]]:
+    cmd = [
+        str(BIN / "saga-sidecar"),
+        "serve",
+        "--otlp-http-port",
+        "0",
+        "--otlp-grpc-port",
+        "0",
+        "--api-port",
+        "0",
+        "--db",
+        str(tmp / "sidecar.db"),
+        "--webhook",
+        webhook,
+        "--no-alert-log",
+        "--idle-timeout",
+        "30s",
+    ]
+    log = (tmp / "sidecar.log").open("w")  # closed in the finally below
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
+    try:
+        assert proc.stdout is not None
+        listening: dict[str, Any] = {}
+        for line in proc.stdout:
+            try:
+                doc = json.loads(line)
+            except ValueError:
+                continue
+            if doc.get("event") == "sidecar.listening":
+                listening = doc
+                break
+        if not listening:
+            raise SystemExit(f"demo: the sidecar did not start; see {tmp / 'sidecar.log'}")
+        threading.Thread(target=proc.stdout.read, daemon=True).start()  # drain
+        yield {
+            "otlp": f"http://127.0.0.1:{listening['otlp_http']}",
+            "api": f"http://127.0.0.1:{listening['api']}",
+        }
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def agent(world_url: str, otlp: str, *extra: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [PY, "-m", "examples.demo_agent", "--world", world_url, "--otlp", otlp, *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, "SAGA_OTEL_LOG_LEVEL": "ERROR"},
+    )
+
+
+def run_agent(world_url: str, otlp: str) -> dict[str, Any]:
+    proc = agent(world_url, otlp)
+    out, _ = proc.communicate(timeout=60)
+    result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+    return result
+
+
+def view(api: str, run_id: str) -> dict[str, Any]:
+    resp = httpx.get(f"{api}/runs/{run_id}", timeout=5)
+    out: dict[str, Any] = resp.json() if resp.status_code == 200 else {}
+    return out
+
+
+def show(api: str, run_id: str) -> None:
+    subprocess.run([str(BIN / "saga-sidecar"), "runs", "show", run_id, "--api", api], check=True)
+
+
+def show_alert(alert: dict[str, Any], since: float) -> None:
+    ann = alert.get("annotations", {})
+    delay = (alert["_received"] - since) * 1000
+    console.print(
+        f"  [bold]{alert['alertname']}[/] ({alert['severity']}) at the webhook "
+        f"{delay:.0f} ms after the event"
+    )
+    console.print(f"    {ann.get('description') or ann.get('summary')}")
+
+
+def main() -> None:
+    started = time.monotonic()
+    tmp = Path(tempfile.mkdtemp(prefix="saga-demo-"))
+    world = World()
+    world_server, world_url = serve_world(world)
+    hook = Webhook()
+    try:
+        with sidecar(tmp, hook.url) as sc:
+            console.rule("[bold]Act 1: a refund that succeeds")
+            first = run_agent(world_url, sc["otlp"])
+            wait_for(
+                "the run to complete",
+                lambda: view(sc["api"], first["run_id"]).get("status") == "completed",
+            )
+            show(sc["api"], first["run_id"])
+
+            console.rule("[bold]Act 2: the mail service is down")
+            world.tickets["T-9104"] = "open"
+            world.mail_down = True
+            t0 = time.time()
+            second = run_agent(world_url, sc["otlp"])
+            alert = wait_for(
+                "SagaCompensationStarted",
+                lambda: hook.find("SagaCompensationStarted", second["run_id"]),
+            )
+            show_alert(alert, t0)
+            wait_for(
+                "the alert to resolve",
+                lambda: hook.find("SagaCompensationStarted", second["run_id"], "resolved"),
+            )
+            console.print("  resolved when the run ended compensated")
+            show(sc["api"], second["run_id"])
+            console.print(f"  ledger for order 4921: {[e['amount'] for e in world.ledger]}")
+
+            console.rule("[bold]Act 3: the agent is killed right after issue_credit")
+            world.mail_down = False
+            world.tickets["T-9104"] = "open"
+            proc = agent(world_url, sc["otlp"], "--pause-after", "issue_credit")
+            assert proc.stdout is not None
+            paused = json.loads(proc.stdout.readline())
+            run_id = paused["run_id"]
+            os.kill(proc.pid, signal.SIGKILL)
+            killed_at = time.time()
+            proc.wait()
+            console.print(f"  SIGKILL sent to agent pid {proc.pid} (run {run_id})")
+            orphan = wait_for(
+                "SagaRunOrphaned", lambda: hook.find("SagaRunOrphaned", run_id), timeout=30
+            )
+            show_alert(orphan, killed_at)
+            stack = view(sc["api"], run_id).get("stack", [])
+            console.print(f"  the sidecar's stack: {[(c['tool'], c['args']) for c in stack]}")
+            console.print(f"  $ saga-otel recover {run_id} --tools examples.demo_tools:registry")
+            subprocess.run(
+                [
+                    str(BIN / "saga-otel"),
+                    "recover",
+                    run_id,
+                    "--tools",
+                    "examples.demo_tools:registry",
+                    "--sidecar",
+                    sc["api"],
+                    "--otlp",
+                    sc["otlp"],
+                ],
+                check=True,
+                env={**os.environ, "SAGA_DEMO_WORLD": world_url, "SAGA_OTEL_LOG_LEVEL": "ERROR"},
+            )
+            wait_for(
+                "the run to be recovered",
+                lambda: view(sc["api"], run_id).get("status") == "recovered",
+            )
+            show(sc["api"], run_id)
+            console.print(
+                f"  ledger: {[e['amount'] for e in world.ledger]}  "
+                f"(balance {world.balance(4921)}), ticket {world.tickets['T-9104']}"
+            )
+    finally:
+        world_server.shutdown()
+        hook.server.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)
+    console.rule(f"[bold green]done in {time.monotonic() - started:.1f} s")
+
+
+if __name__ == "__main__":
+    main()
