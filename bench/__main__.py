@@ -68,8 +68,7 @@ def render(figures: list[Figure], elapsed: float) -> str:
         "the same load generator; the ratio is what we hold ourselves to. Tests never",
         "assert times: these numbers live here only.",
         "",
-        f"Last run: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
-        f"{elapsed:.0f} s in all.",
+        f"Last run: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {elapsed:.0f} s in all.",
         "",
         "## Machine",
         "",

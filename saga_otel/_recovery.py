@@ -79,7 +79,8 @@ def recover(
 
     Refuses a run past its pivot (there is nothing safe to undo: forward
     recovery or a person) and returns at once, doing nothing, for a run that
-    is already finished or whose stack is empty.
+    is already finished. A run with an empty stack is still closed, so the
+    sidecar marks it recovered.
     """
     view = view if view is not None else fetch_run(run_id, sidecar, token=token)
     status = str(view.get("status", ""))
@@ -98,7 +99,8 @@ def recover(
             "longer be undone safely. Finish it forward (idempotent retries) or settle it by "
             f"hand, then `saga-sidecar runs resolve {run_id} --note ...`"
         )
-    if status in _FINISHED or not stack:
+    if status in _FINISHED:
+        # Already finished (perhaps by an earlier recovery): nothing is undone twice.
         return SagaReport(saga=saga.name, run_id=run_id, status=RunStatus.COMPENSATED, steps=())
     missing = sorted({c.tool for c in stack if c.tool not in tools})
     if missing:
@@ -118,7 +120,7 @@ def recover(
     core.state = replace(
         core.state,
         stack=tuple(reversed(stack)),  # the sidecar sends top first; the state keeps bottom first
-        next_index=max(c.index for c in stack) + 1,
+        next_index=max((c.index for c in stack), default=-1) + 1,
         failed_step=view.get("failed_step") or None,
     )
     failure = OrphanedRunError(

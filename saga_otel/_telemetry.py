@@ -46,6 +46,7 @@ def default_logger() -> Any:
     if structlog.is_configured():
         return structlog.get_logger("saga_otel")
     level = getattr(logging, os.environ.get("SAGA_OTEL_LOG_LEVEL", "INFO").upper(), logging.INFO)
+    # bind() resolves structlog's lazy proxy once, instead of on every event.
     return structlog.wrap_logger(
         structlog.PrintLogger(sys.stderr),
         processors=[
@@ -55,7 +56,21 @@ def default_logger() -> Any:
         ],
         wrapper_class=structlog.make_filtering_bound_logger(level),
         logger_name="saga_otel",
-    )
+    ).bind()
+
+
+_LEVELS = {
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+}
+
+_SPAN_NAMES: dict[str, Callable[[str], str]] = {
+    sc.PHASE_DO: sc.do_span_name,
+    sc.PHASE_COMPENSATE: sc.compensate_span_name,
+    sc.PHASE_VALIDATE: sc.validate_span_name,
+}
 
 
 def _hex_trace(ctx: SpanContext) -> str:
@@ -115,6 +130,7 @@ class Instrumentation:
         self.tracer = provider.get_tracer("saga_otel", _VERSION)
         self.metrics: SagaMetrics = metrics_for(registry)
         self.log = logger if logger is not None else default_logger()
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
 
     # -- safety ------------------------------------------------------------
     def _guard(self, kind: str, fn: Callable[[], Any]) -> Any:
@@ -124,6 +140,14 @@ class Instrumentation:
             self.swallowed(kind, exc)
             return None
 
+    def _child(self, metric: Any, *labels: str) -> Any:
+        """A labelled child, cached: prometheus-client's labels() is the costly part."""
+        key = (id(metric), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
     def swallowed(self, kind: str, exc: BaseException) -> None:
         """Count and log an error that must not reach the agent."""
         try:
@@ -132,7 +156,19 @@ class Instrumentation:
         except Exception:
             pass
 
+    def _enabled(self, level: str) -> bool:
+        check = getattr(self.log, "is_enabled_for", None)
+        if check is None:
+            return True
+        try:
+            return bool(check(_LEVELS[level]))
+        except Exception:
+            return True
+
     def _event(self, level: str, event: str, span: Span | None, **fields: Any) -> None:
+        if not self._enabled(level):  # skip building the event at all
+            return
+
         def emit() -> None:
             ctx = span.get_span_context() if span is not None else None
             if ctx is not None and ctx.is_valid:
@@ -241,11 +277,6 @@ class Instrumentation:
         plain ``with`` in sync and async code alike, so the span closes after
         the awaited call, never before.
         """
-        names = {
-            sc.PHASE_DO: sc.do_span_name,
-            sc.PHASE_COMPENSATE: sc.compensate_span_name,
-            sc.PHASE_VALIDATE: sc.validate_span_name,
-        }
         attrs: dict[str, Any] = {**self._identity(run, phase), sc.SAGA_STEP_NAME: step}
         if phase != sc.PHASE_VALIDATE:  # the contract gives validate spans no index/attempt
             attrs[sc.SAGA_STEP_INDEX] = index
@@ -259,15 +290,13 @@ class Instrumentation:
         if tool is not None and phase in (sc.PHASE_DO, sc.PHASE_COMPENSATE):
             attrs[sc.GEN_AI_OPERATION_NAME] = sc.GEN_AI_OPERATION_EXECUTE_TOOL
             attrs[sc.GEN_AI_TOOL_NAME] = tool
-        span: Span = (
-            self._guard(
-                "span",
-                lambda: self.tracer.start_span(
-                    names[phase](step), context=run.context, attributes=attrs
-                ),
+        try:
+            span: Span = self.tracer.start_span(
+                _SPAN_NAMES[phase](step), context=run.context, attributes=attrs
             )
-            or trace.INVALID_SPAN
-        )
+        except Exception as exc:
+            self.swallowed("span", exc)
+            span = trace.INVALID_SPAN
         handle = Attempt(span)
         common = {
             "saga": self.saga,
@@ -276,14 +305,13 @@ class Instrumentation:
             "phase": phase,
             "attempt": attempt,
         }
-        self._event("info", sc.EV_STEP_STARTED, span, **common)
+        # Start events are debug: the finish event carries everything, at half the cost.
+        self._event("debug", sc.EV_STEP_STARTED, span, **common)
         if attempt > 1:
-            self._guard(
-                "metric",
-                lambda: self.metrics.step_retries.labels(
-                    saga=self.saga, step=step, phase=phase
-                ).inc(),
-            )
+            try:
+                self._child(self.metrics.step_retries, self.saga, step, phase).inc()
+            except Exception as exc:
+                self.swallowed("metric", exc)
         t0 = time.perf_counter()
         try:
             yield handle
@@ -316,18 +344,11 @@ class Instrumentation:
 
         self._guard("span", close)
         step, phase = common["step"], common["phase"]
-        self._guard(
-            "metric",
-            lambda: self.metrics.steps.labels(
-                saga=self.saga, step=step, phase=phase, outcome=outcome
-            ).inc(),
-        )
-        self._guard(
-            "metric",
-            lambda: self.metrics.step_duration.labels(
-                saga=self.saga, step=step, phase=phase
-            ).observe(elapsed),
-        )
+        try:
+            self._child(self.metrics.steps, self.saga, step, phase, outcome).inc()
+            self._child(self.metrics.step_duration, self.saga, step, phase).observe(elapsed)
+        except Exception as err:
+            self.swallowed("metric", err)
         self._event(
             "info" if exc is None else "warning",
             sc.EV_STEP_FINISHED,

@@ -3,8 +3,16 @@
 from __future__ import annotations
 
 import socket
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
+
+# --import-mode=importlib puts no test folder on sys.path; tests import support.py.
+sys.path.insert(0, str(Path(__file__).parent))
+
+from support import SidecarProcess, start_sidecar
 
 
 def free_port() -> int:
@@ -28,3 +36,18 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
             f"CI: {len(skipped)} test(s) skipped; every test must run in CI", red=True
         )
         terminalreporter._session.exitstatus = pytest.ExitCode.TESTS_FAILED  # type: ignore[attr-defined]
+
+
+@pytest.fixture
+def sidecar_process(tmp_path: Path) -> Iterator[Callable[..., SidecarProcess]]:
+    """A factory: ``sidecar_process("--webhook", url)``; every one started is stopped."""
+    started: list[SidecarProcess] = []
+
+    def make(*args: str, db: Path | None = None) -> SidecarProcess:
+        sp = start_sidecar(tmp_path, *args, db=db)
+        started.append(sp)
+        return sp
+
+    yield make
+    for sp in started:
+        sp.stop()

@@ -1,0 +1,397 @@
+"""How fast an alert reaches a sink: from an unwind span leaving an agent, from an agent's death.
+
+Setup, all on loopback, each part in its own process as in production:
+
+- the real sidecar (``saga-sidecar serve``, SQLite in a temp dir) with one
+  ``--webhook`` sink, the bench's own aiohttp server (in a thread), which stamps
+  each alert on arrival;
+- a background load process exporting complete runs over OTLP/HTTP (19 ``do``
+  spans and the ``run`` span per request, paced at ~1,300 spans/s), so the sidecar
+  is busy while it alerts; the achieved rate is in the notes;
+- the measuring agent: for each run it exports one ``do`` span (untimed), then the
+  ``unwind`` span with the OTLP/HTTP exporter; the clock starts when that export
+  call starts and stops when the webhook receives SagaCompensationStarted.
+
+Reference: the same export call's own duration (the OTLP request round trip), so
+ratio = alert latency / export latency.
+
+Orphan detection: an agent process using ``saga_otel.configure`` (1 s heartbeats)
+opens a run and is SIGKILLed; the figure is the time from the kill to
+SagaRunOrphaned at the webhook. The contract orphans after three missed
+heartbeats, so the expected value lies between 2 and 3 s plus the sidecar's tick.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.trace import Status, StatusCode
+
+from bench._figures import Figure
+from saga_otel import semconv as sc
+
+AREA = "alerts"
+SAMPLES = 200
+WARMUP = 20
+LOAD_SPANS_PER_REQUEST = 20
+LOAD_TARGET_SPANS_PER_S = 1300
+ORPHAN_TRIALS = 3
+GOAL_P99_MS = 50.0
+GOAL_ORPHAN_S = 3.0
+
+
+class _Hook:
+    """The webhook sink: an aiohttp server on its own loop thread, stamping arrivals."""
+
+    def __init__(self) -> None:
+        self.arrivals: dict[tuple[str, str, str], float] = {}
+        self._cond = threading.Condition()
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self.port = 0
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self._loop)
+
+        async def handle(request: web.Request) -> web.Response:
+            body = await request.json()
+            now = time.time()
+            with self._cond:
+                key = (body["alertname"], body["status"], body["run_id"])
+                self.arrivals.setdefault(key, now)
+                self._cond.notify_all()
+            return web.Response(text="ok")
+
+        async def start() -> None:
+            app = web.Application()
+            app.router.add_post("/hook", handle)
+            runner = web.AppRunner(app, access_log=None)
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+            self._ready.set()
+
+        self._loop.run_until_complete(start())
+        self._loop.run_forever()
+
+    def __enter__(self) -> _Hook:
+        self._thread.start()
+        self._ready.wait(10)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/hook"
+
+    def wait(self, alertname: str, status: str, run_id: str, limit: float = 15.0) -> float:
+        key = (alertname, status, run_id)
+        with self._cond:
+            if not self._cond.wait_for(lambda: key in self.arrivals, limit):
+                raise RuntimeError(f"no {alertname} {status} for {run_id} within {limit} s")
+            return self.arrivals[key]
+
+
+class _SidecarProc:
+    def __init__(self, db: Path, webhook: str) -> None:
+        self._proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                "from sidecar._cli import main; main()",
+                "serve",
+                "--otlp-http-port=0",
+                "--otlp-grpc-port=0",
+                "--api-port=0",
+                f"--db={db}",
+                f"--webhook={webhook}",
+                "--no-alert-log",
+                "--log-level=WARNING",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        assert self._proc.stdout is not None
+        line = self._proc.stdout.readline()
+        if not line:
+            raise RuntimeError("saga-sidecar serve did not start")
+        self.ports = json.loads(line)
+        self.otlp = f"http://127.0.0.1:{self.ports['otlp_http']}"
+
+    def close(self) -> None:
+        self._proc.terminate()
+        self._proc.wait(15)
+
+
+_LOAD = r"""
+import json, sys, time, uuid
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry import trace
+from saga_otel import semconv as sc
+
+endpoint, per_request = sys.argv[1], int(sys.argv[2])
+rate, duration = float(sys.argv[3]), float(sys.argv[4])
+resource = Resource.create({"service.name": "load", "service.instance.id": "load-1"})
+provider = TracerProvider(resource=resource)
+tracer = provider.get_tracer("load")
+exporter = OTLPSpanExporter(endpoint=endpoint + "/v1/traces", timeout=10)
+sent, start = 0, time.monotonic()
+interval = per_request / rate
+next_at = start
+while time.monotonic() - start < duration:
+    run_id = uuid.uuid4().hex
+    ident = {sc.SAGA_RUN_ID: run_id, sc.SAGA_NAME: "load", sc.SAGA_CONTRACT_VERSION: 1}
+    root = tracer.start_span("saga.run load", attributes={**ident, sc.SAGA_PHASE: "run"})
+    ctx = trace.set_span_in_context(root)
+    spans = []
+    for i in range(per_request - 1):
+        s = tracer.start_span("saga.do step", context=ctx, attributes={**ident, sc.SAGA_PHASE: "do",
+            sc.SAGA_STEP_NAME: f"s{i}", sc.SAGA_STEP_INDEX: i, sc.SAGA_STEP_CLASS: "read",
+            sc.SAGA_STEP_ATTEMPT: 1, sc.SAGA_STEP_PIVOT: False})
+        s.end()
+        spans.append(s)
+    root.set_attribute(sc.SAGA_RUN_STATUS, "completed")
+    root.end()
+    spans.append(root)
+    exporter.export(spans)
+    sent += len(spans)
+    next_at += interval
+    delay = next_at - time.monotonic()
+    if delay > 0:
+        time.sleep(delay)
+print(json.dumps({"spans": sent, "seconds": time.monotonic() - start}), flush=True)
+"""
+
+_AGENT = r"""
+import sys, time
+from opentelemetry import trace
+from saga_otel import semconv as sc
+from saga_otel._export import configure, register_open_run
+
+endpoint, run_id = sys.argv[1], sys.argv[2]
+configure(endpoint, heartbeat_interval=1.0)
+tracer = trace.get_tracer("agent")
+span = tracer.start_span("saga.do charge", attributes={
+    sc.SAGA_RUN_ID: run_id, sc.SAGA_NAME: "refund", sc.SAGA_CONTRACT_VERSION: 1,
+    sc.SAGA_PHASE: "do", sc.SAGA_STEP_NAME: "charge", sc.SAGA_STEP_INDEX: 0,
+    sc.SAGA_STEP_CLASS: "compensable", sc.SAGA_STEP_ATTEMPT: 1, sc.SAGA_STEP_PIVOT: False,
+    sc.SAGA_COMPENSATION_TOOL: "refund_charge", sc.SAGA_COMPENSATION_ARGS: '{"charge_id": "ch_1"}',
+    sc.SAGA_COMPENSATION_DESCRIPTION: "refund the charge"})
+span.end()
+register_open_run(run_id)
+print("ready", flush=True)
+time.sleep(3600)
+"""
+
+
+def _identity(run_id: str, phase: str) -> dict[str, Any]:
+    return {
+        sc.SAGA_RUN_ID: run_id,
+        sc.SAGA_NAME: "refund",
+        sc.SAGA_CONTRACT_VERSION: sc.CONTRACT_VERSION,
+        sc.SAGA_PHASE: phase,
+    }
+
+
+class _Agent:
+    """The measuring agent: builds one run's spans and exports them itself."""
+
+    def __init__(self, otlp: str) -> None:
+        self.provider = TracerProvider(
+            resource=Resource.create(
+                {sc.SERVICE_NAME: "bench-agent", sc.SERVICE_INSTANCE_ID: "bench-agent-1"}
+            ),
+            shutdown_on_exit=False,
+        )
+        self.tracer = self.provider.get_tracer("bench")
+        self.exporter = OTLPSpanExporter(endpoint=f"{otlp}/v1/traces", timeout=10)
+
+    def span(self, name: str, attrs: dict[str, Any], ok: bool = True) -> ReadableSpan:
+        span = self.tracer.start_span(name, attributes=attrs)
+        span.set_status(Status(StatusCode.OK if ok else StatusCode.ERROR))
+        span.end()
+        assert isinstance(span, ReadableSpan)
+        return span
+
+    def one(self, hook: _Hook) -> tuple[float, float]:
+        """(alert latency, export latency) in ms for one fresh run."""
+        run_id = uuid.uuid4().hex
+        comp = {
+            sc.SAGA_COMPENSATION_TOOL: "reverse_credit",
+            sc.SAGA_COMPENSATION_ARGS: '{"credit_id": "cr_1"}',
+            sc.SAGA_COMPENSATION_DESCRIPTION: "reverse the credit",
+        }
+        step = {sc.SAGA_STEP_NAME: "issue_credit", sc.SAGA_STEP_INDEX: 0, sc.SAGA_STEP_ATTEMPT: 1}
+        self.exporter.export(
+            [
+                self.span(
+                    "saga.do issue_credit",
+                    {**_identity(run_id, sc.PHASE_DO), **step, **comp,
+                     sc.SAGA_STEP_CLASS: "compensable", sc.SAGA_STEP_PIVOT: False},
+                )
+            ]
+        )  # fmt: skip
+        unwind = self.span(
+            "saga.unwind refund",
+            {
+                **_identity(run_id, sc.PHASE_UNWIND),
+                sc.SAGA_UNWIND_REASON: "SMTPError: mail down",
+                sc.SAGA_RUN_FAILED_STEP: "send_reply",
+                sc.SAGA_STACK: json.dumps(
+                    [{"step": "issue_credit", "index": 0, "tool": "reverse_credit",
+                      "args": {"credit_id": "cr_1"}, "description": "reverse the credit"}]
+                ),
+            },
+        )  # fmt: skip
+        t0 = time.time()
+        self.exporter.export([unwind])
+        t1 = time.time()
+        arrived = hook.wait(sc.ALERT_COMPENSATION_STARTED, "firing", run_id)
+        # Close the run (untimed) so it never idles into an orphan during the bench.
+        self.exporter.export(
+            [
+                self.span("saga.compensate issue_credit",
+                          {**_identity(run_id, sc.PHASE_COMPENSATE), **step, **comp}),
+                self.span("saga.run refund", {**_identity(run_id, sc.PHASE_RUN),
+                          sc.SAGA_RUN_STATUS: sc.STATUS_COMPENSATED,
+                          sc.SAGA_RUN_FAILED_STEP: "send_reply"}, ok=False),
+            ]
+        )  # fmt: skip
+        return (arrived - t0) * 1000.0, (t1 - t0) * 1000.0
+
+    def close(self) -> None:
+        self.exporter.shutdown()  # type: ignore[no-untyped-call]
+        self.provider.shutdown()
+
+
+def _pct(xs: list[float], q: float) -> float:
+    ordered = sorted(xs)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _orphan_trial(otlp: str, hook: _Hook) -> float:
+    run_id = uuid.uuid4().hex
+    agent = subprocess.Popen(
+        [sys.executable, "-c", _AGENT, otlp, run_id],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert agent.stdout is not None
+        if agent.stdout.readline().strip() != "ready":
+            raise RuntimeError("heartbeat agent did not start")
+        time.sleep(2.5)  # a few heartbeats reach the sidecar
+        killed = time.time()
+        os.kill(agent.pid, signal.SIGKILL)
+        arrived = hook.wait(sc.ALERT_RUN_ORPHANED, "firing", run_id, limit=20.0)
+        return arrived - killed
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+        agent.wait(10)
+
+
+def run(progress: Callable[[str], None]) -> list[Figure]:
+    with tempfile.TemporaryDirectory() as tmp, _Hook() as hook:
+        sidecar = _SidecarProc(Path(tmp) / "sidecar.db", hook.url)
+        try:
+            agent = _Agent(sidecar.otlp)
+            progress("alerts: warm-up")
+            for _ in range(WARMUP):
+                agent.one(hook)
+            duration = SAMPLES * 0.05 + 5
+            load = subprocess.Popen(
+                [sys.executable, "-c", _LOAD, sidecar.otlp, str(LOAD_SPANS_PER_REQUEST),
+                 str(LOAD_TARGET_SPANS_PER_S), str(duration)],
+                stdout=subprocess.PIPE,
+                text=True,
+            )  # fmt: skip
+            time.sleep(1.0)  # let the load settle
+            progress(f"alerts: {SAMPLES} unwinds under background load")
+            alert_ms: list[float] = []
+            export_ms: list[float] = []
+            for _ in range(SAMPLES):
+                a, e = agent.one(hook)
+                alert_ms.append(a)
+                export_ms.append(e)
+                time.sleep(0.02)
+            out, _ = load.communicate(timeout=duration + 60)
+            stats = json.loads(out.strip().splitlines()[-1])
+            rate = stats["spans"] / stats["seconds"]
+            agent.close()
+
+            progress(f"alerts: {ORPHAN_TRIALS} SIGKILLed agents (1 s heartbeats)")
+            orphan_s = [_orphan_trial(sidecar.otlp, hook) for _ in range(ORPHAN_TRIALS)]
+        finally:
+            sidecar.close()
+
+    load_note = (
+        f"background load {rate:,.0f} spans/s achieved (target {LOAD_TARGET_SPANS_PER_S}, "
+        f"{LOAD_SPANS_PER_REQUEST} spans per OTLP/HTTP request, complete runs) into the real "
+        "sidecar (own process, SQLite); webhook sink in the bench process"
+    )
+    figures = []
+    for label, q in (("p50", 0.50), ("p99", 0.99)):
+        value, ref = _pct(alert_ms, q), _pct(export_ms, q)
+        figures.append(
+            Figure(
+                area=AREA,
+                name=f"unwind span export start -> webhook alert, {label}",
+                value=round(value, 3),
+                unit="ms",
+                reference_name=f"the same OTLP/HTTP export call's own duration, {label}",
+                reference_value=round(ref, 3),
+                ratio=round(value / ref, 2) if ref else float("inf"),
+                goal=f"p99 <= {GOAL_P99_MS:g} ms",
+                met=_pct(alert_ms, 0.99) <= GOAL_P99_MS,
+                notes=f"{SAMPLES} runs after {WARMUP} warm-up; {load_note}",
+            )
+        )
+    worst = max(orphan_s)
+    figures.append(
+        Figure(
+            area=AREA,
+            name="agent SIGKILL -> SagaRunOrphaned at webhook (worst of trials)",
+            value=round(worst, 3),
+            unit="s",
+            reference_name="contract bound: three missed 1 s heartbeats",
+            reference_value=3.0,
+            ratio=round(worst / 3.0, 2),
+            goal=f"<= {GOAL_ORPHAN_S:g} s",
+            met=worst <= GOAL_ORPHAN_S,
+            notes=(
+                f"{ORPHAN_TRIALS} trials: "
+                + ", ".join(f"{x:.2f}" for x in orphan_s)
+                + f" s (median {statistics.median(orphan_s):.2f}); agent uses "
+                "saga_otel.configure(heartbeat_interval=1.0), killed 2.5 s after its run opened; "
+                "sidecar ticks every 0.2 s"
+            ),
+        )
+    )
+    return figures

@@ -1,0 +1,223 @@
+"""The latency durable export adds to a step: end a saga span, wait for the sidecar's ack.
+
+Receiver, in its own process on loopback as in production: the real sidecar
+(``sidecar._server.Sidecar``, OTLP/HTTP decode + SQLite write) when it starts,
+else a bare aiohttp OTLP/HTTP server that decodes the request and answers 200.
+The figure's notes say which one was measured.
+Reference: the same span ended on a provider with no saga processor, so no wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from opentelemetry.sdk.trace import TracerProvider
+from prometheus_client import CollectorRegistry
+
+from bench._figures import Figure
+from saga_otel import semconv as sc
+from saga_otel._export import configure, wait_for_ack, wait_for_ack_async
+
+AREA = "export"
+GOAL_P99_MS = 2.0
+WARMUP = 200
+SAMPLES = 3000
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+_RECEIVER = """
+import sys
+from aiohttp import web
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+async def traces(request):
+    ExportTraceServiceRequest.FromString(await request.read())
+    return web.Response(body=b"", content_type="application/x-protobuf")
+
+app = web.Application()
+app.router.add_post("/v1/traces", traces)
+web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), access_log=None, print=None)
+"""
+
+
+_SIDECAR = """
+import asyncio, sys, tempfile
+from pathlib import Path
+from sidecar._server import Sidecar
+from sidecar._settings import Settings
+
+async def main():
+    with tempfile.TemporaryDirectory() as tmp:
+        settings = Settings(otlp_http_port=int(sys.argv[1]), otlp_grpc_port=0, api_port=0,
+                            db_path=Path(tmp) / "sidecar.db")
+        async with Sidecar(settings):
+            await asyncio.Event().wait()
+
+asyncio.run(main())
+"""
+
+
+class _Receiver:
+    """The sidecar (or a bare receiver) in its own process, as in production."""
+
+    def __init__(self) -> None:
+        self.port = _free_port()
+        self.kind = ""
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def _start(self, script: str) -> bool:
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c", script, str(self.port)], stderr=subprocess.DEVNULL
+        )
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and self._proc.poll() is None:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return True
+            except OSError:
+                time.sleep(0.05)
+        self.__exit__()
+        return False
+
+    def __enter__(self) -> _Receiver:
+        if self._start(_SIDECAR):
+            self.kind = "the real sidecar (sidecar._server.Sidecar, SQLite in a temp dir)"
+        elif self._start(_RECEIVER):
+            self.kind = "a bare aiohttp OTLP/HTTP receiver (the sidecar did not start)"
+        else:
+            raise RuntimeError("bench receiver did not start")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._proc is not None:
+            if self._proc.poll() is None:
+                self._proc.terminate()
+            self._proc.wait(10)
+            self._proc = None
+
+
+def _attrs(i: int) -> dict[str, Any]:
+    return {
+        sc.SAGA_PHASE: sc.PHASE_DO,
+        sc.SAGA_RUN_ID: "bench-run",
+        sc.SAGA_NAME: "refund",
+        sc.SAGA_CONTRACT_VERSION: sc.CONTRACT_VERSION,
+        sc.SAGA_STEP_NAME: "charge",
+        sc.SAGA_STEP_INDEX: i,
+        sc.SAGA_STEP_CLASS: "compensable",
+        sc.SAGA_STEP_ATTEMPT: 1,
+        sc.SAGA_STEP_PIVOT: False,
+        sc.SAGA_COMPENSATION_TOOL: "refund_charge",
+        sc.SAGA_COMPENSATION_ARGS: '{"charge_id": "ch_123"}',
+        sc.SAGA_COMPENSATION_DESCRIPTION: "refund the charge",
+    }
+
+
+def _pct(xs: list[float], q: float) -> float:
+    ordered = sorted(xs)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _measure(provider: TracerProvider, wait: Callable[[Any], bool] | None, n: int) -> list[float]:
+    """Milliseconds of (span.end() [+ wait]) per span; spans started outside the timing."""
+    tracer = provider.get_tracer("bench")
+    out: list[float] = []
+    misses = 0
+    for i in range(n):
+        span = tracer.start_span("saga.do charge", attributes=_attrs(i))
+        t0 = time.perf_counter()
+        span.end()
+        if wait is not None and not wait(span):
+            misses += 1
+        out.append((time.perf_counter() - t0) * 1000.0)
+    if misses:
+        raise RuntimeError(f"{misses} of {n} durable waits missed their bound")
+    return out
+
+
+def _measure_async(provider: TracerProvider, n: int) -> list[float]:
+    tracer = provider.get_tracer("bench")
+
+    async def go() -> list[float]:
+        out: list[float] = []
+        for i in range(n):
+            span = tracer.start_span("saga.do charge", attributes=_attrs(i))
+            t0 = time.perf_counter()
+            span.end()
+            if not await wait_for_ack_async(span):
+                raise RuntimeError("durable wait missed its bound")
+            out.append((time.perf_counter() - t0) * 1000.0)
+        return out
+
+    return asyncio.run(go())
+
+
+def run(progress: Callable[[str], None]) -> list[Figure]:
+    plain = TracerProvider(shutdown_on_exit=False)
+    progress("export: reference (span.end with no saga processor)")
+    _measure(plain, None, WARMUP)
+    ref = _measure(plain, None, SAMPLES)
+
+    durable = TracerProvider(shutdown_on_exit=False)
+    with _Receiver() as rx:
+        kind = rx.kind
+        export = configure(
+            f"http://127.0.0.1:{rx.port}",
+            tracer_provider=durable,
+            registry=CollectorRegistry(),
+            ack_timeout=1.0,
+        )
+        try:
+            progress(f"export: durable sync, {SAMPLES} spans")
+            _measure(durable, wait_for_ack, WARMUP)
+            sync = _measure(durable, wait_for_ack, SAMPLES)
+            progress(f"export: durable async, {SAMPLES} spans")
+            _measure_async(durable, WARMUP)
+            asy = _measure_async(durable, SAMPLES)
+        finally:
+            export.shutdown()
+            durable.shutdown()
+    plain.shutdown()
+
+    note = (
+        f"end span + wait_for_ack against {kind}, own process on loopback; "
+        "reference: the same span ended with no processor; "
+        f"{SAMPLES} spans after {WARMUP} warm-up"
+    )
+    figures: list[Figure] = []
+    for label, xs in (("sync", sync), ("async", asy)):
+        for name, q in (("p50", 0.50), ("p99", 0.99)):
+            value, reference = _pct(xs, q), _pct(ref, q)
+            is_p99 = name == "p99"
+            figures.append(
+                Figure(
+                    area=AREA,
+                    name=f"durable export added latency, {label}, {name}",
+                    value=round(value, 4),
+                    unit="ms",
+                    reference_name=f"span.end() without saga processor, {name}",
+                    reference_value=round(reference, 4),
+                    ratio=round(value / reference, 1) if reference > 0 else float("inf"),
+                    goal=f"<= {GOAL_P99_MS} ms" if is_p99 else "",
+                    met=value <= GOAL_P99_MS if is_p99 else True,
+                    notes=note + (f"; mean {statistics.fmean(xs):.3f} ms" if name == "p50" else ""),
+                )
+            )
+    return figures
+
+
+if __name__ == "__main__":
+    for f in run(print):
+        print(f)

@@ -1,0 +1,250 @@
+"""Sidecar intake throughput and memory per open run, against a parse-only OTLP server.
+
+Both servers run as subprocesses pinned to the same single core; the same
+aiohttp load generator (pinned elsewhere when there is a second core) drives
+both in the same run, so the ratio compares like with like.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import aiohttp
+import psutil
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+from bench._figures import Figure
+from saga_otel import semconv as sc
+
+ROOT = Path(__file__).resolve().parent.parent
+SERVER_CORE = 0
+BATCH = 512
+SPANS_PER_RUN = 2
+CONCURRENCY = 8
+
+
+def _pin(core: int) -> Callable[[], None]:
+    def pin() -> None:
+        if hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, {core})
+
+    return pin
+
+
+def _start(args: list[str]) -> tuple[subprocess.Popen[str], dict[str, object]]:
+    proc = subprocess.Popen(
+        args,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        preexec_fn=_pin(SERVER_CORE),
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line:
+        raise RuntimeError(f"{args} exited before listening")
+    return proc, json.loads(line)
+
+
+def _start_sidecar(db: Path) -> tuple[subprocess.Popen[str], int]:
+    proc, info = _start(
+        [
+            sys.executable, "-c", "from sidecar._cli import main; main()", "serve",
+            "--otlp-http-port", "0", "--otlp-grpc-port", "0", "--api-port", "0",
+            "--db", str(db), "--idle-timeout", "1h", "--log-level", "WARNING",
+        ]
+    )  # fmt: skip
+    return proc, int(info["otlp_http"])  # type: ignore[call-overload]
+
+
+def _start_reference() -> tuple[subprocess.Popen[str], int]:
+    proc, info = _start([sys.executable, "-m", "bench._otlp_reference"])
+    return proc, int(info["port"])  # type: ignore[call-overload]
+
+
+def _bodies(n_requests: int, spans_per_request: int, seed: int) -> list[bytes]:
+    """Distinct requests of saga do spans (so nothing deduplicates), 2 spans per run."""
+    bodies = []
+    counter = seed * 10_000_000
+    for _ in range(n_requests):
+        req = ExportTraceServiceRequest()
+        rs = req.resource_spans.add()
+        for key, value in ((sc.SERVICE_NAME, "bench-agent"), (sc.SERVICE_INSTANCE_ID, "i-1")):
+            kv = rs.resource.attributes.add()
+            kv.key, kv.value.string_value = key, value
+        spans = rs.scope_spans.add().spans
+        for _ in range(spans_per_request):
+            counter += 1
+            run = counter // SPANS_PER_RUN
+            index = counter % SPANS_PER_RUN
+            span = spans.add()
+            span.trace_id = run.to_bytes(16, "big")
+            span.span_id = counter.to_bytes(8, "big")
+            span.name = sc.do_span_name("issue_credit")
+            span.start_time_unix_nano = 1_700_000_000_000_000_000 + counter * 1000
+            span.end_time_unix_nano = span.start_time_unix_nano + 500
+            span.status.code = 1
+            for key, val in (
+                (sc.SAGA_RUN_ID, f"{run:032x}"),
+                (sc.SAGA_NAME, "refund"),
+                (sc.SAGA_PHASE, sc.PHASE_DO),
+                (sc.SAGA_STEP_NAME, "issue_credit"),
+                (sc.SAGA_STEP_CLASS, "compensable"),
+                (sc.SAGA_COMPENSATION_TOOL, "reverse_credit"),
+                (sc.SAGA_COMPENSATION_ARGS, f'{{"credit_id": "cr_{counter}"}}'),
+                (sc.SAGA_COMPENSATION_DESCRIPTION, "reverse the credit"),
+            ):
+                kv = span.attributes.add()
+                kv.key, kv.value.string_value = key, val
+            for key, num in (
+                (sc.SAGA_STEP_INDEX, index),
+                (sc.SAGA_STEP_ATTEMPT, 1),
+                (sc.SAGA_CONTRACT_VERSION, 1),
+            ):
+                kv = span.attributes.add()
+                kv.key, kv.value.int_value = key, num
+        bodies.append(req.SerializeToString())
+    return bodies
+
+
+async def _drive(port: int, bodies: Sequence[bytes]) -> float:
+    """Send every body (CONCURRENCY at a time); seconds taken."""
+    url = f"http://127.0.0.1:{port}/v1/traces"
+    headers = {"Content-Type": "application/x-protobuf"}
+    queue = list(reversed(bodies))
+    connector = aiohttp.TCPConnector(limit=CONCURRENCY)
+
+    async with aiohttp.ClientSession(connector=connector) as session:
+
+        async def worker() -> None:
+            while queue:
+                body = queue.pop()
+                async with session.post(url, data=body, headers=headers) as resp:
+                    await resp.read()
+                    if resp.status != 200:
+                        raise RuntimeError(f"server answered {resp.status}")
+
+        started = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(CONCURRENCY)))
+        return time.perf_counter() - started
+
+
+def _stop(proc: subprocess.Popen[str]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _pin_self() -> None:
+    cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
+    others = sorted(cores - {SERVER_CORE})
+    if others:
+        os.sched_setaffinity(0, set(others))
+
+
+def _throughput(
+    progress: Callable[[str], None], name: str, spans_per_request: int, n_requests: int
+) -> tuple[float, float]:
+    """(sidecar, reference) requests per second for the same bodies."""
+    warm = _bodies(max(4, n_requests // 20), spans_per_request, seed=9)
+    results = []
+    for label in ("reference", "sidecar"):
+        bodies = _bodies(n_requests, spans_per_request, seed=1)
+        with tempfile.TemporaryDirectory() as tmp:
+            if label == "sidecar":
+                proc, port = _start_sidecar(Path(tmp) / "sidecar.db")
+            else:
+                proc, port = _start_reference()
+            try:
+                asyncio.run(_drive(port, warm))
+                seconds = asyncio.run(_drive(port, bodies))
+            finally:
+                _stop(proc)
+        rate = n_requests / seconds
+        progress(f"{name}: {label} {rate:,.0f} requests/s")
+        results.append(rate)
+    return results[1], results[0]
+
+
+def run(progress: Callable[[str], None]) -> list[Figure]:
+    _pin_self()
+    figures = []
+    side, ref = _throughput(progress, "512-span batches", BATCH, 300)
+    figures.append(
+        Figure(
+            area="sidecar",
+            name="ingest, 512-span protobuf batches (server on 1 core)",
+            value=side * BATCH,
+            unit="spans/s",
+            reference_name="parse-only aiohttp OTLP/HTTP server",
+            reference_value=ref * BATCH,
+            ratio=side / ref,
+            goal=">= 0.5",
+            met=side / ref >= 0.5,
+            notes="sidecar stores every span in SQLite (WAL) and folds it into run state",
+        )
+    )
+    side, ref = _throughput(progress, "single-span requests", 1, 3000)
+    figures.append(
+        Figure(
+            area="sidecar",
+            name="single-span requests (server on 1 core)",
+            value=side,
+            unit="requests/s",
+            reference_name="parse-only aiohttp OTLP/HTTP server",
+            reference_value=ref,
+            ratio=side / ref,
+            goal=">= 0.5",
+            met=side / ref >= 0.5,
+            notes="one SQLite transaction per request",
+        )
+    )
+    figures.append(_memory(progress))
+    return figures
+
+
+def _memory(progress: Callable[[str], None], runs: int = 100_000) -> Figure:
+    per_request = BATCH
+    n_requests = runs * SPANS_PER_RUN // per_request + 1
+    bodies = _bodies(n_requests, per_request, seed=3)
+    with tempfile.TemporaryDirectory() as tmp:
+        proc, port = _start_sidecar(Path(tmp) / "sidecar.db")
+        try:
+            asyncio.run(_drive(port, _bodies(1, 2, seed=4)))  # imports and first-request work
+            idle = psutil.Process(proc.pid).memory_info().rss
+            asyncio.run(_drive(port, bodies))
+            loaded = psutil.Process(proc.pid).memory_info().rss
+        finally:
+            _stop(proc)
+    open_runs = n_requests * per_request // SPANS_PER_RUN
+    per_run = (loaded - idle) / open_runs
+    progress(f"memory: idle {idle / 2**20:.1f} MiB, {open_runs} open runs {loaded / 2**20:.1f} MiB")
+    return Figure(
+        area="sidecar",
+        name=f"RSS per open run at {open_runs:,} open runs",
+        value=per_run,
+        unit="bytes",
+        reference_name="RSS of the idle sidecar",
+        reference_value=float(idle),
+        ratio=per_run / 2048,
+        goal="<= 2048 bytes per run",
+        met=per_run <= 2048,
+        notes=f"{SPANS_PER_RUN} do spans per run, each with a compensation; ratio is per run / 2 KiB",
+    )
+
+
+if __name__ == "__main__":
+    for figure in run(print):
+        print(figure)
