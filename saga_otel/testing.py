@@ -134,9 +134,9 @@ class FailureInjector:
     phases: tuple[str, ...] = ("do", "compensate")
     transient_attempts: int = 1
     _plans: dict[tuple[str, str], _Plan] = field(default_factory=dict)
-    _random_left: dict[tuple[str, str, int], int] = field(default_factory=dict)
+    _random_left: dict[tuple[str, str, str, int], int] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
-    injected: list[tuple[str, str, int]] = field(default_factory=list)
+    injected: list[tuple[str, str, str, int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self._rng = random.Random(self.seed)
@@ -152,17 +152,20 @@ class FailureInjector:
         self._plans[(tool, phase)] = _Plan(phase, times, error)
         return self
 
-    def should_fail(self, tool: str, phase: str, index: int) -> BaseException | None:
+    def should_fail(
+        self, tool: str, phase: str, index: int, run_id: str = ""
+    ) -> BaseException | None:
+        """The error to raise for this call, or None. Random draws are per run and step."""
         with self._lock:
             plan = self._plans.get((tool, phase))
             if plan is not None:
                 if plan.times is None or plan.count < plan.times:
                     plan.count += 1
-                    self.injected.append((tool, phase, index))
+                    self.injected.append((run_id, tool, phase, index))
                     return plan.error(f"injected failure in {phase} of {tool}")
                 return None
             if self.rate and phase in self.phases:
-                key = (tool, phase, index)
+                key = (run_id, tool, phase, index)
                 left = self._random_left.get(key)
                 if left is None:
                     left = self.transient_attempts if self._rng.random() < self.rate else 0
@@ -188,7 +191,7 @@ class FailureInjector:
             call = current_call()
             phase = call.phase if call else "do"
             index = call.index if call else -1
-            exc = injector.should_fail(t.name, phase, index)
+            exc = injector.should_fail(t.name, phase, index, call.run_id if call else "")
             if exc is not None:
                 raise exc
 
