@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo lint fmt bench chaos clean
+.PHONY: test demo lint fmt bench chaos dashboards clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -20,16 +20,19 @@ demo: $(STAMP)
 	$(BIN)/python -m examples.demo
 
 lint: $(STAMP)
-	$(BIN)/ruff check saga_otel sidecar tests bench examples
-	$(BIN)/ruff format --check saga_otel sidecar tests bench examples
+	$(BIN)/ruff check saga_otel sidecar tests bench examples dashboards
+	$(BIN)/ruff format --check saga_otel sidecar tests bench examples dashboards
 	$(BIN)/mypy
 
 fmt: $(STAMP)
-	$(BIN)/ruff format saga_otel sidecar tests bench examples
-	$(BIN)/ruff check --fix saga_otel sidecar tests bench examples
+	$(BIN)/ruff format saga_otel sidecar tests bench examples dashboards
+	$(BIN)/ruff check --fix saga_otel sidecar tests bench examples dashboards
 
 bench: $(STAMP)
 	$(BIN)/python -m bench
+
+dashboards: $(STAMP)
+	$(BIN)/python -m dashboards.generate
 
 chaos: $(STAMP)
 	$(BIN)/python -m pytest -m chaos $(PYTEST_ARGS)

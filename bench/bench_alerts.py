@@ -52,6 +52,7 @@ SAMPLES = 200
 WARMUP = 20
 LOAD_SPANS_PER_REQUEST = 20
 LOAD_TARGET_SPANS_PER_S = 1300
+MIN_LOAD_SPANS_PER_S = 1000
 ORPHAN_TRIALS = 3
 GOAL_P99_MS = 50.0
 GOAL_ORPHAN_S = 3.0
@@ -355,6 +356,7 @@ def run(progress: Callable[[str], None]) -> list[Figure]:
         f"background load {rate:,.0f} spans/s achieved (target {LOAD_TARGET_SPANS_PER_S}, "
         f"{LOAD_SPANS_PER_REQUEST} spans per OTLP/HTTP request, complete runs) into the real "
         "sidecar (own process, SQLite); webhook sink in the bench process"
+        + ("" if rate >= MIN_LOAD_SPANS_PER_S else "; LOAD BELOW 1,000 spans/s: machine busy")
     )
     figures = []
     for label, q in (("p50", 0.50), ("p99", 0.99)):
@@ -368,8 +370,9 @@ def run(progress: Callable[[str], None]) -> list[Figure]:
                 reference_name=f"the same OTLP/HTTP export call's own duration, {label}",
                 reference_value=round(ref, 3),
                 ratio=round(value / ref, 2) if ref else float("inf"),
-                goal=f"p99 <= {GOAL_P99_MS:g} ms",
-                met=_pct(alert_ms, 0.99) <= GOAL_P99_MS,
+                goal=f"p99 <= {GOAL_P99_MS:g} ms under >= {MIN_LOAD_SPANS_PER_S} spans/s",
+                # The goal only counts under the load it is stated for.
+                met=_pct(alert_ms, 0.99) <= GOAL_P99_MS and rate >= MIN_LOAD_SPANS_PER_S,
                 notes=f"{SAMPLES} runs after {WARMUP} warm-up; {load_note}",
             )
         )

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import aiohttp
-import psutil
+import psutil  # type: ignore[import-untyped]
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from bench._figures import Figure
@@ -92,7 +92,7 @@ def _bodies(n_requests: int, spans_per_request: int, seed: int) -> list[bytes]:
             span.name = sc.do_span_name("issue_credit")
             span.start_time_unix_nano = 1_700_000_000_000_000_000 + counter * 1000
             span.end_time_unix_nano = span.start_time_unix_nano + 500
-            span.status.code = 1
+            span.status.code = 1  # type: ignore[assignment]  # STATUS_CODE_OK
             for key, val in (
                 (sc.SAGA_RUN_ID, f"{run:032x}"),
                 (sc.SAGA_NAME, "refund"),
@@ -241,7 +241,7 @@ def _memory(progress: Callable[[str], None], runs: int = 100_000) -> Figure:
         ratio=per_run / 2048,
         goal="<= 2048 bytes per run",
         met=per_run <= 2048,
-        notes=f"{SPANS_PER_RUN} do spans per run, each with a compensation; ratio is per run / 2 KiB",
+        notes=f"{SPANS_PER_RUN} do spans per run with a compensation; ratio = per run / 2 KiB",
     )
 
 

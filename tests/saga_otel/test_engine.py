@@ -453,7 +453,9 @@ def test_keyboard_interrupt_unwinds_before_propagating(cap: Captured) -> None:
 
 
 def test_many_runs_in_threads_share_no_state(cap: Captured) -> None:
-    world = World(orders={i: {"order_id": i, "amount": i, "ticket_id": "T-9104"} for i in range(40)})
+    world = World(
+        orders={i: {"order_id": i, "amount": i, "ticket_id": "T-9104"} for i in range(40)}
+    )
     world.tickets = {"T-9104": "open"}
     saga = cap.saga("refund", tools=refund_tools(world))
     reports: list[SagaReport] = []

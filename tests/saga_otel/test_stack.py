@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from saga_otel import RetryPolicy, RunStatus, StepClass, StepRefusedError, ToolRegistry, tool
-from saga_otel import _stack
+from saga_otel import (
+    RetryPolicy,
+    RunStatus,
+    StepClass,
+    StepRefusedError,
+    ToolRegistry,
+    _stack,
+    tool,
+)
 from saga_otel._records import Compensation, CompensationOutcome, StepRecord
 from saga_otel.testing import capture
 
@@ -90,9 +98,7 @@ def test_unwind_properties(plan: list[PlannedStep]) -> None:
     first_fail = next((i for i, p in enumerate(plan) if p.do_fails), None)
     ran = plan if first_fail is None else plan[:first_fail]
     succeeded = list(range(len(ran)))
-    pivot_at = next(
-        (i for i in succeeded if plan[i].klass is StepClass.IRREVERSIBLE), None
-    )
+    pivot_at = next((i for i in succeeded if plan[i].klass is StepClass.IRREVERSIBLE), None)
     pushed = [i for i in succeeded if plan[i].klass.pushes]
     undone = [ref for kind, ref in effects if kind == "undo"]
 

@@ -111,7 +111,11 @@ async def test_compensation_failed_run_spans(cap: Captured) -> None:
     assert report.status is RunStatus.COMPENSATION_FAILED
     assert contract_violations(cap.spans()) == []
     attempts = [
-        (span_attrs(s)[sc.SAGA_STEP_INDEX], span_attrs(s)[sc.SAGA_STEP_ATTEMPT], s.status.status_code)
+        (
+            span_attrs(s)[sc.SAGA_STEP_INDEX],
+            span_attrs(s)[sc.SAGA_STEP_ATTEMPT],
+            s.status.status_code,
+        )
         for s in cap.spans(phase="compensate")
     ]
     assert attempts == [(2, 1, StatusCode.OK), (1, 1, StatusCode.ERROR), (1, 2, StatusCode.ERROR)]
@@ -120,7 +124,12 @@ async def test_compensation_failed_run_spans(cap: Captured) -> None:
     card = json.loads(esc[sc.SAGA_ESCALATION_CARD])
     assert "reverse_credit" in card["not_undone"][0]
     assert cap.metric("saga_compensation_failures_total", saga="refund", step="issue_credit") == 1
-    assert cap.metric("saga_step_retries_total", saga="refund", step="issue_credit", phase="compensate") == 1
+    assert (
+        cap.metric(
+            "saga_step_retries_total", saga="refund", step="issue_credit", phase="compensate"
+        )
+        == 1
+    )
     assert _one(cap, "run")[sc.SAGA_RUN_FAILED_STEP] == "send_reply"
     assert cap.events("saga.escalation")[0]["level"] == "error"
 
@@ -246,16 +255,25 @@ async def test_observed_step_object_and_function_match_the_engine() -> None:
                 out.append((s.name, a.get(sc.SAGA_STEP_CLASS, ""), s.status.status_code))
         return out
 
-    assert shape(cap, "do") == [s for s in shape(engine_cap, "do") if s[0] != "saga.do get_order" and s[0] != "saga.do set_ticket_status"]
+    assert shape(cap, "do") == [
+        s
+        for s in shape(engine_cap, "do")
+        if s[0] != "saga.do get_order" and s[0] != "saga.do set_ticket_status"
+    ]
     assert len(cap.spans(phase="unwind")) == 1
     assert shape(cap, "run") == [("saga.run refund", "", StatusCode.ERROR)]
     assert _one(cap, "run")[sc.SAGA_RUN_STATUS] == "compensated"
     comp = _one(cap, "compensate")
-    assert json.loads(comp[sc.SAGA_COMPENSATION_ARGS]) == {"credit_id": world.ledger[0]["credit_id"]}
+    assert json.loads(comp[sc.SAGA_COMPENSATION_ARGS]) == {
+        "credit_id": world.ledger[0]["credit_id"]
+    }
     # Same metric families and log events as the engine.
     for name in ("saga_runs_started_total", "saga_unwinds_total"):
         assert cap.metric(name, saga="refund") == engine_cap.metric(name, saga="refund") == 1
-    assert cap.metric("saga_compensations_total", saga="refund", step="issue_credit", outcome="ok") == 1
+    assert (
+        cap.metric("saga_compensations_total", saga="refund", step="issue_credit", outcome="ok")
+        == 1
+    )
     assert {e["event"] for e in cap.logs} >= {sc.EV_STEP_STARTED, sc.EV_STEP_FINISHED, sc.EV_UNWIND}
 
 
@@ -266,7 +284,9 @@ def test_observed_plain_sync_function_propagates_exceptions_unchanged() -> None:
     def flaky() -> None:
         raise err
 
-    wrapped = observed(flaky, saga="s", tracer_provider=cap.provider, registry=cap.registry, logger=cap.logger)
+    wrapped = observed(
+        flaky, saga="s", tracer_provider=cap.provider, registry=cap.registry, logger=cap.logger
+    )
     with pytest.raises(ValueError) as info:
         wrapped()
     assert info.value is err

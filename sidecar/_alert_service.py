@@ -1,0 +1,136 @@
+"""Alerting wired to a sidecar: rules on every committed view change, the outbox behind them.
+
+``install_alerting(sidecar, settings)`` is the whole integration: it registers
+the listener, re-evaluates the stored views once (an alert whose span was
+acknowledged just before a crash is still raised), and runs the delivery loop
+as one of the sidecar's background tasks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry
+
+from ._alert_settings import AlertSettings
+from ._alerting import AlertEvent, View, evaluate, resolve_stale
+from ._errors import SidecarError
+from ._outbox import AlertMetrics, Outbox, describe_routing
+from ._sinks import Sink
+
+if TYPE_CHECKING:
+    from ._server import Sidecar
+
+log = logging.getLogger("sidecar.alerts")
+
+
+class AlertService:
+    """The rules and the outbox of one sidecar."""
+
+    def __init__(
+        self,
+        db_path: Path | str,
+        settings: AlertSettings | None = None,
+        *,
+        registry: CollectorRegistry | None = None,
+        sinks: Sequence[Sink] | None = None,
+        clock: Callable[[], float] = time.time,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.settings = settings or AlertSettings()
+        self.rules = self.settings.rule_config()
+        chosen = list(sinks) if sinks is not None else self.settings.sinks()
+        routing = self.settings.routing()
+        for problem in describe_routing(routing, chosen):
+            log.warning("alert routing: %s", problem)
+        # Set once the startup re-evaluation has been written (install_alerting).
+        self.reevaluated = asyncio.Event()
+        self.outbox = Outbox(
+            db_path,
+            chosen,
+            routing,
+            metrics=AlertMetrics.create(registry) if registry is not None else None,
+            backoff=self.settings.backoff(),
+            clock=clock,
+            sleep=sleep,
+            rng=rng,
+        )
+
+    def on_change(self, before: View | None, after: View, now: float) -> list[AlertEvent]:
+        """Listener for committed view changes. Never raises into the caller's commit path."""
+        try:
+            events = evaluate(before, after, now, self.rules)
+            if events:
+                self.outbox.add(events)
+            return events
+        except SidecarError as exc:
+            # The startup re-evaluation raises it again after the store is fixed.
+            log.error(
+                "could not write alerts of run %s (raised again at the next start): %s",
+                after.get("run_id"),
+                exc,
+            )
+            return []
+
+    def listener(self, before: View | None, after: View, now: float) -> None:
+        """:meth:`on_change` in the shape ``Sidecar.add_listener`` takes."""
+        self.on_change(before, after, now)
+
+    def reevaluate(self, views: Iterable[View], now: float) -> int:
+        """Raise what stored views hold open, resolve what they no longer do; rows inserted."""
+        fired = self.outbox.open_alerts()
+        events: list[AlertEvent] = []
+        for view in views:
+            events += evaluate(None, view, now, self.rules)
+            events += resolve_stale(fired.get(str(view.get("run_id")), []), view, now, self.rules)
+        return self.outbox.add(events)
+
+    async def start(self) -> None:
+        await self.outbox.start()
+
+    async def run(self) -> None:
+        await self.outbox.run()
+
+    async def stop(self) -> None:
+        await self.outbox.stop()
+
+    def close(self) -> None:
+        self.outbox.close()
+
+
+def install_alerting(
+    sidecar: Sidecar,
+    settings: AlertSettings | None = None,
+    **kwargs: Any,
+) -> AlertService:
+    """Hook alerting into a :class:`sidecar._server.Sidecar` before it starts.
+
+    Alert metrics join the sidecar's registry (its ``/metrics``); the outbox tables
+    join its database file. ``kwargs`` go to :class:`AlertService` (sinks, clock, ...).
+    """
+    kwargs.setdefault("registry", sidecar.metrics.registry)
+    service = AlertService(sidecar.db_path, settings, **kwargs)
+    sidecar.add_listener(service.listener)
+
+    async def deliver() -> None:
+        # Runs after the sidecar rebuilt its state from the store: raise what a crash
+        # between an acknowledged span and its alert left unsaid, then deliver.
+        views = [v for v in map(sidecar.state.view, list(sidecar.state.run_ids())) if v]
+        added = service.reevaluate(views, sidecar.clock())
+        if added:
+            log.info("re-evaluated %d stored runs: %d alert deliveries added", len(views), added)
+        service.reevaluated.set()
+        try:
+            await service.run()
+        finally:
+            service.close()
+
+    sidecar.add_background(deliver)
+    return service

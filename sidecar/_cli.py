@@ -1,0 +1,356 @@
+"""`saga-sidecar`: serve, and look at runs through the API."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+import httpx
+from rich.console import Console
+from rich.table import Table
+
+from ._alert_service import install_alerting
+from ._alert_settings import alert_options, settings_from_options
+from ._errors import ApiError, SidecarError
+from ._render import render_run
+from ._server import Sidecar
+from ._settings import (
+    DEFAULT_API_PORT,
+    DEFAULT_FORWARD_QUEUE,
+    DEFAULT_HOST,
+    DEFAULT_MAX_IN_FLIGHT,
+    DEFAULT_OTLP_GRPC_PORT,
+    DEFAULT_OTLP_HTTP_PORT,
+    ENV_PREFIX,
+    Settings,
+    parse_duration,
+    parse_size,
+)
+
+DEFAULT_API = f"http://127.0.0.1:{DEFAULT_API_PORT}"
+
+
+def _env(name: str) -> str:
+    return ENV_PREFIX + name
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def main() -> None:
+    """saga-sidecar: watches saga runs over OTLP and keeps their compensation stacks."""
+
+
+@main.command()
+@click.option(
+    "--host",
+    default=DEFAULT_HOST,
+    show_default=True,
+    envvar=_env("HOST"),
+    show_envvar=True,
+    help="Address to bind; non-loopback needs --token.",
+)
+@click.option(
+    "--otlp-http-port",
+    type=int,
+    default=DEFAULT_OTLP_HTTP_PORT,
+    show_default=True,
+    envvar=_env("OTLP_HTTP_PORT"),
+    show_envvar=True,
+    help="OTLP/HTTP port (0 = any).",
+)
+@click.option(
+    "--otlp-grpc-port",
+    type=int,
+    default=DEFAULT_OTLP_GRPC_PORT,
+    show_default=True,
+    envvar=_env("OTLP_GRPC_PORT"),
+    show_envvar=True,
+    help="OTLP/gRPC port (0 = any).",
+)
+@click.option(
+    "--api-port",
+    type=int,
+    default=DEFAULT_API_PORT,
+    show_default=True,
+    envvar=_env("API_PORT"),
+    show_envvar=True,
+    help="API and /metrics port (0 = any).",
+)
+@click.option(
+    "--db",
+    "db_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    envvar=_env("DB"),
+    show_envvar=True,
+    help="SQLite file [default: $XDG_STATE_HOME/saga-sidecar/sidecar.db].",
+)
+@click.option(
+    "--token",
+    default=None,
+    envvar=_env("TOKEN"),
+    show_envvar=True,
+    help="Require 'Authorization: Bearer TOKEN' on every endpoint.",
+)
+@click.option(
+    "--forward",
+    default=None,
+    envvar=_env("FORWARD"),
+    show_envvar=True,
+    help="Re-export every request to this OTLP/HTTP URL (e.g. a collector).",
+)
+@click.option(
+    "--forward-queue",
+    type=int,
+    default=DEFAULT_FORWARD_QUEUE,
+    show_default=True,
+    envvar=_env("FORWARD_QUEUE"),
+    show_envvar=True,
+    help="Requests waiting for the upstream before drops.",
+)
+@click.option(
+    "--idle-timeout",
+    default="60s",
+    show_default=True,
+    envvar=_env("IDLE_TIMEOUT"),
+    show_envvar=True,
+    help="Silence after which a run of a process without heartbeats is orphaned.",
+)
+@click.option(
+    "--retention",
+    default="7d",
+    show_default=True,
+    envvar=_env("RETENTION"),
+    show_envvar=True,
+    help="Keep finished runs this long.",
+)
+@click.option(
+    "--max-body",
+    default="16MiB",
+    show_default=True,
+    envvar=_env("MAX_BODY"),
+    show_envvar=True,
+    help="Largest OTLP request, compressed or decompressed.",
+)
+@click.option(
+    "--max-in-flight",
+    type=int,
+    default=DEFAULT_MAX_IN_FLIGHT,
+    show_default=True,
+    envvar=_env("MAX_IN_FLIGHT"),
+    show_envvar=True,
+    help="Requests handled at once before 429 / UNAVAILABLE.",
+)
+@click.option(
+    "--log-level",
+    default="INFO",
+    show_default=True,
+    envvar=_env("LOG_LEVEL"),
+    show_envvar=True,
+    type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]),
+)
+@alert_options
+def serve(
+    host: str,
+    otlp_http_port: int,
+    otlp_grpc_port: int,
+    api_port: int,
+    db_path: Path | None,
+    token: str | None,
+    forward: str | None,
+    forward_queue: int,
+    idle_timeout: str,
+    retention: str,
+    max_body: str,
+    max_in_flight: int,
+    log_level: str,
+    **alerting: Any,
+) -> None:
+    """Receive OTLP traces, keep run state, serve the API, raise alerts (docs/alerting.md).
+
+    Prints one JSON line {"event": "sidecar.listening", ...} with the bound ports.
+    """
+    logging.basicConfig(
+        level=log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s %(message)s"
+    )
+    try:
+        settings = Settings(
+            host=host,
+            otlp_http_port=otlp_http_port,
+            otlp_grpc_port=otlp_grpc_port,
+            api_port=api_port,
+            db_path=db_path,
+            token=token,
+            forward=forward,
+            forward_queue=forward_queue,
+            idle_timeout=parse_duration(idle_timeout, "--idle-timeout"),
+            retention=parse_duration(retention, "--retention"),
+            max_body=parse_size(max_body, "--max-body"),
+            max_in_flight=max_in_flight,
+        )
+        sidecar = Sidecar(settings)
+        install_alerting(sidecar, settings_from_options(alerting))
+        asyncio.run(_serve(sidecar))
+    except SidecarError as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
+async def _serve(sidecar: Sidecar) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    async with sidecar:
+        click.echo(json.dumps(sidecar.listening()))
+        sys.stdout.flush()
+        await stop.wait()
+
+
+# --- runs: API client -------------------------------------------------------------
+
+_api_option = click.option(
+    "--api",
+    default=DEFAULT_API,
+    show_default=True,
+    envvar=_env("API"),
+    show_envvar=True,
+    help="Base URL of the sidecar API.",
+)
+_token_option = click.option(
+    "--token",
+    default=None,
+    envvar=_env("TOKEN"),
+    show_envvar=True,
+    help="Bearer token of the sidecar.",
+)
+
+
+def _request(api: str, token: str | None, method: str, path: str, **kw: Any) -> dict[str, Any]:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    try:
+        resp = httpx.request(method, api.rstrip("/") + path, headers=headers, timeout=10, **kw)
+    except httpx.HTTPError as exc:
+        raise ApiError(
+            f"cannot reach the sidecar API at {api} ({exc}): is `saga-sidecar serve` running? "
+            "Point --api (SAGA_SIDECAR_API) at it"
+        ) from exc
+    try:
+        body = resp.json()
+    except ValueError as exc:
+        raise ApiError(f"{api}{path} answered {resp.status_code} with non-JSON") from exc
+    if resp.status_code >= 400:
+        raise ApiError(str(body.get("error") if isinstance(body, dict) else body))
+    if not isinstance(body, dict):
+        raise ApiError(f"{api}{path} answered with {type(body).__name__}, expected an object")
+    return body
+
+
+@main.group()
+def runs() -> None:
+    """List, show and resolve runs (talks to the API)."""
+
+
+def _fail(exc: SidecarError) -> click.ClickException:
+    return click.ClickException(str(exc))
+
+
+@runs.command("list")
+@_api_option
+@_token_option
+@click.option("--status", default=None, help="Only runs in this state.")
+@click.option("--saga", default=None, help="Only runs of this saga.")
+@click.option("--needs-person", is_flag=True, help="Only unresolved failed/stuck/orphaned runs.")
+@click.option("--limit", type=int, default=50, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the API's JSON.")
+def list_runs(
+    api: str,
+    token: str | None,
+    status: str | None,
+    saga: str | None,
+    needs_person: bool,
+    limit: int,
+    as_json: bool,
+) -> None:
+    """List runs, newest first."""
+    params: dict[str, Any] = {"limit": limit}
+    if status:
+        params["status"] = status
+    if saga:
+        params["saga"] = saga
+    if needs_person:
+        params["needs"] = "person"
+    try:
+        body = _request(api, token, "GET", "/runs", params=params)
+    except SidecarError as exc:
+        raise _fail(exc) from exc
+    if as_json:
+        click.echo(json.dumps(body, indent=2))
+        return
+    table = Table("run", "saga", "status", "started", "failed step", "stack")
+    for r in body["runs"]:
+        table.add_row(
+            r["run_id"],
+            r["saga"],
+            r["status"] + (" (resolved)" if r["resolved"] else ""),
+            str(r["started_at"]),
+            r["failed_step"] or "",
+            str(r["stack_depth"]),
+        )
+    Console().print(table)
+
+
+@runs.command("show")
+@click.argument("run_id")
+@_api_option
+@_token_option
+@click.option("--json", "as_json", is_flag=True, help="Print the run view JSON.")
+def show(run_id: str, api: str, token: str | None, as_json: bool) -> None:
+    """Draw one run: forward steps, pivot, unwind, what is left on the stack."""
+    try:
+        view = _request(api, token, "GET", f"/runs/{run_id}")
+    except SidecarError as exc:
+        raise _fail(exc) from exc
+    if as_json:
+        click.echo(json.dumps(view, indent=2))
+    else:
+        Console().print(render_run(view))
+
+
+@runs.command("stack")
+@click.argument("run_id")
+@_api_option
+@_token_option
+@click.option("--json", "as_json", is_flag=True, help="Print {run_id, status, stack} JSON.")
+def stack(run_id: str, api: str, token: str | None, as_json: bool) -> None:
+    """The compensations still owed, top first (what saga_otel.recover() takes)."""
+    try:
+        body = _request(api, token, "GET", f"/runs/{run_id}/stack")
+    except SidecarError as exc:
+        raise _fail(exc) from exc
+    if as_json:
+        click.echo(json.dumps(body, indent=2))
+        return
+    click.echo(f"run {body['run_id']} ({body['status']}): {len(body['stack'])} left")
+    for item in body["stack"]:
+        click.echo(f"  #{item['index']} {item['step']}: {item['tool']} {json.dumps(item['args'])}")
+
+
+@runs.command("resolve")
+@click.argument("run_id")
+@click.option("--note", required=True, help="What a person did or decided.")
+@_api_option
+@_token_option
+def resolve(run_id: str, note: str, api: str, token: str | None) -> None:
+    """Record that a person settled the run."""
+    try:
+        view = _request(api, token, "POST", f"/runs/{run_id}/resolve", json={"note": note})
+    except SidecarError as exc:
+        raise _fail(exc) from exc
+    click.echo(f"resolved {view['run_id']} ({view['status']}): {view['resolution']['note']}")

@@ -1,0 +1,95 @@
+"""Pass-through: re-export every accepted OTLP request to an upstream collector.
+
+Intake never waits for the upstream: requests go into a bounded queue and a
+background task sends them. A full queue or a failed send drops the request and
+counts its spans, so a slow or dead upstream costs spans upstream, never intake.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import aiohttp
+
+log = logging.getLogger("sidecar.forward")
+
+
+@dataclass(frozen=True, slots=True)
+class _Item:
+    body: bytes
+    content_type: str
+    spans: int
+
+
+class Forwarder:
+    def __init__(
+        self,
+        url: str,
+        *,
+        queue_size: int,
+        on_drop: Callable[[int], None],
+        timeout: float = 10.0,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        self.url = url
+        self._queue: asyncio.Queue[_Item] = asyncio.Queue(maxsize=queue_size)
+        self._on_drop = on_drop
+        self._timeout = aiohttp.ClientTimeout(total=timeout)
+        self._headers = headers or {}
+        self.sent = 0
+        self.dropped = 0
+
+    def offer(self, body: bytes, content_type: str, spans: int) -> bool:
+        """Queue one request body; False (and counted) when the queue is full."""
+        try:
+            self._queue.put_nowait(_Item(body, content_type, spans))
+        except asyncio.QueueFull:
+            self._drop(spans)
+            return False
+        return True
+
+    def _drop(self, spans: int) -> None:
+        self.dropped += spans
+        self._on_drop(spans)
+
+    @property
+    def pending(self) -> int:
+        return self._queue.qsize()
+
+    async def run(self) -> None:
+        async with aiohttp.ClientSession(timeout=self._timeout) as session:
+            try:
+                while True:
+                    item = await self._queue.get()
+                    await self._send(session, item)
+            finally:
+                # Whatever is still queued at shutdown is lost upstream: count it.
+                while not self._queue.empty():
+                    self._drop(self._queue.get_nowait().spans)
+
+    async def _send(self, session: aiohttp.ClientSession, item: _Item) -> None:
+        headers = {"Content-Type": item.content_type, **self._headers}
+        try:
+            async with session.post(self.url, data=item.body, headers=headers) as resp:
+                await resp.read()
+                if resp.status >= 300:
+                    log.warning("forward to %s answered %s: dropped", self.url, resp.status)
+                    self._drop(item.spans)
+                    return
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            log.warning("forward to %s failed (%s): dropped", self.url, exc)
+            self._drop(item.spans)
+            return
+        self.sent += item.spans
+
+
+async def cancel(task: asyncio.Task[None] | None) -> None:
+    if task is None:
+        return
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task

@@ -1,0 +1,322 @@
+"""OTLP/HTTP intake and the JSON API (aiohttp)."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hmac
+import json
+import time
+import zlib
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from ._errors import DecodeError, StoreError
+from ._otlp import extract, parse_json, parse_protobuf, response
+from ._state import ALL_STATES
+
+if TYPE_CHECKING:
+    from ._server import Sidecar
+
+PROTOBUF = "application/x-protobuf"
+JSON = "application/json"
+API_MAX_BODY = 64 * 1024
+MAX_LIMIT = 1000
+RETRY_AFTER = "1"
+_RPC_INVALID_ARGUMENT = 3
+_RPC_UNAVAILABLE = 14
+_RPC_RESOURCE_EXHAUSTED = 8
+_RPC_UNAUTHENTICATED = 16
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def error(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
+    return web.json_response({"error": message}, status=status, headers=headers)
+
+
+def _auth_middleware(sidecar: Sidecar, transport: str) -> Any:
+    token = sidecar.settings.token
+    expected = f"Bearer {token}".encode() if token else b""
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        started = time.perf_counter()
+        if token:
+            given = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                return error(
+                    401,
+                    "missing or wrong bearer token: send 'Authorization: Bearer <token>' with "
+                    "the sidecar's --token (SAGA_SIDECAR_TOKEN)",
+                    {"WWW-Authenticate": "Bearer"},
+                )
+        try:
+            resp = await handler(request)
+        except web.HTTPException as exc:
+            if exc.status >= 400 and exc.content_type != JSON:
+                resp = error(exc.status, f"{exc.reason}: {request.method} {request.path}")
+            else:
+                raise
+        route = request.match_info.route.resource
+        name = route.canonical if route is not None else "other"
+        sidecar.metrics.request_duration.labels(transport=transport, route=name).observe(
+            time.perf_counter() - started
+        )
+        return resp
+
+    return middleware
+
+
+# --- OTLP/HTTP ------------------------------------------------------------------------
+
+
+def _status_body(as_json: bool, code: int, message: str) -> tuple[bytes, str]:
+    """An OTLP error body: google.rpc.Status in the request's encoding."""
+    if as_json:
+        return json.dumps({"code": code, "message": message}).encode(), JSON
+    from google.rpc import status_pb2  # type: ignore[import-untyped]
+
+    return status_pb2.Status(code=code, message=message).SerializeToString(), PROTOBUF
+
+
+def _otlp_error(
+    status: int, as_json: bool, code: int, message: str, retry: bool = False
+) -> web.Response:
+    body, ctype = _status_body(as_json, code, message)
+    headers = {"Retry-After": RETRY_AFTER} if retry else None
+    return web.Response(status=status, body=body, content_type=ctype, headers=headers)
+
+
+async def _read_bounded(request: web.Request, limit: int) -> bytes:
+    if request.content_length is not None and request.content_length > limit:
+        raise _TooLarge
+    chunks = []
+    size = 0
+    async for chunk in request.content.iter_chunked(1 << 16):
+        size += len(chunk)
+        if size > limit:
+            raise _TooLarge
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def inflate(body: bytes, limit: int) -> bytes:
+    """Gunzip (or inflate) at most ``limit`` bytes: the decompressed size is bounded too."""
+    inflater = zlib.decompressobj(wbits=47)  # 32 + 15: gzip or zlib header, detected
+    try:
+        out = inflater.decompress(body, limit + 1)
+    except zlib.error as exc:
+        raise DecodeError(f"body is not valid gzip/deflate data ({exc})") from exc
+    if len(out) > limit or inflater.unconsumed_tail:
+        raise _TooLarge
+    if not inflater.eof:
+        raise DecodeError("gzip body is truncated: send the whole compressed request")
+    return out
+
+
+def build_otlp_app(sidecar: Sidecar) -> web.Application:
+    app = web.Application(middlewares=[_auth_middleware(sidecar, "http")])
+    limit = sidecar.settings.max_body
+
+    async def traces(request: web.Request) -> web.Response:
+        ctype = request.content_type
+        as_json = ctype == JSON
+        if ctype not in (PROTOBUF, JSON):
+            return error(
+                415,
+                f"Content-Type {ctype!r} is not OTLP: send application/x-protobuf or "
+                "application/json",
+            )
+        if not sidecar.enter():
+            return _otlp_error(
+                429,
+                as_json,
+                _RPC_UNAVAILABLE,
+                f"sidecar is at its bound of {sidecar.settings.max_in_flight} requests in "
+                "flight: retry after the Retry-After delay",
+                retry=True,
+            )
+        try:
+            encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+            if encoding not in ("identity", "", "gzip", "deflate"):
+                return error(
+                    415, f"Content-Encoding {encoding!r} is not supported: use gzip or none"
+                )
+            too_large = _otlp_error(
+                413,
+                as_json,
+                _RPC_RESOURCE_EXHAUSTED,
+                f"request is over the {limit}-byte bound (compressed or not): send smaller "
+                "batches (exporter max batch size) or raise --max-body",
+            )
+            try:
+                body = await _read_bounded(request, limit)
+                if encoding in ("gzip", "deflate"):
+                    body = inflate(body, limit)
+                decoded = extract(parse_json(body) if as_json else parse_protobuf(body))
+            except _TooLarge:
+                return too_large
+            except DecodeError as exc:
+                return _otlp_error(400, as_json, _RPC_INVALID_ARGUMENT, str(exc))
+            try:
+                sidecar.ingest(decoded, "http", body, ctype)
+            except StoreError as exc:
+                return _otlp_error(503, as_json, _RPC_UNAVAILABLE, str(exc), retry=True)
+            out, out_type = response(decoded.rejected, decoded.error_message, as_json)
+            return web.Response(body=out, content_type=out_type)
+        finally:
+            sidecar.leave()
+
+    app.router.add_post("/v1/traces", traces)
+    return app
+
+
+# --- API ---------------------------------------------------------------------------
+
+
+def parse_time(text: str, what: str) -> float:
+    """Epoch seconds from ``1712345678.5`` or ISO 8601 (naive means UTC)."""
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        raise DecodeError(
+            f"{what}={text!r} is neither epoch seconds nor ISO 8601: use e.g. 1712345678 "
+            "or 2024-04-05T12:00:00Z"
+        ) from None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=UTC)
+    return moment.timestamp()
+
+
+def encode_cursor(started_at: float | None, run_id: str) -> str:
+    raw = json.dumps([started_at, run_id]).encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def decode_cursor(text: str) -> tuple[float, str]:
+    try:
+        raw = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+        started_at, run_id = json.loads(raw)
+        return float(started_at if started_at is not None else float("-inf")), str(run_id)
+    except (ValueError, TypeError, binascii.Error) as exc:
+        raise DecodeError(
+            f"cursor {text[:40]!r} is not one this API gave out: pass next_cursor from the "
+            "previous page unchanged"
+        ) from exc
+
+
+def build_api_app(sidecar: Sidecar) -> web.Application:
+    app = web.Application(
+        middlewares=[_auth_middleware(sidecar, "api")], client_max_size=API_MAX_BODY
+    )
+
+    def unknown(run_id: str) -> web.Response:
+        return error(
+            404,
+            f"no run {run_id!r} is known here: list runs with GET /runs (or saga-sidecar "
+            "runs list); finished runs are pruned after the retention period",
+        )
+
+    async def list_runs(request: web.Request) -> web.Response:
+        q = request.query
+        try:
+            status = q.get("status")
+            if status is not None and status not in ALL_STATES:
+                raise DecodeError(
+                    f"status={status!r} is not a run state: use one of {', '.join(ALL_STATES)}"
+                )
+            needs = q.get("needs")
+            if needs is not None and needs != "person":
+                raise DecodeError(f"needs={needs!r} is not supported: use needs=person")
+            limit_text = q.get("limit", "100")
+            if not limit_text.isdigit() or not 1 <= int(limit_text) <= MAX_LIMIT:
+                raise DecodeError(f"limit={limit_text!r} must be an integer 1..{MAX_LIMIT}")
+            limit = int(limit_text)
+            since = parse_time(q["since"], "since") if "since" in q else None
+            until = parse_time(q["until"], "until") if "until" in q else None
+            cursor = decode_cursor(q["cursor"]) if "cursor" in q else None
+        except DecodeError as exc:
+            return error(400, str(exc))
+        runs = sidecar.state.summaries(
+            status=status,
+            saga=q.get("saga"),
+            since=since,
+            until=until,
+            needs_person=needs == "person",
+        )
+        if cursor is not None:
+            runs = [
+                r
+                for r in runs
+                if (r["started_at"] if r["started_at"] is not None else float("-inf"), r["run_id"])
+                < cursor
+            ]
+        page = runs[:limit]
+        next_cursor = (
+            encode_cursor(page[-1]["started_at"], page[-1]["run_id"]) if len(runs) > limit else None
+        )
+        return web.json_response({"runs": page, "next_cursor": next_cursor})
+
+    async def get_run(request: web.Request) -> web.Response:
+        run_id = request.match_info["run_id"]
+        view = sidecar.state.view(run_id)
+        return unknown(run_id) if view is None else web.json_response(view)
+
+    async def get_stack(request: web.Request) -> web.Response:
+        run_id = request.match_info["run_id"]
+        stack = sidecar.state.stack(run_id)
+        if stack is None:
+            return unknown(run_id)
+        return web.json_response(
+            {"run_id": run_id, "status": sidecar.state.status(run_id), "stack": stack}
+        )
+
+    async def resolve(request: web.Request) -> web.Response:
+        run_id = request.match_info["run_id"]
+        try:
+            data = await request.json()
+        except (ValueError, UnicodeDecodeError):
+            return error(400, 'body is not JSON: send {"note": "what was done"}')
+        except web.HTTPRequestEntityTooLarge:
+            return error(413, f"body is over {API_MAX_BODY} bytes: shorten the note")
+        note = data.get("note") if isinstance(data, dict) else None
+        if not isinstance(note, str) or not note.strip():
+            return error(400, 'resolve needs {"note": "..."}: say what a person did or decided')
+        try:
+            view = sidecar.resolve(run_id, note)
+        except StoreError as exc:
+            return error(503, str(exc), {"Retry-After": RETRY_AFTER})
+        return unknown(run_id) if view is None else web.json_response(view)
+
+    async def healthz(request: web.Request) -> web.Response:
+        return web.json_response(
+            {"status": "ok", "runs": len(sidecar.state), "in_flight": sidecar.in_flight}
+        )
+
+    async def metrics(request: web.Request) -> web.Response:
+        body = sidecar.metrics.render(sidecar.state)
+        resp = web.Response(body=body)
+        resp.headers["Content-Type"] = CONTENT_TYPE_LATEST
+        return resp
+
+    app.router.add_get("/runs", list_runs)
+    app.router.add_get("/runs/{run_id}", get_run)
+    app.router.add_get("/runs/{run_id}/stack", get_stack)
+    app.router.add_post("/runs/{run_id}/resolve", resolve)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_routes(sidecar.api_routes)
+    return app

@@ -1,0 +1,56 @@
+"""The sidecar's Prometheus metrics, in a registry of its own (names from semconv)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from saga_otel import semconv as sc
+
+from ._state import ALL_STATES, RunState
+
+
+class SidecarMetrics:
+    """``registry`` is shared with the alerting side, which adds its own metrics to it."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.spans_received = Counter(
+            sc.M_SIDECAR_SPANS_RECEIVED,
+            "Spans received, by transport (http, grpc) and outcome (accepted, ignored, rejected).",
+            ["transport", "outcome"],
+            registry=self.registry,
+        )
+        self.runs = Gauge(
+            sc.M_SIDECAR_RUNS,
+            "Runs the sidecar holds, by state.",
+            ["state"],
+            registry=self.registry,
+        )
+        self.orphaned_runs = Gauge(
+            sc.M_SIDECAR_ORPHANED_RUNS,
+            "Orphaned runs nobody has resolved yet.",
+            registry=self.registry,
+        )
+        self.request_duration = Histogram(
+            sc.M_SIDECAR_REQUEST_DURATION,
+            "Time to answer a request, by transport (http, grpc, api) and route.",
+            ["transport", "route"],
+            registry=self.registry,
+        )
+        self.forward_dropped = Counter(
+            sc.M_SIDECAR_FORWARD_DROPPED,
+            "Spans not re-exported to the --forward upstream (queue full or upstream failed).",
+            registry=self.registry,
+        )
+        for state in ALL_STATES:
+            self.runs.labels(state=state)
+        for transport in ("http", "grpc"):
+            for outcome in ("accepted", "ignored", "rejected"):
+                self.spans_received.labels(transport=transport, outcome=outcome)
+
+    def render(self, state: RunState) -> bytes:
+        # Run gauges are computed at scrape time: cheaper than tracking every change.
+        for name, count in state.counts().items():
+            self.runs.labels(state=name).set(count)
+        self.orphaned_runs.set(state.orphaned_unresolved())
+        return generate_latest(self.registry)

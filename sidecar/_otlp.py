@@ -1,0 +1,373 @@
+"""OTLP trace decoding: protobuf or JSON bodies in, validated SpanRecords out.
+
+Everything the sidecar reads from the wire goes through here, so this is where
+a malformed request becomes a 400 and a malformed saga span becomes a rejected
+span (partial success), never an exception further in.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeGuard
+
+from google.protobuf import json_format
+from google.protobuf.message import DecodeError as ProtobufDecodeError
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTracePartialSuccess,
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
+
+from saga_otel import semconv as sc
+
+from ._errors import DecodeError
+
+_STATUS_CODE_ERROR = 2
+MAX_ERROR_MESSAGES = 5
+
+
+@dataclass(frozen=True, slots=True)
+class SpanEvent:
+    name: str
+    time: float
+    attributes: Mapping[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class SpanRecord:
+    """One span as the state machine sees it. Ids are lowercase hex; times epoch seconds."""
+
+    trace_id: str
+    span_id: str
+    parent_span_id: str
+    name: str
+    start: float
+    end: float
+    status: str  # "ok", "error" or "unset" (unset counts as ok, as OpenTelemetry does)
+    status_message: str
+    attributes: Mapping[str, Any]
+    resource: Mapping[str, Any]
+    events: tuple[SpanEvent, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return self.status != "error"
+
+    @property
+    def phase(self) -> str:
+        return str(self.attributes.get(sc.SAGA_PHASE, ""))
+
+    @property
+    def run_id(self) -> str:
+        return str(self.attributes.get(sc.SAGA_RUN_ID, ""))
+
+    @property
+    def instance(self) -> str:
+        return str(self.resource.get(sc.SERVICE_INSTANCE_ID, ""))
+
+    @property
+    def service(self) -> str:
+        return str(self.resource.get(sc.SERVICE_NAME, ""))
+
+
+@dataclass(frozen=True, slots=True)
+class Decoded:
+    """One request's spans. ``raw[i]`` is the serialized protobuf Span of ``spans[i]``."""
+
+    spans: tuple[SpanRecord, ...]
+    raw: tuple[bytes, ...]
+    total: int
+    ignored: int
+    rejected: int
+    errors: tuple[str, ...]
+
+    @property
+    def error_message(self) -> str:
+        if not self.rejected:
+            return ""
+        return f"{self.rejected} saga span(s) rejected: " + "; ".join(self.errors)
+
+
+# --- attribute values ---------------------------------------------------------
+
+
+def any_value(value: Any) -> Any:
+    """An OTLP AnyValue as a plain Python value."""
+    kind = value.WhichOneof("value")
+    if kind == "string_value":
+        return value.string_value
+    if kind == "int_value":
+        return value.int_value
+    if kind == "bool_value":
+        return value.bool_value
+    if kind == "double_value":
+        return value.double_value
+    if kind == "array_value":
+        return [any_value(v) for v in value.array_value.values]
+    if kind == "kvlist_value":
+        return {kv.key: any_value(kv.value) for kv in value.kvlist_value.values}
+    if kind == "bytes_value":
+        return bytes(value.bytes_value)
+    return None
+
+
+_SCALARS = frozenset({"string_value", "int_value", "bool_value", "double_value"})
+
+
+def _attributes(kvs: Iterable[Any]) -> dict[str, Any]:
+    out = {}
+    for kv in kvs:
+        value = kv.value
+        kind = value.WhichOneof("value")
+        # Inline fast path: almost every attribute is a scalar.
+        out[kv.key] = getattr(value, kind) if kind in _SCALARS else any_value(value)
+    return out
+
+
+# --- validation -----------------------------------------------------------------
+
+_STR_ATTRS = (
+    sc.SAGA_RUN_ID,
+    sc.SAGA_NAME,
+    sc.SAGA_RUN_STATUS,
+    sc.SAGA_RUN_FAILED_STEP,
+    sc.SAGA_STEP_NAME,
+    sc.SAGA_STEP_CLASS,
+    sc.SAGA_COMPENSATION_TOOL,
+    sc.SAGA_COMPENSATION_ARGS,
+    sc.SAGA_COMPENSATION_DESCRIPTION,
+    sc.SAGA_UNWIND_REASON,
+    sc.SAGA_STACK,
+    sc.SAGA_ESCALATION_REASON,
+    sc.SAGA_ESCALATION_CARD,
+)
+_INT_ATTRS = (sc.SAGA_STEP_INDEX, sc.SAGA_STEP_ATTEMPT)
+_KINDS: dict[str, type] = {
+    **dict.fromkeys(_STR_ATTRS, str),
+    **dict.fromkeys(_INT_ATTRS, int),
+    sc.SAGA_STEP_PIVOT: bool,
+}
+_KIND_NAMES = {str: "a string", int: "an int", bool: "a bool"}
+
+
+def _is_int(value: Any) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _json_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
+
+
+def validate(attrs: Mapping[str, Any]) -> str | None:
+    """Why a span that carries ``saga.phase`` breaks the contract, or None when it does not."""
+    phase = attrs.get(sc.SAGA_PHASE)
+    if phase not in sc.PHASES:
+        return f"{sc.SAGA_PHASE}={phase!r} is not one of {', '.join(sorted(sc.PHASES))}"
+    for key, value in attrs.items():  # one pass over what is there, not over every name
+        kind = _KINDS.get(key)
+        if kind is None or type(value) is kind:
+            continue
+        return f"{key} must be {_KIND_NAMES[kind]}, got {type(value).__name__} {value!r}"
+    if phase == sc.PHASE_HEARTBEAT:
+        runs = attrs.get(sc.SAGA_HEARTBEAT_OPEN_RUNS, [])
+        if not isinstance(runs, list) or not all(isinstance(r, str) for r in runs):
+            return f"{sc.SAGA_HEARTBEAT_OPEN_RUNS} must be a string array, got {runs!r}"
+        interval = attrs.get(sc.SAGA_HEARTBEAT_INTERVAL_S, 1.0)
+        is_number = isinstance(interval, float) or _is_int(interval)
+        if not is_number or not math.isfinite(interval) or interval <= 0:
+            return f"{sc.SAGA_HEARTBEAT_INTERVAL_S} must be a positive double, got {interval!r}"
+        return None
+    if not attrs.get(sc.SAGA_RUN_ID):
+        return f"a saga {phase} span lacks {sc.SAGA_RUN_ID}: every span of a run must carry it"
+    if phase in (sc.PHASE_DO, sc.PHASE_COMPENSATE):
+        index = attrs.get(sc.SAGA_STEP_INDEX)
+        if not _is_int(index) or index < 0:
+            return f"a {phase} span needs {sc.SAGA_STEP_INDEX} >= 0, got {index!r}"
+        attempt = attrs.get(sc.SAGA_STEP_ATTEMPT, 1)
+        if not _is_int(attempt) or attempt < 1:
+            return f"{sc.SAGA_STEP_ATTEMPT} counts from 1, got {attempt!r}"
+        args = attrs.get(sc.SAGA_COMPENSATION_ARGS)
+        if args is not None and not _json_object(args):
+            return f"{sc.SAGA_COMPENSATION_ARGS} must be JSON object text, got {args!r}"
+    if phase == sc.PHASE_DO:
+        cls = attrs.get(sc.SAGA_STEP_CLASS)
+        if cls is not None and cls not in sc.STEP_CLASSES:
+            return f"{sc.SAGA_STEP_CLASS}={cls!r} is not one of {', '.join(sc.STEP_CLASSES)}"
+    if phase == sc.PHASE_RUN and attrs.get(sc.SAGA_RUN_STATUS) not in sc.RUN_END_STATUSES:
+        return (
+            f"{sc.SAGA_RUN_STATUS}={attrs.get(sc.SAGA_RUN_STATUS)!r} is not one of "
+            f"{', '.join(sorted(sc.RUN_END_STATUSES))}"
+        )
+    if phase == sc.PHASE_ESCALATE and sc.SAGA_ESCALATION_CARD in attrs:
+        try:
+            json.loads(attrs[sc.SAGA_ESCALATION_CARD])
+        except ValueError:
+            return f"{sc.SAGA_ESCALATION_CARD} is not JSON text"
+    return None
+
+
+# --- requests -------------------------------------------------------------------
+
+
+def parse_protobuf(body: bytes) -> ExportTraceServiceRequest:
+    try:
+        return ExportTraceServiceRequest.FromString(body)
+    except (ProtobufDecodeError, ValueError, RuntimeError) as exc:
+        raise DecodeError(
+            f"body is not an OTLP ExportTraceServiceRequest protobuf ({exc}): send "
+            "application/x-protobuf encoded by an OpenTelemetry exporter"
+        ) from exc
+
+
+def _hex_to_b64(value: Any, what: str) -> Any:
+    if not isinstance(value, str) or not value:
+        return value
+    try:
+        return base64.b64encode(bytes.fromhex(value)).decode()
+    except ValueError as exc:
+        raise DecodeError(f"{what} {value[:40]!r} is not hex: OTLP/JSON ids are hex") from exc
+
+
+def parse_json(body: bytes) -> ExportTraceServiceRequest:
+    """OTLP/JSON: the protobuf JSON mapping, except ids are hex (not base64)."""
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise DecodeError(f"body is not JSON ({exc}): send OTLP/JSON or protobuf") from exc
+    if not isinstance(data, dict):
+        raise DecodeError(
+            f"OTLP/JSON body must be an object with resourceSpans, got {type(data).__name__}"
+        )
+    try:
+        for rs in _list(data.get("resourceSpans", data.get("resource_spans"))):
+            for ss in _list(_get(rs, "scopeSpans", "scope_spans")):
+                for span in _list(_get(ss, "spans", "spans")):
+                    if not isinstance(span, dict):
+                        continue
+                    for camel, snake in (
+                        ("traceId", "trace_id"),
+                        ("spanId", "span_id"),
+                        ("parentSpanId", "parent_span_id"),
+                    ):
+                        for key in (camel, snake):
+                            if key in span:
+                                span[key] = _hex_to_b64(span[key], key)
+                    for link in _list(span.get("links")):
+                        if isinstance(link, dict):
+                            for key in ("traceId", "spanId"):
+                                if key in link:
+                                    link[key] = _hex_to_b64(link[key], key)
+        return json_format.ParseDict(data, ExportTraceServiceRequest(), ignore_unknown_fields=True)
+    except DecodeError:
+        raise
+    except (json_format.ParseError, ValueError, TypeError, AttributeError, RecursionError) as exc:
+        raise DecodeError(f"OTLP/JSON body has the wrong shape: {exc}") from exc
+
+
+def _get(obj: Any, camel: str, snake: str) -> Any:
+    if not isinstance(obj, dict):
+        return None
+    return obj.get(camel, obj.get(snake))
+
+
+def _list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else []
+
+
+def extract(request: ExportTraceServiceRequest) -> Decoded:
+    """Walk a request: saga spans out, non-saga spans counted, bad saga spans rejected."""
+    spans: list[SpanRecord] = []
+    raw: list[bytes] = []
+    errors: list[str] = []
+    total = ignored = rejected = 0
+    phase_key = sc.SAGA_PHASE
+    for rs in request.resource_spans:
+        resource: dict[str, Any] | None = None
+        for ss in rs.scope_spans:
+            for span in ss.spans:
+                total += 1
+                try:
+                    attrs = _attributes(span.attributes)
+                except RecursionError:
+                    attrs = {phase_key: None}
+                if phase_key not in attrs:
+                    ignored += 1  # not a saga span: counted, never validated or stored
+                    continue
+                if resource is None:
+                    resource = _attributes(rs.resource.attributes)
+                try:
+                    problem = validate(attrs)
+                    if problem is None and (len(span.trace_id) != 16 or len(span.span_id) != 8):
+                        problem = (
+                            f"span ids have the wrong length (trace {len(span.trace_id)} bytes, "
+                            f"span {len(span.span_id)} bytes): use 16 and 8 bytes"
+                        )
+                except RecursionError:
+                    problem = "attribute values nest too deeply"
+                if problem is not None:
+                    rejected += 1
+                    if len(errors) < MAX_ERROR_MESSAGES and problem not in errors:
+                        errors.append(problem)
+                    continue
+                spans.append(
+                    SpanRecord(
+                        trace_id=span.trace_id.hex(),
+                        span_id=span.span_id.hex(),
+                        parent_span_id=span.parent_span_id.hex(),
+                        name=span.name,
+                        start=span.start_time_unix_nano / 1e9,
+                        end=span.end_time_unix_nano / 1e9,
+                        status="error"
+                        if span.status.code == _STATUS_CODE_ERROR
+                        else ("ok" if span.status.code == 1 else "unset"),
+                        status_message=span.status.message,
+                        attributes=attrs,
+                        resource=resource,
+                        events=tuple(
+                            SpanEvent(e.name, e.time_unix_nano / 1e9, _attributes(e.attributes))
+                            for e in span.events
+                        )
+                        if span.events
+                        else (),
+                    )
+                )
+                raw.append(span.SerializeToString())
+    return Decoded(tuple(spans), tuple(raw), total, ignored, rejected, tuple(errors))
+
+
+def span_from_stored(raw: bytes, service: str, instance: str) -> SpanRecord:
+    """Rebuild a SpanRecord from what the store keeps (the Span bytes and two resource keys)."""
+    request = ExportTraceServiceRequest()
+    rs = request.resource_spans.add()
+    for key, value in ((sc.SERVICE_NAME, service), (sc.SERVICE_INSTANCE_ID, instance)):
+        if value:
+            kv = rs.resource.attributes.add()
+            kv.key = key
+            kv.value.string_value = value
+    rs.scope_spans.add().spans.add().MergeFromString(raw)
+    decoded = extract(request)
+    if not decoded.spans:
+        raise DecodeError(f"stored span no longer validates: {decoded.error_message}")
+    return decoded.spans[0]
+
+
+def response(rejected: int, message: str, as_json: bool) -> tuple[bytes, str]:
+    """The ExportTraceServiceResponse body and content type for a request's encoding."""
+    if as_json:
+        body: dict[str, Any] = {}
+        if rejected or message:
+            body["partialSuccess"] = {"rejectedSpans": rejected, "errorMessage": message}
+        return json.dumps(body).encode(), "application/json"
+    resp = ExportTraceServiceResponse()
+    if rejected or message:
+        resp.partial_success.CopyFrom(
+            ExportTracePartialSuccess(rejected_spans=rejected, error_message=message)
+        )
+    return resp.SerializeToString(), "application/x-protobuf"

@@ -1,0 +1,140 @@
+"""Masking of secret tool arguments in everything an alert sends off the machine.
+
+Arguments live under ``args`` keys (a compensation's captured references, the
+stack). Inside them, any key named exactly as configured, or matching a
+configured regular expression (``re.search`` on the key), has its value
+replaced by ``***``, however deeply nested. Text such as an escalation card
+line can quote arguments too, so every string value found under a masked key
+(4 characters or more, to avoid masking common short words) is also masked
+wherever it occurs in any string of the payload. JSON text (an annotation that
+holds the stack) is parsed, masked and written back.
+
+The stored views (database, API) keep the real values: recovery needs them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, Final
+
+from ._errors import ConfigError
+
+MASK: Final = "***"
+ARGS_KEY: Final = "args"
+_MIN_TEXT_SECRET: Final = 4
+
+
+@dataclass(frozen=True, slots=True)
+class Redactor:
+    keys: frozenset[str] = frozenset()
+    patterns: tuple[re.Pattern[str], ...] = ()
+
+    @classmethod
+    def build(cls, keys: Iterable[str] = (), patterns: Iterable[str] = ()) -> Redactor:
+        compiled = []
+        for text in patterns:
+            try:
+                compiled.append(re.compile(text))
+            except re.error as exc:
+                raise ConfigError(
+                    f"--redact-pattern {text!r} is not a regular expression ({exc}): "
+                    r"write e.g. '(?i)token|secret|password'"
+                ) from exc
+        return cls(keys=frozenset(keys), patterns=tuple(compiled))
+
+    @property
+    def active(self) -> bool:
+        return bool(self.keys or self.patterns)
+
+    def secret_key(self, key: str) -> bool:
+        return key in self.keys or any(p.search(key) for p in self.patterns)
+
+    # --- collection -----------------------------------------------------------
+
+    def secrets_in(self, *objs: Any) -> frozenset[str]:
+        """Text of every value held under a secret key inside ``args``, in ``objs``."""
+        found: set[str] = set()
+        for obj in objs:
+            self._walk(obj, in_args=False, found=found, mask=False)
+        return frozenset(s for s in found if len(s) >= _MIN_TEXT_SECRET)
+
+    # --- masking ----------------------------------------------------------------
+
+    def redact(self, obj: Any, extra_secrets: Iterable[str] = ()) -> Any:
+        """A masked copy of ``obj``; ``extra_secrets`` are masked in text too (see module doc)."""
+        if not self.active:
+            return obj
+        found: set[str] = set(extra_secrets)
+        self._walk(obj, in_args=False, found=found, mask=False)
+        secrets = sorted((s for s in found if len(s) >= _MIN_TEXT_SECRET), key=len, reverse=True)
+        return self._walk(obj, in_args=False, found=set(), mask=True, secrets=secrets)
+
+    def _walk(
+        self,
+        obj: Any,
+        *,
+        in_args: bool,
+        found: set[str],
+        mask: bool,
+        secrets: list[str] | None = None,
+    ) -> Any:
+        if isinstance(obj, dict):
+            out: dict[Any, Any] = {}
+            for key, value in obj.items():
+                key_text = str(key)
+                if in_args and self.secret_key(key_text):
+                    self._collect(value, found)
+                    out[key] = MASK
+                    continue
+                out[key] = self._walk(
+                    value,
+                    in_args=in_args or key_text == ARGS_KEY,
+                    found=found,
+                    mask=mask,
+                    secrets=secrets,
+                )
+            return out
+        if isinstance(obj, list | tuple):
+            return [
+                self._walk(v, in_args=in_args, found=found, mask=mask, secrets=secrets) for v in obj
+            ]
+        if isinstance(obj, str):
+            parsed = _json_container(obj)
+            if parsed is not None:
+                walked = self._walk(
+                    parsed, in_args=in_args, found=found, mask=mask, secrets=secrets
+                )
+                return json.dumps(walked, sort_keys=True) if mask else obj
+            if mask and secrets:
+                for secret in secrets:
+                    obj = obj.replace(secret, MASK)
+            return obj
+        return obj
+
+    def _collect(self, value: Any, found: set[str]) -> None:
+        if isinstance(value, dict):
+            for v in value.values():
+                self._collect(v, found)
+        elif isinstance(value, list | tuple):
+            for v in value:
+                self._collect(v, found)
+        elif isinstance(value, str):
+            found.add(value)
+            # A JSON-quoted copy of the value appears in text that quotes the args.
+            found.add(json.dumps(value)[1:-1])
+        elif isinstance(value, int | float) and not isinstance(value, bool):
+            found.add(str(value))
+
+
+def _json_container(text: str) -> Any:
+    stripped = text.lstrip()
+    if not stripped or stripped[0] not in "[{":
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict | list) else None

@@ -1,0 +1,342 @@
+"""The Sidecar service object: store, state, listeners, orphan ticker and the servers.
+
+One asyncio loop runs everything. Intake is synchronous inside a request
+handler (decode, one SQLite transaction, fold into the state, notify), which
+keeps a change, its commit and its listeners in one order with no locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+
+from saga_otel import semconv as sc
+
+from ._errors import SidecarError, StoreError
+from ._forward import Forwarder, cancel
+from ._metrics import SidecarMetrics
+from ._otlp import Decoded, span_from_stored
+from ._settings import Settings
+from ._state import RunState, Transition
+from ._store import Store
+
+log = logging.getLogger("sidecar")
+
+Listener = Callable[[dict[str, Any] | None, dict[str, Any], float], None]
+"""``fn(before, after, now)``: called after each committed change to a run view."""
+BackgroundFactory = Callable[[], Awaitable[None]]
+
+
+class Sidecar:
+    """The service. Use ``async with Sidecar(settings) as sidecar:`` in process, or the CLI.
+
+    Ports of ``settings`` may be 0; after start the bound ones are
+    ``otlp_http_port``, ``otlp_grpc_port`` and ``api_port``.
+    """
+
+    def __init__(
+        self,
+        settings: Settings | None = None,
+        *,
+        clock: Callable[[], float] = time.time,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        self.settings = settings if settings is not None else Settings()
+        self.clock = clock
+        self.metrics = SidecarMetrics(registry)
+        self.state = RunState(self.settings.idle_timeout)
+        self.store: Store | None = None
+        self.forwarder: Forwarder | None = None
+        self.otlp_http_port: int | None = None
+        self.otlp_grpc_port: int | None = None
+        self.api_port: int | None = None
+        self.in_flight = 0
+        self._listeners: list[Listener] = []
+        self._background: list[BackgroundFactory] = []
+        self._api_routes: list[web.AbstractRouteDef] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self._runners: list[web.AppRunner] = []
+        self._grpc: Any = None
+        self._started = False
+
+    # --- hooks for the alerting side --------------------------------------------
+
+    @property
+    def db_path(self) -> Path:
+        return self.settings.resolved_db_path
+
+    def add_listener(self, fn: Listener) -> None:
+        """Call ``fn(before, after, now)`` after every committed change to a run view."""
+        self._listeners.append(fn)
+
+    def add_background(self, factory: BackgroundFactory) -> None:
+        """Run ``factory()`` as a task from start to stop (cancelled on stop)."""
+        self._background.append(factory)
+        if self._started:
+            self._spawn(factory)
+
+    def add_api_routes(self, routes: Iterable[web.AbstractRouteDef]) -> None:
+        """Extra aiohttp routes on the API port; add them before start."""
+        if self._started:
+            raise SidecarError("add_api_routes() after start(): add routes before starting")
+        self._api_routes.extend(routes)
+
+    @property
+    def api_routes(self) -> list[web.AbstractRouteDef]:
+        return list(self._api_routes)
+
+    def listening(self) -> dict[str, Any]:
+        return {
+            "event": "sidecar.listening",
+            "host": self.settings.host,
+            "otlp_http": self.otlp_http_port,
+            "otlp_grpc": self.otlp_grpc_port,
+            "api": self.api_port,
+            "db": str(self.db_path),
+        }
+
+    # --- lifecycle -----------------------------------------------------------------
+
+    async def __aenter__(self) -> Sidecar:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.stop()
+
+    async def start(self) -> None:
+        from ._grpc import start_grpc
+        from ._http import build_api_app, build_otlp_app
+
+        if self._started:
+            return
+        self.settings.validate()
+        self.store = Store(self.db_path)
+        self._rebuild()
+        self._started = True
+        try:
+            host = self.settings.host
+            self.otlp_http_port = await self._serve_app(
+                build_otlp_app(self), host, self.settings.otlp_http_port
+            )
+            self.api_port = await self._serve_app(build_api_app(self), host, self.settings.api_port)
+            self._grpc, self.otlp_grpc_port = await start_grpc(
+                self, host, self.settings.otlp_grpc_port
+            )
+            if self.settings.forward:
+                self.forwarder = Forwarder(
+                    self.settings.forward,
+                    queue_size=self.settings.forward_queue,
+                    on_drop=self.metrics.forward_dropped.inc,
+                )
+                self._spawn(self.forwarder.run)
+            self._spawn(self._tick_loop)
+            self._spawn(self._prune_loop)
+            for factory in self._background:
+                self._spawn(factory)
+        except BaseException:
+            await self.stop()
+            raise
+        log.info("sidecar listening %s", self.listening())
+
+    async def _serve_app(self, app: web.Application, host: str, port: int) -> int:
+        # auto_decompress=False: the OTLP handler inflates gzip itself, with a bound
+        # (a gzip bomb must cost a 413, not memory).
+        runner = web.AppRunner(app, access_log=None, auto_decompress=False)
+        await runner.setup()
+        self._runners.append(runner)
+        site = web.TCPSite(runner, host, port, reuse_address=True)
+        try:
+            await site.start()
+        except OSError as exc:
+            raise SidecarError(
+                f"cannot listen on {host}:{port}: {exc}; pick a free port (or 0 for any)"
+            ) from exc
+        server = site._server
+        sockets = getattr(server, "sockets", None) or []
+        return int(sockets[0].getsockname()[1]) if sockets else port
+
+    def _spawn(self, factory: BackgroundFactory) -> None:
+        async def guarded() -> None:
+            try:
+                await factory()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("background task %r failed", factory)
+
+        self._tasks.append(asyncio.create_task(guarded()))
+
+    async def stop(self) -> None:
+        if not self._started:
+            return
+        self._started = False
+        for task in self._tasks:
+            await cancel(task)
+        self._tasks.clear()
+        if self._grpc is not None:
+            await self._grpc.stop(grace=1.0)
+            self._grpc = None
+        for runner in self._runners:
+            await runner.cleanup()
+        self._runners.clear()
+        if self.store is not None:
+            self.store.close()
+            self.store = None
+
+    async def serve_forever(self, stop: asyncio.Event | None = None) -> None:
+        stop = stop or asyncio.Event()
+        async with self:
+            await stop.wait()
+
+    def _rebuild(self) -> None:
+        """Fold every stored span back into the state (clocks restart now: we were deaf)."""
+        assert self.store is not None
+        now = self.clock()
+        batch: list[Any] = []
+        current = None
+        count = 0
+        for stored in self.store.spans():
+            if stored.run_id != current and batch:
+                self.state.apply(batch, now)
+                batch = []
+            current = stored.run_id
+            try:
+                batch.append(span_from_stored(stored.data, stored.service, stored.instance))
+            except SidecarError as exc:
+                log.warning("skipping stored span %s: %s", stored.span_id, exc)
+            count += 1
+        if batch:
+            self.state.apply(batch, now)
+        for mark in self.store.marks():
+            if mark.orphaned_at is not None:
+                self.state.restore_orphaned(mark.run_id, mark.orphaned_at)
+            if mark.resolution_at is not None:
+                self.state.resolve(mark.run_id, mark.resolution_note or "", mark.resolution_at)
+        for instance, _at, interval in self.store.instances():
+            self.state.restore_instance(instance, now, interval)
+        if count:
+            log.info("rebuilt %d runs from %d stored spans", len(self.state), count)
+
+    # --- intake ---------------------------------------------------------------------
+
+    def enter(self) -> bool:
+        """Take an in-flight slot; False when the sidecar is at its bound (answer 429)."""
+        if self.in_flight >= self.settings.max_in_flight:
+            return False
+        self.in_flight += 1
+        return True
+
+    def leave(self) -> None:
+        self.in_flight -= 1
+
+    def ingest(
+        self, decoded: Decoded, transport: str, body: bytes | None = None, content_type: str = ""
+    ) -> None:
+        """Store, fold and announce one request's spans. Raises StoreError (answer 503)."""
+        store = self.store
+        if store is None:
+            raise StoreError("the sidecar is not running: start it before sending spans")
+        now = self.clock()
+        rows = []
+        heartbeats = []
+        for span, raw in zip(decoded.spans, decoded.raw, strict=True):
+            attrs = span.attributes
+            if attrs.get(sc.SAGA_PHASE) == sc.PHASE_HEARTBEAT:
+                interval = float(attrs.get(sc.SAGA_HEARTBEAT_INTERVAL_S, 1.0))
+                heartbeats.append((span.instance, now, interval))
+            else:
+                rows.append(
+                    (attrs[sc.SAGA_RUN_ID], span.span_id, now, span.service, span.instance, raw)
+                )
+        if rows or heartbeats:
+            store.write(rows, heartbeats)  # committed before anyone hears "stored"
+        applied = self.state.apply(decoded.spans, now, want_views=bool(self._listeners))
+        counter = self.metrics.spans_received
+        counter.labels(transport=transport, outcome="accepted").inc(len(decoded.spans))
+        if decoded.ignored:
+            counter.labels(transport=transport, outcome="ignored").inc(decoded.ignored)
+        if decoded.rejected:
+            counter.labels(transport=transport, outcome="rejected").inc(decoded.rejected)
+        if self._listeners:
+            for run_id in applied.changed:
+                after = self.state.view(run_id)
+                if after is not None:
+                    self._notify(applied.before.get(run_id), after, now)
+        if self.forwarder is not None and body is not None and decoded.total:
+            self.forwarder.offer(body, content_type, decoded.total)
+
+    def _notify(self, before: dict[str, Any] | None, after: dict[str, Any], now: float) -> None:
+        for fn in self._listeners:
+            try:
+                fn(before, after, now)
+            except Exception:
+                # A listener bug must never cost intake: the change is already stored.
+                log.exception("run listener %r failed for run %s", fn, after.get("run_id"))
+
+    # --- orphans, resolution, retention ---------------------------------------------
+
+    def tick(self) -> list[Transition]:
+        now = self.clock()
+        transitions = self.state.tick(now)
+        if not transitions:
+            return transitions
+        if self.store is not None:
+            try:
+                self.store.mark_orphaned((t.run_id, t.at) for t in transitions)
+            except StoreError:
+                log.exception("could not store orphan marks; they are re-derived on restart")
+        if self._listeners:
+            for t in transitions:
+                after = self.state.view(t.run_id)
+                if after is not None:
+                    self._notify({**after, "status": t.before}, after, now)
+        return transitions
+
+    async def _tick_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.tick_interval)
+            self.tick()
+
+    def prune(self) -> list[str]:
+        run_ids = self.state.prunable(self.clock(), self.settings.retention)
+        if run_ids and self.store is not None:
+            self.store.delete_runs(run_ids)
+            self.state.forget(run_ids)
+        return run_ids
+
+    async def _prune_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.prune_interval)
+            with contextlib.suppress(StoreError):
+                pruned = self.prune()
+                if pruned:
+                    log.info("pruned %d finished runs past retention", len(pruned))
+
+    def resolve(self, run_id: str, note: str) -> dict[str, Any] | None:
+        """Record a person's resolution; the new view, or None for an unknown run."""
+        before = self.state.view(run_id)
+        if before is None:
+            return None
+        now = self.clock()
+        if self.store is not None:
+            self.store.resolve(run_id, note, now)
+        self.state.resolve(run_id, note, now)
+        after = self.state.view(run_id)
+        assert after is not None
+        self._notify(before, after, now)
+        return after

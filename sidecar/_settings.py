@@ -1,0 +1,143 @@
+"""Settings of one sidecar: plain values, validated once, before anything binds."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from ._errors import ConfigError
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_OTLP_HTTP_PORT = 4318
+DEFAULT_OTLP_GRPC_PORT = 4317
+DEFAULT_API_PORT = 4320
+DEFAULT_MAX_BODY = 16 * 1024 * 1024
+DEFAULT_IDLE_TIMEOUT = 60.0
+DEFAULT_RETENTION = 7 * 24 * 3600.0
+DEFAULT_MAX_IN_FLIGHT = 64
+DEFAULT_FORWARD_QUEUE = 1024
+ENV_PREFIX = "SAGA_SIDECAR_"
+
+
+def default_db_path() -> Path:
+    """``$XDG_STATE_HOME/saga-sidecar/sidecar.db``, else under ``~/.local/state``."""
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "saga-sidecar" / "sidecar.db"
+
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
+
+
+def parse_duration(text: str | float, what: str) -> float:
+    """Seconds from ``90``, ``1.5``, ``250ms``, ``30s``, ``10m``, ``12h`` or ``7d``."""
+    if isinstance(text, int | float):
+        value = float(text)
+    else:
+        match = _DURATION.match(text)
+        if not match:
+            raise ConfigError(
+                f"{what} {text!r} is not a duration: write seconds (e.g. 60) or a number "
+                "with ms, s, m, h or d (e.g. 7d)"
+            )
+        value = float(match.group(1)) * _UNITS[match.group(2)]
+    if value <= 0:
+        raise ConfigError(f"{what} {text!r} must be positive: use e.g. 60s")
+    return value
+
+
+_SIZE = re.compile(r"^\s*(\d+)\s*(b|kib|kb|mib|mb|gib|gb)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {
+    None: 1,
+    "b": 1,
+    "kb": 1000,
+    "kib": 1024,
+    "mb": 1000**2,
+    "mib": 1024**2,
+    "gb": 1000**3,
+    "gib": 1024**3,
+}
+
+
+def parse_size(text: str | int, what: str) -> int:
+    """Bytes from ``16777216``, ``16MiB``, ``512KiB``."""
+    if isinstance(text, int):
+        value = text
+    else:
+        match = _SIZE.match(text)
+        if not match:
+            raise ConfigError(
+                f"{what} {text!r} is not a size: write bytes (e.g. 16777216) or e.g. 16MiB"
+            )
+        unit = match.group(2).lower() if match.group(2) else None
+        value = int(match.group(1)) * _SIZE_UNITS[unit]
+    if value <= 0:
+        raise ConfigError(f"{what} {text!r} must be positive: use e.g. 16MiB")
+    return value
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """Everything ``saga-sidecar serve`` can be told. Ports 0 bind ephemeral ports."""
+
+    host: str = DEFAULT_HOST
+    otlp_http_port: int = DEFAULT_OTLP_HTTP_PORT
+    otlp_grpc_port: int = DEFAULT_OTLP_GRPC_PORT
+    api_port: int = DEFAULT_API_PORT
+    db_path: Path | None = None
+    token: str | None = None
+    forward: str | None = None
+    forward_queue: int = DEFAULT_FORWARD_QUEUE
+    idle_timeout: float = DEFAULT_IDLE_TIMEOUT
+    retention: float = DEFAULT_RETENTION
+    max_body: int = DEFAULT_MAX_BODY
+    max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
+    tick_interval: float = 0.2
+    prune_interval: float = 60.0
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def resolved_db_path(self) -> Path:
+        return self.db_path if self.db_path is not None else default_db_path()
+
+    def validate(self) -> None:
+        for name in ("otlp_http_port", "otlp_grpc_port", "api_port"):
+            port = getattr(self, name)
+            if not 0 <= port <= 65535:
+                raise ConfigError(f"{name}={port} is not a TCP port: use 0..65535 (0 = any free)")
+        if not is_loopback(self.host) and not self.token:
+            raise ConfigError(
+                f"refusing to listen on non-loopback host {self.host!r} without a token: "
+                "anyone who can reach it could read and resolve runs. Set --token "
+                "(SAGA_SIDECAR_TOKEN) or bind 127.0.0.1"
+            )
+        if self.token is not None and (not self.token or any(c.isspace() for c in self.token)):
+            raise ConfigError(
+                "the token is empty or contains whitespace: use a random string such as "
+                "the output of `openssl rand -hex 32`"
+            )
+        if self.forward is not None and not self.forward.startswith(("http://", "https://")):
+            raise ConfigError(
+                f"--forward {self.forward!r} is not an http(s) URL: use e.g. "
+                "http://collector:4318/v1/traces"
+            )
+        for name in ("forward_queue", "max_body", "max_in_flight"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
+        for name in ("idle_timeout", "retention", "tick_interval", "prune_interval"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name}={getattr(self, name)} must be > 0 seconds")

@@ -1,0 +1,345 @@
+"""Where alerts go: Alertmanager API v2, PagerDuty Events API v2, a JSON webhook, the log.
+
+A sink turns one :class:`AlertEvent` into one request and reports how it went
+by raising: :class:`DeliveryRetry` for what may work later (429, 5xx,
+connection errors, timeouts) and :class:`DeliveryRejected` for what never will
+(other 4xx: a configuration error). Retrying, ordering and durability are the
+outbox's job. Every payload is redacted here, at the last step before it
+leaves the process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from email.utils import parsedate_to_datetime
+from typing import Any, Final, Protocol, TextIO
+
+import aiohttp
+import structlog
+
+from ._alerting import AlertEvent
+from ._errors import SidecarError
+from ._redact import Redactor
+
+KIND_ALERTMANAGER: Final = "alertmanager"
+KIND_PAGERDUTY: Final = "pagerduty"
+KIND_WEBHOOK: Final = "webhook"
+KIND_LOG: Final = "log"
+SINK_KINDS: Final = (KIND_ALERTMANAGER, KIND_PAGERDUTY, KIND_WEBHOOK, KIND_LOG)
+
+DEFAULT_PAGERDUTY_URL: Final = "https://events.pagerduty.com/v2/enqueue"
+DEFAULT_TIMEOUT: Final = 10.0
+_MAX_BODY_IN_ERROR: Final = 2000
+_PD_SUMMARY_MAX: Final = 1024
+
+
+class DeliveryError(SidecarError):
+    """A sink did not accept an alert."""
+
+
+class DeliveryRetry(DeliveryError):
+    """Worth trying again later; ``retry_after`` is the sink's own hint in seconds."""
+
+    def __init__(self, message: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class DeliveryRejected(DeliveryError):
+    """The sink refused the alert for good (4xx other than 429): fix the configuration."""
+
+
+class Sink(Protocol):
+    @property
+    def kind(self) -> str:
+        """One of :data:`SINK_KINDS`: what routes name and metrics label."""
+
+    @property
+    def name(self) -> str:
+        """Unique and stable across restarts: the outbox keys rows by it."""
+
+    @property
+    def resend_interval(self) -> float | None:
+        """Seconds between re-sends of a still-firing alert, or None for never."""
+
+    async def send(self, event: AlertEvent) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+def iso(ts: float) -> str:
+    return datetime.fromtimestamp(ts, UTC).isoformat().replace("+00:00", "Z")
+
+
+def parse_retry_after(value: str | None, now: float) -> float | None:
+    """Seconds from a Retry-After header (delta seconds or an HTTP date)."""
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        return max(0.0, parsedate_to_datetime(value).timestamp() - now)
+    except (TypeError, ValueError):
+        return None
+
+
+@dataclass
+class _Http:
+    """One aiohttp session per sink, opened lazily inside the running loop."""
+
+    timeout: float
+    _session: aiohttp.ClientSession | None = field(default=None, init=False)
+
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=self.timeout),
+                headers={"User-Agent": "saga-sidecar"},
+            )
+        return self._session
+
+    async def post(self, url: str, body: Any, what: str) -> None:
+        now = datetime.now(UTC).timestamp()
+        try:
+            async with self.session().post(url, json=body) as resp:
+                if 200 <= resp.status < 300:
+                    await resp.read()
+                    return
+                text = (await resp.text(errors="replace"))[:_MAX_BODY_IN_ERROR]
+                if resp.status == 429 or resp.status >= 500:
+                    raise DeliveryRetry(
+                        f"{what} at {url} answered {resp.status}: {text}",
+                        parse_retry_after(resp.headers.get("Retry-After"), now),
+                    )
+                raise DeliveryRejected(
+                    f"{what} at {url} refused the alert with {resp.status}: {text}; this will "
+                    "not pass on retry, check the sink's URL and credentials (routing key)"
+                )
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            raise DeliveryRetry(
+                f"{what} at {url} unreachable: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+def _redacted(redactor: Redactor, event: AlertEvent, payload: Any) -> Any:
+    secrets = redactor.secrets_in(event.details, dict(event.annotations))
+    return redactor.redact(payload, secrets)
+
+
+@dataclass
+class AlertmanagerSink:
+    """POST /api/v2/alerts of one Alertmanager. Give each HA peer its own sink."""
+
+    url: str
+    redactor: Redactor = field(default_factory=Redactor)
+    resend: float | None = 60.0
+    timeout: float = DEFAULT_TIMEOUT
+    _http: _Http = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._http = _Http(self.timeout)
+
+    @property
+    def kind(self) -> str:
+        return KIND_ALERTMANAGER
+
+    @property
+    def name(self) -> str:
+        return f"{KIND_ALERTMANAGER}:{self.url}"
+
+    @property
+    def resend_interval(self) -> float | None:
+        return self.resend
+
+    def payload(self, event: AlertEvent) -> list[dict[str, Any]]:
+        alert: dict[str, Any] = {
+            "labels": dict(event.labels),
+            "annotations": {k: v for k, v in event.annotations.items() if v},
+            "startsAt": iso(event.starts_at),
+            "generatorURL": event.annotations.get("run_url", ""),
+        }
+        if not event.firing:
+            # Alertmanager rejects an end before the start.
+            alert["endsAt"] = iso(max(event.at, event.starts_at))
+        return [_redacted(self.redactor, event, alert)]
+
+    async def send(self, event: AlertEvent) -> None:
+        await self._http.post(
+            f"{self.url.rstrip('/')}/api/v2/alerts", self.payload(event), "Alertmanager"
+        )
+
+    async def close(self) -> None:
+        await self._http.close()
+
+
+@dataclass
+class PagerDutySink:
+    routing_key: str
+    url: str = DEFAULT_PAGERDUTY_URL
+    redactor: Redactor = field(default_factory=Redactor)
+    timeout: float = DEFAULT_TIMEOUT
+    source: str = "saga-sidecar"
+    _http: _Http = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._http = _Http(self.timeout)
+
+    @property
+    def kind(self) -> str:
+        return KIND_PAGERDUTY
+
+    @property
+    def name(self) -> str:
+        return f"{KIND_PAGERDUTY}:{self.url}"
+
+    @property
+    def resend_interval(self) -> float | None:
+        return None
+
+    def payload(self, event: AlertEvent) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "routing_key": self.routing_key,
+            "dedup_key": event.dedup_key,
+            "event_action": "trigger" if event.firing else "resolve",
+        }
+        content: dict[str, Any] = {
+            "payload": {
+                "summary": event.annotations.get("description", event.alertname)[:_PD_SUMMARY_MAX],
+                "source": event.labels.get("service") or self.source,
+                "severity": event.severity,
+                "timestamp": iso(event.at),
+                "component": event.labels.get("saga", ""),
+                "group": event.labels.get("service", ""),
+                "class": event.alertname,
+                "custom_details": {
+                    "labels": dict(event.labels),
+                    "annotations": dict(event.annotations),
+                    **dict(event.details),
+                },
+            },
+            "links": [
+                {"href": event.annotations.get("run_url", ""), "text": "saga run"},
+                {"href": event.annotations.get("runbook_url", ""), "text": "runbook"},
+            ],
+        }
+        # Only the content is redacted: the envelope's routing/dedup keys must stay intact.
+        return {**body, **_redacted(self.redactor, event, content)}
+
+    async def send(self, event: AlertEvent) -> None:
+        await self._http.post(self.url, self.payload(event), "PagerDuty")
+
+    async def close(self) -> None:
+        await self._http.close()
+
+
+@dataclass
+class WebhookSink:
+    url: str
+    redactor: Redactor = field(default_factory=Redactor)
+    timeout: float = DEFAULT_TIMEOUT
+    _http: _Http = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._http = _Http(self.timeout)
+
+    @property
+    def kind(self) -> str:
+        return KIND_WEBHOOK
+
+    @property
+    def name(self) -> str:
+        return f"{KIND_WEBHOOK}:{self.url}"
+
+    @property
+    def resend_interval(self) -> float | None:
+        return None
+
+    def payload(self, event: AlertEvent) -> dict[str, Any]:
+        return event_document(event, self.redactor)
+
+    async def send(self, event: AlertEvent) -> None:
+        await self._http.post(self.url, self.payload(event), "webhook")
+
+    async def close(self) -> None:
+        await self._http.close()
+
+
+def event_document(event: AlertEvent, redactor: Redactor) -> dict[str, Any]:
+    """The generic JSON form of an alert (webhook body, log line), redacted."""
+    doc = {
+        "version": "1",
+        "action": event.action.value,
+        "status": "firing" if event.firing else "resolved",
+        "dedup_key": event.dedup_key,
+        "alertname": event.alertname,
+        "severity": event.severity,
+        "run_id": event.run_id,
+        "labels": dict(event.labels),
+        "annotations": dict(event.annotations),
+        "details": dict(event.details),
+        "starts_at": iso(event.starts_at),
+        "at": iso(event.at),
+    }
+    out = _redacted(redactor, event, doc)
+    assert isinstance(out, dict)
+    return out
+
+
+@dataclass
+class LogSink:
+    """One JSON line per alert through structlog (stderr unless told otherwise)."""
+
+    redactor: Redactor = field(default_factory=Redactor)
+    stream: TextIO | None = None
+    _logger: Any = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._logger = structlog.wrap_logger(
+            structlog.PrintLogger(self.stream or sys.stderr),
+            processors=[
+                structlog.processors.add_log_level,
+                structlog.processors.TimeStamper(fmt="iso", utc=True),
+                structlog.processors.JSONRenderer(sort_keys=True),
+            ],
+        )
+
+    @property
+    def kind(self) -> str:
+        return KIND_LOG
+
+    @property
+    def name(self) -> str:
+        return KIND_LOG
+
+    @property
+    def resend_interval(self) -> float | None:
+        return None
+
+    async def send(self, event: AlertEvent) -> None:
+        doc = event_document(event, self.redactor)
+        log = (
+            self._logger.error
+            if event.firing and event.severity == "critical"
+            else (self._logger.warning if event.firing else self._logger.info)
+        )
+        log("saga.alert", **doc)
+        await asyncio.sleep(0)
+
+    async def close(self) -> None:
+        return None
+
+
+def json_text(obj: Mapping[str, Any]) -> str:
+    return json.dumps(obj, sort_keys=True)

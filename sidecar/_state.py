@@ -1,0 +1,661 @@
+"""The pure run-state machine: spans in, run views and status transitions out.
+
+No I/O and no clock: every call that depends on time takes ``now``. The final
+state of a run is a function of the *set* of its spans (plus the orphan mark and
+a resolution), so spans may arrive in any order, more than once, and split
+across requests: every rule below picks by span times and ids, never by arrival.
+
+Memory matters (one sidecar watches every open run of a fleet), so a run keeps
+compact tuples, interned strings and raw JSON text, and builds its view dict
+only when asked.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from saga_otel import semconv as sc
+
+from ._otlp import SpanRecord
+
+# Attempt tuples, ordered by their first three fields (unique: span ids are).
+# do:         (attempt, start, span_id, ok, error, end, comp)  comp = (tool, args_text, desc) | None
+# compensate: (attempt, start, span_id, ok, error, end, tool)
+_A_ATTEMPT, _A_START, _A_SPAN, _A_OK, _A_ERROR, _A_END, _A_EXTRA = range(7)
+
+NEEDS_PERSON = frozenset({sc.STATUS_COMPENSATION_FAILED, sc.STATUS_STUCK, sc.STATE_ORPHANED})
+OPEN_STATES = frozenset({sc.STATE_RUNNING, sc.STATE_UNWINDING})
+ALL_STATES = (
+    sc.STATE_RUNNING,
+    sc.STATE_UNWINDING,
+    sc.STATUS_COMPLETED,
+    sc.STATUS_COMPENSATED,
+    sc.STATUS_COMPENSATION_FAILED,
+    sc.STATUS_STUCK,
+    sc.STATUS_REJECTED,
+    sc.STATE_ORPHANED,
+    sc.STATE_RECOVERED,
+)
+_RECOVERED_FROM = frozenset({sc.STATUS_COMPENSATED, sc.STATUS_COMPLETED})
+_intern = sys.intern
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    """A run's status changed (``before`` is None for a run seen the first time)."""
+
+    run_id: str
+    before: str | None
+    after: str
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    instance: str
+    at: float
+    interval: float
+
+
+@dataclass(frozen=True, slots=True)
+class Applied:
+    """What one batch of spans changed. ``before`` holds views only when asked for."""
+
+    changed: tuple[str, ...]
+    transitions: tuple[Transition, ...]
+    heartbeats: tuple[Heartbeat, ...]
+    before: Mapping[str, dict[str, Any] | None]
+
+
+class _Step:
+    __slots__ = ("cls", "comps", "dos", "index", "name", "pivot_any", "pivot_ok")
+
+    def __init__(self, index: int, name: str) -> None:
+        self.index = index
+        self.name = name
+        self.cls: str | None = None
+        self.pivot_any = False
+        self.pivot_ok = False
+        self.dos: tuple[tuple[Any, ...], ...] = ()
+        self.comps: tuple[tuple[Any, ...], ...] = ()
+
+    def ok(self) -> bool:
+        return any(a[_A_OK] for a in self.dos)
+
+    def compensation(self) -> tuple[str, str, str] | None:
+        comp: tuple[str, str, str] | None = None
+        for a in self.dos:  # sorted: the last OK attempt that pushed wins
+            if a[_A_OK] and a[_A_EXTRA] is not None:
+                comp = a[_A_EXTRA]
+        return comp
+
+    def compensated(self) -> bool:
+        return any(a[_A_OK] for a in self.comps)
+
+
+class _Run:
+    __slots__ = (
+        "escalation",
+        "first_comp_start",
+        "instance",
+        "instances",
+        "last_seen",
+        "orig_key",
+        "orphaned_at",
+        "resolution",
+        "run_id",
+        "run_spans",
+        "saga",
+        "service",
+        "started_at",
+        "status",
+        "steps",
+        "trace_id",
+        "unwind",
+        "updated_at",
+    )
+
+    def __init__(self, run_id: str) -> None:
+        self.run_id = run_id
+        self.saga = ""
+        self.service = ""
+        self.instance = ""
+        self.trace_id = ""
+        self.orig_key: tuple[float, int] = (float("inf"), 0)
+        self.instances: tuple[str, ...] = ()
+        self.started_at = float("inf")
+        self.updated_at = 0.0
+        self.last_seen = 0.0
+        self.steps: list[_Step] = []
+        # (end, span_id, instance, status, failed_step)
+        self.run_spans: tuple[tuple[float, int, str, str, str | None], ...] = ()
+        self.unwind: tuple[float, int, str | None, str | None] | None = None
+        self.first_comp_start: float | None = None
+        self.escalation: tuple[float, int, str, str | None] | None = None
+        self.orphaned_at: float | None = None
+        self.resolution: tuple[str, float] | None = None
+        self.status = sc.STATE_RUNNING
+
+    def step(self, index: int, name: str) -> _Step:
+        for step in self.steps:
+            if step.index == index:
+                return step
+        step = _Step(index, name)
+        self.steps.append(step)
+        self.steps.sort(key=lambda s: s.index)
+        return step
+
+    def recovering(self) -> bool:
+        return any(i != self.instance for i in self.instances)
+
+    def final_run_span(self) -> tuple[float, int, str, str, str | None] | None:
+        spans = sorted(self.run_spans)
+        if not spans:
+            return None
+        if self.recovering():
+            later = [r for r in spans if r[2] != self.instance]
+            return later[-1] if later else None
+        return spans[-1]
+
+    def derive(self) -> str:
+        final = self.final_run_span()
+        if self.recovering() or len(self.run_spans) >= 2:
+            if final is None:
+                # A second process took the run over and has not finished yet.
+                others = any(a for s in self.steps for a in s.comps) or self.unwind is not None
+                return sc.STATE_UNWINDING if others else sc.STATE_RUNNING
+            return sc.STATE_RECOVERED if final[3] in _RECOVERED_FROM else final[3]
+        if final is not None:
+            return final[3]
+        if self.orphaned_at is not None:
+            return sc.STATE_ORPHANED
+        if self.unwind is not None or self.first_comp_start is not None:
+            return sc.STATE_UNWINDING
+        return sc.STATE_RUNNING
+
+    def has_ended(self) -> bool:
+        return bool(self.run_spans)
+
+
+def _error_text(span: SpanRecord) -> str | None:
+    if span.ok:
+        return None
+    for event in span.events:
+        if event.name == "exception":
+            kind = event.attributes.get("exception.type", "")
+            message = event.attributes.get("exception.message", "")
+            if kind or message:
+                return f"{kind}: {message}" if kind else str(message)
+    return span.status_message or "error"
+
+
+def _parse_json(text: str | None, default: Any) -> Any:
+    if text is None:
+        return default
+    try:
+        return json.loads(text)
+    except ValueError:
+        return default
+
+
+def _opt_str(value: Any) -> str | None:
+    return _intern(value) if isinstance(value, str) and value else None
+
+
+class RunState:
+    """Every run the sidecar knows, and the instances that heart-beat.
+
+    ``idle_timeout`` is how long a run of a process that sends no heartbeats may
+    stay silent before it counts as orphaned.
+    """
+
+    def __init__(self, idle_timeout: float = 60.0) -> None:
+        self.idle_timeout = idle_timeout
+        self._runs: dict[str, _Run] = {}
+        # Open runs (no run span, not orphaned), oldest activity first.
+        self._idle: dict[str, None] = {}
+        # instance -> [last heartbeat, interval, dead]
+        self._instances: dict[str, list[Any]] = {}
+
+    # --- queries ---------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._runs)
+
+    def __contains__(self, run_id: object) -> bool:
+        return run_id in self._runs
+
+    def run_ids(self) -> Iterator[str]:
+        return iter(self._runs)
+
+    def status(self, run_id: str) -> str | None:
+        run = self._runs.get(run_id)
+        return run.status if run else None
+
+    def counts(self) -> dict[str, int]:
+        counts = dict.fromkeys(ALL_STATES, 0)
+        for run in self._runs.values():
+            counts[run.status] = counts.get(run.status, 0) + 1
+        return counts
+
+    def orphaned_unresolved(self) -> int:
+        return sum(
+            1 for r in self._runs.values() if r.status == sc.STATE_ORPHANED and r.resolution is None
+        )
+
+    def instances(self) -> dict[str, tuple[float, float]]:
+        return {k: (v[0], v[1]) for k, v in self._instances.items()}
+
+    def summaries(
+        self,
+        *,
+        status: str | None = None,
+        saga: str | None = None,
+        since: float | None = None,
+        until: float | None = None,
+        needs_person: bool = False,
+    ) -> list[dict[str, Any]]:
+        """Matching runs, newest start first (ties by run id, descending)."""
+        out = []
+        for run in self._runs.values():
+            if status is not None and run.status != status:
+                continue
+            if saga is not None and run.saga != saga:
+                continue
+            if since is not None and run.started_at < since:
+                continue
+            if until is not None and run.started_at > until:
+                continue
+            if needs_person and (run.status not in NEEDS_PERSON or run.resolution is not None):
+                continue
+            out.append(self._summary(run))
+        out.sort(key=lambda s: (s["started_at"], s["run_id"]), reverse=True)
+        return out
+
+    def _summary(self, run: _Run) -> dict[str, Any]:
+        final = run.final_run_span()
+        return {
+            "run_id": run.run_id,
+            "saga": run.saga,
+            "service": run.service,
+            "instance": run.instance,
+            "status": run.status,
+            "started_at": _finite(run.started_at),
+            "updated_at": run.updated_at,
+            "ended_at": final[0] if final else None,
+            "failed_step": self._failed_step(run),
+            "stack_depth": len(self._stack(run)),
+            "resolved": run.resolution is not None,
+        }
+
+    def view(self, run_id: str) -> dict[str, Any] | None:
+        """The run view of docs/internals.md, or None for an unknown run."""
+        run = self._runs.get(run_id)
+        if run is None:
+            return None
+        final = run.final_run_span()
+        ended = run.has_ended()
+        lowest_comp = min((s.index for s in run.steps if s.comps), default=None)
+        steps = []
+        pivot = None
+        for s in run.steps:
+            comp = s.compensation()
+            compensated = s.compensated()
+            failed = (
+                bool(s.comps)
+                and not compensated
+                and any(not a[_A_OK] for a in s.comps)
+                and (ended or (lowest_comp is not None and lowest_comp < s.index))
+            )
+            if pivot is None and s.pivot_ok:
+                pivot = {"step": s.name, "index": s.index}
+            steps.append(
+                {
+                    "index": s.index,
+                    "name": s.name,
+                    "class": s.cls,
+                    "pivot": s.pivot_any,
+                    "ok": s.ok(),
+                    "attempts": [_attempt_dict(a) for a in s.dos],
+                    "compensation": _comp_dict(s, comp) if comp else None,
+                    "compensations": [_attempt_dict(a) for a in s.comps],
+                    "compensated": compensated,
+                    "compensation_failed": failed,
+                }
+            )
+        escalation = None
+        if run.escalation is not None:
+            escalation = {
+                "reason": run.escalation[2],
+                "card": _parse_json(run.escalation[3], {}),
+            }
+        return {
+            "run_id": run.run_id,
+            "saga": run.saga,
+            "service": run.service,
+            "instance": run.instance,
+            "trace_id": run.trace_id,
+            "status": run.status,
+            "started_at": _finite(run.started_at),
+            "updated_at": run.updated_at,
+            "ended_at": final[0] if final else None,
+            "failed_step": self._failed_step(run),
+            "unwind_reason": run.unwind[2] if run.unwind else None,
+            "unwind_started_at": run.unwind[0] if run.unwind else run.first_comp_start,
+            "pivot": pivot,
+            "steps": steps,
+            "stack": self._stack(run),
+            "escalation": escalation,
+            "resolution": (
+                {"note": run.resolution[0], "at": run.resolution[1]} if run.resolution else None
+            ),
+        }
+
+    def stack(self, run_id: str) -> list[dict[str, Any]] | None:
+        run = self._runs.get(run_id)
+        return None if run is None else self._stack(run)
+
+    @staticmethod
+    def _stack(run: _Run) -> list[dict[str, Any]]:
+        items = []
+        for s in reversed(run.steps):  # top of stack = highest index
+            comp = s.compensation()
+            if comp is not None and not s.compensated():
+                items.append(_comp_dict(s, comp))
+        return items
+
+    @staticmethod
+    def _failed_step(run: _Run) -> str | None:
+        final = run.final_run_span()
+        if final is not None and final[4]:
+            return final[4]
+        if run.unwind is not None and run.unwind[3]:
+            return run.unwind[3]
+        for r in sorted(run.run_spans, reverse=True):
+            if r[4]:
+                return r[4]
+        return None
+
+    # --- changes ---------------------------------------------------------------
+
+    def apply(
+        self, spans: Iterable[SpanRecord], now: float, *, want_views: bool = False
+    ) -> Applied:
+        """Fold validated spans (see ``_otlp.validate``) into the state."""
+        changed: dict[str, None] = {}
+        before_status: dict[str, str | None] = {}
+        before_views: dict[str, dict[str, Any] | None] = {}
+        heartbeats: list[Heartbeat] = []
+        for span in spans:
+            attrs = span.attributes
+            phase = attrs.get(sc.SAGA_PHASE)
+            if phase == sc.PHASE_HEARTBEAT:
+                heartbeats.append(self._heartbeat(span, now))
+                continue
+            run_id = attrs.get(sc.SAGA_RUN_ID)
+            if not isinstance(run_id, str) or not run_id:
+                continue  # validation rejects these; never trust it blindly
+            run = self._runs.get(run_id)
+            if run_id not in before_status:
+                before_status[run_id] = run.status if run else None
+                if want_views:
+                    before_views[run_id] = self.view(run_id) if run else None
+            if run is None:
+                run = self._runs[run_id] = _Run(_intern(run_id))
+            if self._fold(run, span, phase):
+                changed[run_id] = None
+            run.last_seen = max(run.last_seen, now)
+            if run_id in self._idle:
+                del self._idle[run_id]
+            if not run.has_ended() and run.orphaned_at is None:
+                self._idle[run_id] = None
+        transitions = []
+        for run_id in changed:
+            run = self._runs[run_id]
+            run.status = run.derive()
+            if run.has_ended():
+                self._idle.pop(run_id, None)
+            if run.status != before_status[run_id]:
+                transitions.append(Transition(run_id, before_status[run_id], run.status, now))
+        return Applied(
+            tuple(changed),
+            tuple(transitions),
+            tuple(heartbeats),
+            {k: before_views[k] for k in changed} if want_views else {},
+        )
+
+    def _heartbeat(self, span: SpanRecord, now: float) -> Heartbeat:
+        interval = float(span.attributes.get(sc.SAGA_HEARTBEAT_INTERVAL_S, 1.0))
+        instance = _intern(span.instance)
+        self._instances[instance] = [now, interval, False]
+        for run_id in span.attributes.get(sc.SAGA_HEARTBEAT_OPEN_RUNS, ()):
+            run = self._runs.get(run_id)
+            if run is not None:
+                run.last_seen = max(run.last_seen, now)
+                if run_id in self._idle:  # still alive: to the young end of the queue
+                    del self._idle[run_id]
+                    self._idle[run_id] = None
+        return Heartbeat(instance, now, interval)
+
+    def _fold(self, run: _Run, span: SpanRecord, phase: Any) -> bool:
+        """Fold one span; False when it was a duplicate that changed nothing."""
+        attrs = span.attributes
+        span_id = int(span.span_id or "0", 16)
+        changed = False
+        key = (span.start, span_id)
+        instance = _intern(span.instance)
+        if key < run.orig_key:
+            run.orig_key = key
+            run.instance = instance
+            run.trace_id = _intern(span.trace_id)
+            run.service = _intern(span.service) if span.service else run.service
+            saga = attrs.get(sc.SAGA_NAME)
+            if isinstance(saga, str) and saga:
+                run.saga = _intern(saga)
+            changed = True
+        elif not run.saga and isinstance(attrs.get(sc.SAGA_NAME), str):
+            run.saga = _intern(attrs[sc.SAGA_NAME])
+        if instance not in run.instances:
+            run.instances = (*run.instances, instance)
+            changed = True
+        if span.start < run.started_at:
+            run.started_at = span.start
+            changed = True
+        latest = max(span.end, span.start)
+        if latest > run.updated_at:
+            run.updated_at = latest
+            changed = True
+
+        if phase == sc.PHASE_DO or phase == sc.PHASE_COMPENSATE:
+            index = int(attrs[sc.SAGA_STEP_INDEX])
+            name = attrs.get(sc.SAGA_STEP_NAME)
+            step = run.step(index, _intern(name) if isinstance(name, str) else "")
+            attempt = int(attrs.get(sc.SAGA_STEP_ATTEMPT, 1))
+            ok = span.ok
+            if phase == sc.PHASE_DO:
+                if any(a[_A_SPAN] == span_id for a in step.dos):
+                    return changed
+                if isinstance(name, str):
+                    step.name = _intern(name)
+                cls = attrs.get(sc.SAGA_STEP_CLASS)
+                if isinstance(cls, str):
+                    step.cls = _intern(cls)
+                is_pivot = attrs.get(sc.SAGA_STEP_PIVOT) is True or cls == "irreversible"
+                step.pivot_any = step.pivot_any or is_pivot
+                step.pivot_ok = step.pivot_ok or (is_pivot and ok)
+                tool = attrs.get(sc.SAGA_COMPENSATION_TOOL)
+                comp = None
+                if ok and isinstance(tool, str) and tool:
+                    comp = (
+                        _intern(tool),
+                        attrs.get(sc.SAGA_COMPENSATION_ARGS) or "{}",
+                        attrs.get(sc.SAGA_COMPENSATION_DESCRIPTION) or "",
+                    )
+                entry: tuple[Any, ...] = (
+                    attempt,
+                    span.start,
+                    span_id,
+                    ok,
+                    _error_text(span),
+                    span.end,
+                    comp,
+                )
+                step.dos = tuple(sorted((*step.dos, entry), key=_attempt_key))
+            else:
+                if any(a[_A_SPAN] == span_id for a in step.comps):
+                    return changed
+                if not step.dos and isinstance(name, str) and not step.name:
+                    step.name = _intern(name)
+                tool = attrs.get(sc.SAGA_COMPENSATION_TOOL)
+                entry_c: tuple[Any, ...] = (
+                    attempt,
+                    span.start,
+                    span_id,
+                    ok,
+                    _error_text(span),
+                    span.end,
+                    _intern(tool) if isinstance(tool, str) else None,
+                )
+                step.comps = tuple(sorted((*step.comps, entry_c), key=_attempt_key))
+                if run.first_comp_start is None or span.start < run.first_comp_start:
+                    run.first_comp_start = span.start
+            return True
+        if phase == sc.PHASE_RUN:
+            if any(r[1] == span_id for r in run.run_spans):
+                return changed
+            entry_run = (
+                span.end,
+                span_id,
+                instance,
+                _intern(str(attrs[sc.SAGA_RUN_STATUS])),
+                _opt_str(attrs.get(sc.SAGA_RUN_FAILED_STEP)),
+            )
+            run.run_spans = tuple(sorted((*run.run_spans, entry_run)))
+            return True
+        if phase == sc.PHASE_UNWIND:
+            unwind = (
+                span.start,
+                span_id,
+                attrs.get(sc.SAGA_UNWIND_REASON),
+                _opt_str(attrs.get(sc.SAGA_RUN_FAILED_STEP)),
+            )
+            if run.unwind is None or unwind[:2] < run.unwind[:2]:
+                run.unwind = unwind
+                return True
+            return changed
+        if phase == sc.PHASE_ESCALATE:
+            escalation = (
+                span.start,
+                span_id,
+                str(attrs.get(sc.SAGA_ESCALATION_REASON, "")),
+                attrs.get(sc.SAGA_ESCALATION_CARD),
+            )
+            if run.escalation is None or escalation[:2] > run.escalation[:2]:
+                run.escalation = escalation
+                return True
+            return changed
+        return changed  # validate: identity only
+
+    def tick(self, now: float) -> list[Transition]:
+        """Orphan the runs whose process went quiet. Call it often; cost is per change."""
+        transitions: list[Transition] = []
+        dead: set[str] = set()
+        for instance, hb in self._instances.items():
+            if not hb[2] and now - hb[0] > 3 * hb[1]:
+                hb[2] = True
+                dead.add(instance)
+        if dead:  # rare: one scan of the open runs per process death
+            for run_id in [r for r in self._idle if self._runs[r].instance in dead]:
+                transitions.extend(self._orphan(run_id, now))
+        while self._idle:
+            run_id = next(iter(self._idle))
+            run = self._runs[run_id]
+            if now - run.last_seen <= self.idle_timeout:
+                break
+            watch = self._instances.get(run.instance)
+            if watch is not None and not watch[2]:
+                # Watched by heartbeats instead: leave the idle queue; the heartbeat rule
+                # above finds it when its process dies.
+                del self._idle[run_id]
+                continue
+            transitions.extend(self._orphan(run_id, now))
+        return transitions
+
+    def _orphan(self, run_id: str, now: float) -> list[Transition]:
+        self._idle.pop(run_id, None)
+        run = self._runs[run_id]
+        if run.has_ended() or run.orphaned_at is not None or run.recovering():
+            return []
+        before = run.status
+        run.orphaned_at = now
+        run.status = run.derive()
+        return [Transition(run_id, before, run.status, now)] if run.status != before else []
+
+    def restore_orphaned(self, run_id: str, at: float) -> None:
+        """Re-apply an orphan mark loaded from the store (no transition: it was reported)."""
+        run = self._runs.get(run_id)
+        if run is not None and not run.has_ended():
+            run.orphaned_at = at
+            run.status = run.derive()
+            self._idle.pop(run_id, None)
+
+    def restore_instance(self, instance: str, at: float, interval: float) -> None:
+        self._instances[_intern(instance)] = [at, interval, False]
+
+    def resolve(self, run_id: str, note: str, now: float) -> bool:
+        """Record that a person settled the run. False for an unknown run."""
+        run = self._runs.get(run_id)
+        if run is None:
+            return False
+        run.resolution = (note, now)
+        return True
+
+    def orphaned_at(self, run_id: str) -> float | None:
+        run = self._runs.get(run_id)
+        return run.orphaned_at if run else None
+
+    def prunable(self, now: float, retention: float) -> list[str]:
+        """Finished (ended or resolved) runs with no activity for ``retention`` seconds."""
+        return [
+            r.run_id
+            for r in self._runs.values()
+            if (r.has_ended() or r.resolution is not None) and now - r.last_seen > retention
+        ]
+
+    def forget(self, run_ids: Iterable[str]) -> None:
+        for run_id in run_ids:
+            self._runs.pop(run_id, None)
+            self._idle.pop(run_id, None)
+
+
+def _attempt_key(a: tuple[Any, ...]) -> tuple[Any, ...]:
+    return (a[_A_ATTEMPT], a[_A_START], a[_A_SPAN])
+
+
+def _attempt_dict(a: tuple[Any, ...]) -> dict[str, Any]:
+    return {
+        "attempt": a[_A_ATTEMPT],
+        "ok": a[_A_OK],
+        "error": a[_A_ERROR],
+        "start": a[_A_START],
+        "end": a[_A_END],
+    }
+
+
+def _comp_dict(step: _Step, comp: tuple[str, str, str]) -> dict[str, Any]:
+    args = _parse_json(comp[1], {})
+    return {
+        "step": step.name,
+        "index": step.index,
+        "tool": comp[0],
+        "args": args if isinstance(args, dict) else {},
+        "description": comp[2],
+    }
+
+
+def _finite(value: float) -> float | None:
+    return None if value == float("inf") else value

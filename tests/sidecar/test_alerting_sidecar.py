@@ -1,0 +1,275 @@
+"""Alerting inside a running sidecar: OTLP spans in, alerts out at a local webhook."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+from sidecar_testkit import (
+    CREDIT,
+    FakeClock,
+    RunScript,
+    compensated_run,
+    compensation_failed_run,
+    export_http,
+    heartbeat_spans,
+    open_run,
+    settings_for,
+    stuck_run,
+)
+
+from saga_otel import semconv as sc
+from sidecar import Sidecar
+from sidecar._alert_service import AlertService, install_alerting
+from sidecar._alert_settings import AlertSettings
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Hook:
+    def __init__(self) -> None:
+        self.got: list[dict[str, Any]] = []
+        self.port = free_port()
+        self.runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/hook"
+
+    async def start(self) -> None:
+        async def handle(request: web.Request) -> web.Response:
+            self.got.append(await request.json())
+            return web.Response(text="ok")
+
+        app = web.Application()
+        app.router.add_post("/hook", handle)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+    def seen(self) -> list[tuple[str, str]]:
+        return [(g["alertname"], g["status"]) for g in self.got]
+
+    async def wait(self, alertname: str, status: str, limit: float = 15.0) -> dict[str, Any]:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + limit
+        while True:
+            for g in self.got:
+                if (g["alertname"], g["status"]) == (alertname, status):
+                    return g
+            assert loop.time() < deadline, f"no {alertname} {status}; got {self.seen()}"
+            await asyncio.sleep(0.005)
+
+
+@pytest.fixture
+async def hook() -> AsyncIterator[Hook]:
+    h = Hook()
+    await h.start()
+    yield h
+    await h.stop()
+
+
+def alert_settings(hook: Hook, **kw: Any) -> AlertSettings:
+    return AlertSettings(webhook_urls=(hook.url,), log_sink=False, **kw)
+
+
+@pytest.fixture
+async def alerted(
+    tmp_path: Path, clock: FakeClock, hook: Hook
+) -> AsyncIterator[tuple[Sidecar, AlertService]]:
+    sidecar = Sidecar(settings_for(tmp_path), clock=clock)
+    service = install_alerting(sidecar, alert_settings(hook, redact_keys=("credit_id",)))
+    async with sidecar:
+        yield sidecar, service
+
+
+def split_at_unwind(run: RunScript) -> tuple[list[Any], list[Any]]:
+    spans = run.spans()
+    cut = next(i for i, s in enumerate(spans) if s.attributes.get(sc.SAGA_PHASE) == sc.PHASE_UNWIND)
+    return spans[: cut + 1], spans[cut + 1 :]
+
+
+async def api(sidecar: Sidecar, method: str, path: str, **kw: Any) -> Any:
+    async with (
+        aiohttp.ClientSession() as s,
+        s.request(method, f"http://127.0.0.1:{sidecar.api_port}{path}", **kw) as resp,
+    ):
+        return await resp.json() if "json" in resp.content_type else await resp.text()
+
+
+async def test_the_unwind_span_pages_and_the_compensated_end_resolves(
+    alerted: tuple[Sidecar, AlertService], hook: Hook
+) -> None:
+    sidecar, _ = alerted
+    run = compensated_run()
+    head, tail = split_at_unwind(run)
+    await export_http(sidecar, head)
+    fired = await hook.wait(sc.ALERT_COMPENSATION_STARTED, "firing")
+    assert fired["labels"]["run_id"] == run.run_id
+    assert fired["labels"]["step"] == "notify_billing"
+    assert fired["annotations"]["description"] == (
+        f"refund run {run.run_id[:8]}… unwinding after notify_billing failed: "
+        "TimeoutError: upstream timed out; 2 compensations pending"
+    )
+    assert fired["annotations"]["run_url"] == f"http://127.0.0.1:4320/runs/{run.run_id}"
+    await export_http(sidecar, tail)
+    await hook.wait(sc.ALERT_COMPENSATION_STARTED, "resolved")
+    assert hook.seen() == [
+        (sc.ALERT_COMPENSATION_STARTED, "firing"),
+        (sc.ALERT_COMPENSATION_STARTED, "resolved"),
+    ]
+
+
+async def test_a_failed_compensation_pages_with_the_agents_card(
+    alerted: tuple[Sidecar, AlertService], hook: Hook
+) -> None:
+    sidecar, _ = alerted
+    await export_http(sidecar, compensation_failed_run().spans())
+    failed = await hook.wait(sc.ALERT_COMPENSATION_FAILED, "firing")
+    assert failed["severity"] == "critical"
+    # The agent's own card, with the redacted credit id masked even inside its text.
+    assert json.loads(failed["annotations"]["escalation_card"]) == {
+        "not_undone": ["reverse the credit ***"]
+    }
+
+
+async def test_redaction_applies_to_what_leaves_but_not_to_the_api(
+    alerted: tuple[Sidecar, AlertService], hook: Hook
+) -> None:
+    sidecar, _ = alerted
+    run = compensated_run()
+    await export_http(sidecar, split_at_unwind(run)[0])
+    fired = await hook.wait(sc.ALERT_COMPENSATION_STARTED, "firing")
+    assert CREDIT[1]["credit_id"] not in json.dumps(fired)
+    stack = await api(sidecar, "GET", f"/runs/{run.run_id}/stack")
+    assert CREDIT[1]["credit_id"] in json.dumps(stack)
+
+
+async def test_stuck_pages_and_a_person_resolving_it_resolves(
+    alerted: tuple[Sidecar, AlertService], hook: Hook
+) -> None:
+    sidecar, _ = alerted
+    run = stuck_run()
+    await export_http(sidecar, run.spans())
+    stuck = await hook.wait(sc.ALERT_RUN_STUCK, "firing")
+    assert stuck["labels"]["step"] == "close_ticket"
+    await api(sidecar, "POST", f"/runs/{run.run_id}/resolve", json={"note": "closed by hand"})
+    resolved = await hook.wait(sc.ALERT_RUN_STUCK, "resolved")
+    assert "closed by hand" in resolved["annotations"]["resolution"]
+
+
+async def test_a_dead_agent_pages_orphaned_with_its_stack(
+    alerted: tuple[Sidecar, AlertService], hook: Hook, clock: FakeClock
+) -> None:
+    sidecar, _ = alerted
+    run = open_run(instance="agent-7")
+    await export_http(sidecar, [*run.spans(), *heartbeat_spans("agent-7", [run.run_id], clock.now)])
+    clock.now += 3.5  # three 1 s heartbeats missed
+    sidecar.tick()
+    orphaned = await hook.wait(sc.ALERT_RUN_ORPHANED, "firing")
+    stack = json.loads(orphaned["annotations"]["stack"])
+    assert [item["tool"] for item in stack] == ["reverse_credit"]
+    assert orphaned["labels"]["step"] == "issue_credit"
+    await api(sidecar, "POST", f"/runs/{run.run_id}/resolve", json={"note": "undone by hand"})
+    await hook.wait(sc.ALERT_RUN_ORPHANED, "resolved")
+
+
+async def test_alert_metrics_are_on_the_sidecars_metrics_page(
+    alerted: tuple[Sidecar, AlertService], hook: Hook
+) -> None:
+    sidecar, service = alerted
+    await export_http(sidecar, split_at_unwind(compensated_run())[0])
+    await hook.wait(sc.ALERT_COMPENSATION_STARTED, "firing")
+    assert await service.outbox.wait_idle()
+    text = await api(sidecar, "GET", "/metrics")
+    assert (
+        'saga_sidecar_alerts_total{alertname="SagaCompensationStarted",outcome="delivered",'
+        'sink="webhook"} 1.0' in text
+    )
+    assert 'saga_sidecar_alert_delay_seconds_count{sink="webhook"} 1.0' in text
+    assert "saga_sidecar_outbox_depth 0.0" in text
+
+
+async def test_an_unwind_acknowledged_just_before_a_crash_still_pages(
+    tmp_path: Path, clock: FakeClock, hook: Hook
+) -> None:
+    run = compensated_run()
+    # The first sidecar stores the unwind span and dies before any alert is written.
+    async with Sidecar(settings_for(tmp_path), clock=clock) as first:
+        await export_http(first, split_at_unwind(run)[0])
+    assert hook.got == []
+    second = Sidecar(settings_for(tmp_path), clock=clock)
+    install_alerting(second, alert_settings(hook))
+    async with second:
+        fired = await hook.wait(sc.ALERT_COMPENSATION_STARTED, "firing")
+        assert fired["labels"]["run_id"] == run.run_id
+    # A third start re-evaluates the same views and pages nobody again.
+    third = Sidecar(settings_for(tmp_path), clock=clock)
+    service = install_alerting(third, alert_settings(hook))
+    async with third:
+        await asyncio.wait_for(service.reevaluated.wait(), 15)
+        assert service.outbox.depth() == 0
+        assert await service.outbox.wait_idle()
+    assert len(hook.got) == 1
+
+
+async def test_saga_sidecar_serve_wires_the_alert_flags(tmp_path: Path, hook: Hook) -> None:
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    proc = serve(
+        [
+            sys.executable,
+            "-c",
+            "from sidecar._cli import main; main()",
+            "serve",
+            "--otlp-http-port=0",
+            "--otlp-grpc-port=0",
+            "--api-port=0",
+            f"--db={tmp_path / 'cli.db'}",
+            f"--webhook={hook.url}",
+            "--route=warning=webhook",
+            "--route=critical=log",
+            "--redact-key=credit_id",
+            "--public-url=https://sidecar.example",
+            "--no-alert-log",
+        ]
+    )
+    try:
+        assert proc.stdout is not None
+        line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 30)
+        ports = json.loads(line)
+        run = compensated_run()
+        exporter = OTLPSpanExporter(
+            endpoint=f"http://127.0.0.1:{ports['otlp_http']}/v1/traces", timeout=10
+        )
+        try:
+            await asyncio.to_thread(exporter.export, split_at_unwind(run)[0])
+        finally:
+            exporter.shutdown()
+        fired = await hook.wait(sc.ALERT_COMPENSATION_STARTED, "firing", limit=30)
+        assert fired["annotations"]["run_url"] == f"https://sidecar.example/runs/{run.run_id}"
+        assert CREDIT[1]["credit_id"] not in json.dumps(fired)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=15)
+
+
+def serve(args: list[str]) -> subprocess.Popen[str]:
+    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)

@@ -1,0 +1,84 @@
+"""OTLP/gRPC intake with the SDK's gRPC exporter, plus raw-channel error codes."""
+
+from __future__ import annotations
+
+import grpc
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
+from opentelemetry.sdk.trace.export import SpanExportResult
+from sidecar_testkit import (
+    CREDIT,
+    compensation_failed_run,
+    export_grpc,
+    settings_for,
+    stuck_run,
+)
+
+from saga_otel import semconv as sc
+from sidecar import Sidecar
+
+METHOD = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
+
+
+def channel(sidecar: Sidecar) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(f"127.0.0.1:{sidecar.otlp_grpc_port}")
+
+
+async def test_runs_over_grpc(sidecar: Sidecar) -> None:
+    failed, stuck = compensation_failed_run(), stuck_run()
+    spans = failed.spans() + stuck.spans()
+    assert await export_grpc(sidecar, spans[::-1] + spans[:4]) is SpanExportResult.SUCCESS
+    assert sidecar.state.status(failed.run_id) == sc.STATUS_COMPENSATION_FAILED
+    assert sidecar.state.status(stuck.run_id) == sc.STATUS_STUCK
+    stack = sidecar.state.stack(failed.run_id)
+    assert stack is not None and [(i["tool"], i["args"]) for i in stack] == [(CREDIT[0], CREDIT[1])]
+
+
+async def test_grpc_partial_success_and_invalid_argument(sidecar: Sidecar) -> None:
+    req = ExportTraceServiceRequest()
+    span = req.resource_spans.add().scope_spans.add().spans.add()
+    span.trace_id, span.span_id = b"\x01" * 16, b"\x02" * 8
+    kv = span.attributes.add()
+    kv.key, kv.value.string_value = sc.SAGA_PHASE, "unwind"
+    async with channel(sidecar) as ch:
+        call = ch.unary_unary(METHOD)
+        raw = await call(req.SerializeToString())
+        answer = ExportTraceServiceResponse.FromString(raw)
+        assert answer.partial_success.rejected_spans == 1
+        assert sc.SAGA_RUN_ID in answer.partial_success.error_message
+        try:
+            await call(b"\xff\xff\xff\xff")
+        except grpc.aio.AioRpcError as exc:
+            assert exc.code() is grpc.StatusCode.INVALID_ARGUMENT
+            assert "protobuf" in (exc.details() or "")
+        else:
+            raise AssertionError("garbage was accepted")
+
+
+async def test_grpc_size_bound(tmp_path, clock) -> None:  # type: ignore[no-untyped-def]
+    async with (
+        Sidecar(settings_for(tmp_path, max_body=512), clock=clock) as sc_,
+        channel(sc_) as ch,
+    ):
+        try:
+            await ch.unary_unary(METHOD)(b"\x00" * 2048)
+        except grpc.aio.AioRpcError as exc:
+            assert exc.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+        else:
+            raise AssertionError("an oversized message was accepted")
+
+
+async def test_grpc_overload_is_unavailable(sidecar: Sidecar) -> None:
+    sidecar.in_flight = sidecar.settings.max_in_flight  # as if that many requests were mid-way
+    try:
+        async with channel(sidecar) as ch:
+            try:
+                await ch.unary_unary(METHOD)(ExportTraceServiceRequest().SerializeToString())
+            except grpc.aio.AioRpcError as exc:
+                assert exc.code() is grpc.StatusCode.UNAVAILABLE
+            else:
+                raise AssertionError("no back-pressure at the in-flight bound")
+    finally:
+        sidecar.in_flight = 0

@@ -1,0 +1,363 @@
+"""OTLP/HTTP intake and the JSON API, driven by the plain OpenTelemetry SDK exporter."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import random
+from typing import Any
+
+import aiohttp
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
+from opentelemetry.sdk.trace.export import SpanExportResult
+from sidecar_testkit import (
+    CREDIT,
+    TICKET,
+    compensated_run,
+    compensation_failed_run,
+    completed_run,
+    export_http,
+    open_run,
+    stuck_run,
+)
+
+from saga_otel import semconv as sc
+from sidecar import Sidecar
+
+
+def api(sidecar: Sidecar, path: str) -> str:
+    return f"http://127.0.0.1:{sidecar.api_port}{path}"
+
+
+def otlp(sidecar: Sidecar) -> str:
+    return f"http://127.0.0.1:{sidecar.otlp_http_port}/v1/traces"
+
+
+async def get_json(sidecar: Sidecar, path: str) -> tuple[int, Any]:
+    async with aiohttp.ClientSession() as s, s.get(api(sidecar, path)) as resp:
+        return resp.status, await resp.json()
+
+
+def comp(step: str, index: int, c: tuple[str, dict[str, Any], str]) -> dict[str, Any]:
+    return {"step": step, "index": index, "tool": c[0], "args": c[1], "description": c[2]}
+
+
+async def test_completed_run_over_http(sidecar: Sidecar) -> None:
+    run = completed_run()
+    assert await export_http(sidecar, run.spans()) is SpanExportResult.SUCCESS
+    status, view = await get_json(sidecar, f"/runs/{run.run_id}")
+    assert status == 200
+    assert view["status"] == sc.STATUS_COMPLETED
+    assert view["saga"] == "refund"
+    assert view["service"] == "refund-agent"
+    assert view["instance"] == "agent-1"
+    assert view["pivot"] == {"step": "send_reply", "index": 3}
+    assert [s["name"] for s in view["steps"]] == [
+        "lookup_order",
+        "issue_credit",
+        "update_ticket",
+        "send_reply",
+    ]
+    assert view["stack"] == [comp("update_ticket", 2, TICKET), comp("issue_credit", 1, CREDIT)]
+    assert view["ended_at"] is not None
+
+
+async def test_compensated_run_stack_is_empty(sidecar: Sidecar) -> None:
+    run = compensated_run()
+    await export_http(sidecar, run.spans())
+    status, body = await get_json(sidecar, f"/runs/{run.run_id}/stack")
+    assert status == 200
+    assert body == {"run_id": run.run_id, "status": sc.STATUS_COMPENSATED, "stack": []}
+    _, view = await get_json(sidecar, f"/runs/{run.run_id}")
+    assert view["failed_step"] == "notify_billing"
+    assert view["unwind_reason"] == "TimeoutError: upstream timed out"
+    assert view["unwind_started_at"] is not None
+    assert all(s["compensated"] for s in view["steps"] if s["compensation"])
+
+
+async def test_compensation_failed_run_keeps_the_failed_item(sidecar: Sidecar) -> None:
+    run = compensation_failed_run()
+    await export_http(sidecar, run.spans())
+    _, view = await get_json(sidecar, f"/runs/{run.run_id}")
+    assert view["status"] == sc.STATUS_COMPENSATION_FAILED
+    assert view["stack"] == [comp("issue_credit", 1, CREDIT)]
+    credit = next(s for s in view["steps"] if s["index"] == 1)
+    assert credit["compensation_failed"] is True
+    assert [a["ok"] for a in credit["compensations"]] == [False, False]
+    assert credit["compensations"][0]["error"] == "HTTPError: 500 from billing"
+    assert view["escalation"]["reason"] == "compensation_failed"
+    assert view["escalation"]["card"] == {"not_undone": ["reverse the credit cr_1"]}
+
+
+async def test_stuck_run_and_needs_person_filter(sidecar: Sidecar) -> None:
+    stuck, done = stuck_run(), completed_run()
+    await export_http(sidecar, stuck.spans() + done.spans())
+    _, view = await get_json(sidecar, f"/runs/{stuck.run_id}")
+    assert view["status"] == sc.STATUS_STUCK
+    assert view["pivot"] == {"step": "send_reply", "index": 1}
+    assert view["stack"] == [comp("issue_credit", 0, CREDIT)]
+    _, page = await get_json(sidecar, "/runs?needs=person")
+    assert [r["run_id"] for r in page["runs"]] == [stuck.run_id]
+    _, page = await get_json(sidecar, "/runs?status=completed")
+    assert [r["run_id"] for r in page["runs"]] == [done.run_id]
+
+
+async def test_out_of_order_duplicated_split_delivery(sidecar: Sidecar) -> None:
+    run = compensation_failed_run()
+    spans = run.spans()
+    shuffled = spans + spans[:3]
+    random.Random(7).shuffle(shuffled)
+    for i in range(0, len(shuffled), 4):
+        assert await export_http(sidecar, shuffled[i : i + 4]) is SpanExportResult.SUCCESS
+    reference = compensation_failed_run(run_id=run.run_id)
+    async with Sidecar(
+        sidecar.settings.__class__(
+            otlp_http_port=0,
+            otlp_grpc_port=0,
+            api_port=0,
+            db_path=sidecar.db_path.with_name("other.db"),
+        ),
+        clock=sidecar.clock,
+    ) as other:
+        await export_http(other, reference.spans())
+        _, expected = await get_json(other, f"/runs/{run.run_id}")
+    _, view = await get_json(sidecar, f"/runs/{run.run_id}")
+    for key in ("status", "stack", "failed_step", "pivot", "escalation"):
+        assert view[key] == expected[key]
+    assert [(s["index"], len(s["attempts"]), len(s["compensations"])) for s in view["steps"]] == [
+        (s["index"], len(s["attempts"]), len(s["compensations"])) for s in expected["steps"]
+    ]
+
+
+async def test_gzip_and_json_bodies(sidecar: Sidecar) -> None:
+    from opentelemetry.exporter.otlp.proto.http import Compression
+
+    run = open_run()
+    result = await export_http(sidecar, run.spans(), compression=Compression.Gzip)
+    assert result is SpanExportResult.SUCCESS
+    _, view = await get_json(sidecar, f"/runs/{run.run_id}")
+    assert view["status"] == sc.STATE_RUNNING
+    assert view["stack"] == [comp("issue_credit", 1, CREDIT)]
+
+
+def json_request(run_id: str, attrs: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "resourceSpans": [
+            {
+                "resource": {
+                    "attributes": [
+                        {"key": sc.SERVICE_INSTANCE_ID, "value": {"stringValue": "agent-j"}}
+                    ]
+                },
+                "scopeSpans": [
+                    {
+                        "spans": [
+                            {
+                                "traceId": "0af7651916cd43dd8448eb211c80319c",
+                                "spanId": f"{i + 1:016x}",
+                                "name": "x",
+                                "startTimeUnixNano": "1700000000000000000",
+                                "endTimeUnixNano": "1700000000100000000",
+                                "attributes": a,
+                                "status": {"code": 1},
+                            }
+                            for i, a in enumerate(attrs)
+                        ]
+                    }
+                ],
+            }
+        ]
+    }
+
+
+def attr(key: str, kind: str, value: Any) -> dict[str, Any]:
+    return {"key": key, "value": {kind: value}}
+
+
+async def test_json_partial_success(sidecar: Sidecar) -> None:
+    good = [
+        attr(sc.SAGA_PHASE, "stringValue", "do"),
+        attr(sc.SAGA_RUN_ID, "stringValue", "run-json"),
+        attr(sc.SAGA_NAME, "stringValue", "refund"),
+        attr(sc.SAGA_STEP_INDEX, "intValue", "0"),
+        attr(sc.SAGA_STEP_NAME, "stringValue", "issue_credit"),
+        attr(sc.SAGA_COMPENSATION_TOOL, "stringValue", "reverse_credit"),
+        attr(sc.SAGA_COMPENSATION_ARGS, "stringValue", '{"credit_id": "cr_9"}'),
+    ]
+    no_run_id = [attr(sc.SAGA_PHASE, "stringValue", "do"), attr(sc.SAGA_STEP_INDEX, "intValue", 1)]
+    wrong_type = [
+        attr(sc.SAGA_PHASE, "stringValue", "do"),
+        attr(sc.SAGA_RUN_ID, "stringValue", "run-json"),
+        attr(sc.SAGA_STEP_INDEX, "stringValue", "two"),
+    ]
+    plain = [attr("http.method", "stringValue", "GET")]
+    body = json_request("run-json", [good, no_run_id, wrong_type, plain])
+    async with aiohttp.ClientSession() as s, s.post(otlp(sidecar), json=body) as resp:
+        assert resp.status == 200
+        assert resp.content_type == "application/json"
+        answer = await resp.json()
+    partial = answer["partialSuccess"]
+    assert partial["rejectedSpans"] == 2
+    assert sc.SAGA_RUN_ID in partial["errorMessage"]
+    assert sc.SAGA_STEP_INDEX in partial["errorMessage"]
+    _, view = await get_json(sidecar, "/runs/run-json/stack")
+    assert view["stack"] == [
+        {
+            "step": "issue_credit",
+            "index": 0,
+            "tool": "reverse_credit",
+            "args": {"credit_id": "cr_9"},
+            "description": "",
+        }
+    ]
+    _, metrics_text = await get_text(sidecar, "/metrics")
+    assert 'saga_sidecar_spans_received_total{outcome="rejected",transport="http"} 2.0' in (
+        metrics_text
+    )
+    assert 'saga_sidecar_spans_received_total{outcome="ignored",transport="http"} 1.0' in (
+        metrics_text
+    )
+
+
+async def get_text(sidecar: Sidecar, path: str) -> tuple[int, str]:
+    async with aiohttp.ClientSession() as s, s.get(api(sidecar, path)) as resp:
+        return resp.status, await resp.text()
+
+
+async def test_protobuf_partial_success_response(sidecar: Sidecar) -> None:
+    req = ExportTraceServiceRequest()
+    span = req.resource_spans.add().scope_spans.add().spans.add()
+    span.trace_id = b"\x01" * 16
+    span.span_id = b"\x02" * 8
+    kv = span.attributes.add()
+    kv.key, kv.value.string_value = sc.SAGA_PHASE, "compensate"
+    headers = {"Content-Type": "application/x-protobuf"}
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(otlp(sidecar), data=req.SerializeToString(), headers=headers) as resp,
+    ):
+        assert resp.status == 200
+        answer = ExportTraceServiceResponse.FromString(await resp.read())
+    assert answer.partial_success.rejected_spans == 1
+    assert sc.SAGA_RUN_ID in answer.partial_success.error_message
+
+
+async def test_bad_bodies_get_4xx(sidecar: Sidecar) -> None:
+    async with aiohttp.ClientSession() as s:
+        async with s.post(
+            otlp(sidecar), data=b"\xff\xff\xff", headers={"Content-Type": "application/x-protobuf"}
+        ) as resp:
+            assert resp.status == 400
+        async with s.post(
+            otlp(sidecar), data=b"{not json", headers={"Content-Type": "application/json"}
+        ) as resp:
+            assert resp.status == 400
+            assert "JSON" in (await resp.json())["message"]
+        async with s.post(otlp(sidecar), data=b"x", headers={"Content-Type": "text/plain"}) as resp:
+            assert resp.status == 415
+            assert "application/x-protobuf" in (await resp.json())["error"]
+        async with s.post(
+            otlp(sidecar),
+            data=b"not gzip",
+            headers={"Content-Type": "application/x-protobuf", "Content-Encoding": "gzip"},
+        ) as resp:
+            assert resp.status == 400
+        async with s.get(api(sidecar, "/healthz")) as resp:
+            assert resp.status == 200
+
+
+async def test_size_bound_and_gzip_bomb(tmp_path: Any, clock: Any) -> None:
+    from sidecar_testkit import settings_for
+
+    async with Sidecar(settings_for(tmp_path, max_body=1024), clock=clock) as sc_:
+        url = otlp(sc_)
+        headers = {"Content-Type": "application/x-protobuf"}
+        async with aiohttp.ClientSession() as s:
+            async with s.post(url, data=b"\x00" * 2048, headers=headers) as resp:
+                assert resp.status == 413
+            bomb = gzip.compress(b"\x00" * 10_000_000)
+            assert len(bomb) < 1024 * 20
+            async with s.post(
+                url,
+                data=bomb[:1000] if len(bomb) > 1024 else bomb,
+                headers={**headers, "Content-Encoding": "gzip"},
+            ) as resp:
+                assert resp.status == 413
+            async with s.get(api(sc_, "/healthz")) as resp:
+                assert resp.status == 200
+
+
+async def test_unknown_run_is_404_with_message(sidecar: Sidecar) -> None:
+    status, body = await get_json(sidecar, "/runs/nope")
+    assert status == 404
+    assert "nope" in body["error"] and "GET /runs" in body["error"]
+    status, body = await get_json(sidecar, "/runs/nope/stack")
+    assert status == 404
+    status, body = await get_json(sidecar, "/nowhere")
+    assert status == 404 and "error" in body
+
+
+async def test_resolve_and_listeners(sidecar: Sidecar) -> None:
+    seen: list[tuple[Any, Any, float]] = []
+    sidecar.add_listener(lambda before, after, now: seen.append((before, after, now)))
+    run = stuck_run()
+    await export_http(sidecar, run.spans())
+    assert seen and seen[0][0] is None and seen[-1][1]["status"] == sc.STATUS_STUCK
+    seen.clear()
+    url = api(sidecar, f"/runs/{run.run_id}/resolve")
+    async with aiohttp.ClientSession() as s:
+        async with s.post(url, json={"note": "closed the ticket by hand"}) as resp:
+            assert resp.status == 200
+            view = await resp.json()
+        async with s.post(url, json={"nope": 1}) as resp:
+            assert resp.status == 400
+            assert "note" in (await resp.json())["error"]
+        async with s.post(api(sidecar, "/runs/unknown/resolve"), json={"note": "x"}) as resp:
+            assert resp.status == 404
+    assert view["resolution"] == {"note": "closed the ticket by hand", "at": sidecar.clock()}
+    assert len(seen) == 1
+    before, after, _ = seen[0]
+    assert before["resolution"] is None and after["resolution"]["note"].startswith("closed")
+    _, page = await get_json(sidecar, "/runs?needs=person")
+    assert page["runs"] == []
+
+
+async def test_list_filters_and_cursor_pagination(sidecar: Sidecar) -> None:
+    runs = [completed_run(t0=1_700_000_000.0 + i * 10) for i in range(5)]
+    await export_http(sidecar, [s for r in runs for s in r.spans()])
+    seen: list[str] = []
+    path = "/runs?limit=2"
+    while True:
+        status, page = await get_json(sidecar, path)
+        assert status == 200
+        assert len(page["runs"]) <= 2
+        seen += [r["run_id"] for r in page["runs"]]
+        if page["next_cursor"] is None:
+            break
+        path = f"/runs?limit=2&cursor={page['next_cursor']}"
+    assert seen == [r.run_id for r in reversed(runs)]
+    _, page = await get_json(sidecar, "/runs?since=1700000015&until=2023-11-14T22:13:55Z")
+    assert [r["run_id"] for r in page["runs"]] == [runs[3].run_id, runs[2].run_id]
+    _, page = await get_json(sidecar, "/runs?saga=other")
+    assert page["runs"] == []
+    for bad in ("status=nope", "limit=0", "since=yesterday", "cursor=%%%", "needs=robot"):
+        status, body = await get_json(sidecar, f"/runs?{bad}")
+        assert status == 400, bad
+        assert body["error"]
+
+
+async def test_metrics_endpoint(sidecar: Sidecar) -> None:
+    await export_http(sidecar, stuck_run().spans() + compensated_run().spans())
+    status, text = await get_text(sidecar, "/metrics")
+    assert status == 200
+    assert 'saga_sidecar_runs{state="stuck"} 1.0' in text
+    assert 'saga_sidecar_runs{state="compensated"} 1.0' in text
+    assert "saga_sidecar_orphaned_runs 0.0" in text
+    assert (
+        'saga_sidecar_request_duration_seconds_count{route="/v1/traces",transport="http"}' in text
+    )
+    assert "saga_sidecar_forward_dropped_spans_total 0.0" in text
+    assert json.dumps("x")

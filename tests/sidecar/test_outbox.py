@@ -1,0 +1,419 @@
+"""The outbox: once per dedup key per sink, at least once, in order, across restarts."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import socket
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+
+from saga_otel import semconv as sc
+from sidecar._alert_service import AlertService
+from sidecar._alert_settings import AlertSettings
+from sidecar._alerting import Action, AlertEvent, evaluate
+from sidecar._errors import ConfigError
+from sidecar._outbox import DELIVERED, FAILED, PENDING, AlertMetrics, Backoff, Outbox, Routing
+from sidecar._sinks import DeliveryRetry, PagerDutySink, WebhookSink
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Receiver:
+    def __init__(self) -> None:
+        self.bodies: list[Any] = []
+        self.script: list[tuple[int, str, dict[str, str]]] = []
+        self.runner: web.AppRunner | None = None
+        self.port = free_port()
+
+    async def handle(self, request: web.Request) -> web.Response:
+        self.bodies.append(await request.json())
+        if self.script:
+            status, text, headers = self.script.pop(0)
+            return web.Response(status=status, text=text, headers=headers)
+        return web.json_response({"status": "success"}, status=202)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/hook"
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_post("/{tail:.*}", self.handle)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+    def keys(self) -> list[tuple[str, str]]:
+        return [(b["dedup_key"], b["action"]) for b in self.bodies]
+
+
+@pytest.fixture
+async def receiver() -> AsyncIterator[Receiver]:
+    rec = Receiver()
+    await rec.start()
+    yield rec
+    await rec.stop()
+
+
+class FakeSink:
+    """An in-memory sink: records what it got, fails while told to."""
+
+    def __init__(self, kind: str = "webhook", name: str = "fake", resend: float | None = None):
+        self._kind, self._name, self._resend = kind, name, resend
+        self.got: list[AlertEvent] = []
+        self.fail = 0
+
+    @property
+    def kind(self) -> str:
+        return self._kind
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def resend_interval(self) -> float | None:
+        return self._resend
+
+    async def send(self, event: AlertEvent) -> None:
+        if self.fail:
+            self.fail -= 1
+            raise DeliveryRetry("down")
+        self.got.append(event)
+
+    async def close(self) -> None:
+        return None
+
+
+def view(run_id: str, **over: Any) -> dict[str, Any]:
+    base = {
+        "run_id": run_id,
+        "saga": "refund",
+        "service": "agent",
+        "instance": "i1",
+        "status": "running",
+        "updated_at": 1.0,
+        "failed_step": None,
+        "unwind_reason": None,
+        "unwind_started_at": None,
+        "steps": [],
+        "stack": [],
+        "escalation": None,
+        "resolution": None,
+    }
+    base.update(over)
+    return base
+
+
+def unwinding(run_id: str) -> dict[str, Any]:
+    return view(
+        run_id, status="unwinding", failed_step="send", unwind_reason="E: x", unwind_started_at=1.0
+    )
+
+
+def fire(run_id: str) -> AlertEvent:
+    (event,) = evaluate(view(run_id), unwinding(run_id), now=2.0)
+    return event
+
+
+def resolve(run_id: str) -> AlertEvent:
+    (event,) = evaluate(unwinding(run_id), view(run_id, status="compensated"), now=3.0)
+    return event
+
+
+async def no_sleep(_: float) -> None:
+    await asyncio.sleep(0)
+
+
+async def wait_for(cond: Any, limit: float = 15.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limit
+    while not cond():
+        assert loop.time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.005)
+
+
+# --- recording --------------------------------------------------------------------------
+
+
+def test_one_row_per_dedup_key_action_and_sink(tmp_path: Path) -> None:
+    a, b = FakeSink(name="a"), FakeSink(name="b")
+    box = Outbox(tmp_path / "db", [a, b])
+    assert box.add([fire("r1")]) == 2
+    # Re-evaluation and restarts raise the same events again: nothing new.
+    assert box.add([fire("r1")]) == 0
+    assert box.add([resolve("r1")]) == 2
+    # A re-fire under the same dedup key after a resolve never pages again.
+    assert box.add([fire("r1")]) == 0
+    assert Outbox(tmp_path / "db", [a, b]).add([fire("r1"), resolve("r1")]) == 0
+    assert len(box.rows()) == 4
+
+
+def test_a_resolve_follows_its_fire_only_and_repeats_its_labels(tmp_path: Path) -> None:
+    pd, hook = FakeSink("pagerduty", "pd"), FakeSink("webhook", "hook")
+    routing = Routing.parse(["warning=webhook", "critical=pagerduty,webhook"])
+    box = Outbox(tmp_path / "db", [pd, hook], routing)
+    assert box.add([fire("r1")]) == 1  # warning: webhook only
+    changed = resolve("r1")
+    # The view changed since (say the failed step label); the resolve keeps the fire's.
+    changed = AlertEvent.from_dict({**changed.to_dict(), "labels": {"step": "other"}})
+    assert box.add([changed]) == 1
+    rows = box.rows()
+    assert [(r.sink, r.action) for r in rows] == [("hook", "fire"), ("hook", "resolve")]
+    assert rows[1].event.labels == rows[0].event.labels
+    assert rows[1].event.starts_at == rows[0].event.starts_at
+    # A resolve for something never fired goes nowhere.
+    assert box.add([resolve("never")]) == 0
+
+
+def test_routing_parse_errors_name_the_fix() -> None:
+    with pytest.raises(ConfigError, match="--route critical=pagerduty"):
+        Routing.parse(["critical"])
+    with pytest.raises(ConfigError, match=r"unknown sink.*'pager'"):
+        Routing.parse(["critical=pager"])
+    routing = Routing.parse(["critical=pagerduty", "critical=webhook"])
+    assert routing.allows("critical", "webhook") and not routing.allows("warning", "webhook")
+    assert Routing.parse([]).allows("warning", "pagerduty")
+
+
+# --- delivering -------------------------------------------------------------------------
+
+
+async def test_retries_503_and_429_with_backoff_then_delivers_once(
+    tmp_path: Path, receiver: Receiver
+) -> None:
+    receiver.script += [(503, "busy", {}), (429, "slow", {"Retry-After": "7"}), (503, "", {})]
+    sleeps: list[float] = []
+
+    async def sleep(delay: float) -> None:
+        sleeps.append(delay)
+        await asyncio.sleep(0)
+
+    registry = CollectorRegistry()
+    box = Outbox(
+        tmp_path / "db",
+        [PagerDutySink("rk", url=receiver.url)],
+        metrics=AlertMetrics.create(registry),
+        backoff=Backoff(initial=1.0, maximum=30.0, jitter=0.5),
+        sleep=sleep,
+        rng=random.Random(1),
+    )
+    box.add([fire("r1")])
+    await box.start()
+    try:
+        assert await box.wait_idle()
+    finally:
+        await box.stop()
+    assert len(receiver.bodies) == 4  # three refusals, one acceptance
+    assert receiver.bodies[-1]["event_action"] == "trigger"
+    assert [r.state for r in box.rows()] == [DELIVERED]
+    # Exponential with jitter, and the server's Retry-After honoured as is.
+    assert 1.0 <= sleeps[0] <= 1.5
+    assert sleeps[1] == 7.0
+    assert 4.0 <= sleeps[2] <= 6.0
+    labels = {"alertname": sc.ALERT_COMPENSATION_STARTED, "sink": "pagerduty"}
+    assert registry.get_sample_value(sc.M_SIDECAR_ALERTS, {**labels, "outcome": "retried"}) == 3
+    assert registry.get_sample_value(sc.M_SIDECAR_ALERTS, {**labels, "outcome": "delivered"}) == 1
+
+
+async def test_400_is_not_retried_and_is_logged_with_the_answer(
+    tmp_path: Path, receiver: Receiver, caplog: pytest.LogCaptureFixture
+) -> None:
+    receiver.script.append((400, '{"message": "Invalid routing key"}', {}))
+    registry = CollectorRegistry()
+    box = Outbox(
+        tmp_path / "db",
+        [PagerDutySink("bad", url=receiver.url)],
+        metrics=AlertMetrics.create(registry),
+        sleep=no_sleep,
+    )
+    box.add([fire("r1"), fire("r2")])
+    with caplog.at_level(logging.ERROR, logger="sidecar.alerts"):
+        await box.start()
+        try:
+            assert await box.wait_idle()
+        finally:
+            await box.stop()
+    assert len(receiver.bodies) == 2  # one each: the refused one was not retried
+    assert [r.state for r in box.rows()] == [FAILED, DELIVERED]
+    (rejected,) = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert "Invalid routing key" in rejected
+    assert rejected.startswith("configuration error")
+    failed = {"alertname": sc.ALERT_COMPENSATION_STARTED, "sink": "pagerduty", "outcome": "failed"}
+    assert registry.get_sample_value(sc.M_SIDECAR_ALERTS, failed) == 1
+
+
+async def test_a_sink_down_for_a_while_gets_every_alert_exactly_once(tmp_path: Path) -> None:
+    receiver = Receiver()  # not listening yet
+    sink = WebhookSink(receiver.url, timeout=2.0)
+    box = Outbox(tmp_path / "db", [sink], backoff=Backoff(initial=0.01, maximum=0.05))
+    runs = [f"r{i}" for i in range(5)]
+    box.add([fire(r) for r in runs])
+    await box.start()
+    try:
+        await wait_for(lambda: all(r.attempts >= 1 for r in box.rows()[:1]))
+        box.add([resolve(r) for r in runs[:3]])
+        await wait_for(lambda: box.rows()[0].attempts >= 3)  # it kept trying
+        assert box.depth() == 8
+        await receiver.start()
+        assert await box.wait_idle()
+        # Re-evaluation after the outage adds nothing.
+        box.add([fire(r) for r in runs] + [resolve(r) for r in runs[:3]])
+        assert await box.wait_idle()
+    finally:
+        await box.stop()
+        await receiver.stop()
+    expected = [(f"saga-otel/SagaCompensationStarted/{r}", "fire") for r in runs]
+    expected += [(f"saga-otel/SagaCompensationStarted/{r}", "resolve") for r in runs[:3]]
+    assert sorted(receiver.keys()) == sorted(expected)
+    # Per run, the fire reached the sink before the resolve.
+    order = receiver.keys()
+    for r in runs[:3]:
+        key = f"saga-otel/SagaCompensationStarted/{r}"
+        assert order.index((key, "fire")) < order.index((key, "resolve"))
+
+
+async def test_pending_rows_survive_a_restart(tmp_path: Path, receiver: Receiver) -> None:
+    db = tmp_path / "sidecar.db"
+    down = FakeSink(name=f"webhook:{receiver.url}")
+    first = Outbox(db, [down])
+    first.add([fire("r1")])
+    down.fail = 10**6
+    await first.start()
+    await wait_for(lambda: first.rows()[0].attempts >= 1)
+    first.add([fire("r2")])
+    await first.stop()  # the process dies with both rows pending
+    first.close()
+
+    second = Outbox(db, [WebhookSink(receiver.url)])
+    assert second.depth() == 2
+    await second.start()
+    try:
+        assert await second.wait_idle()
+    finally:
+        await second.stop()
+    assert sorted(receiver.keys()) == [
+        ("saga-otel/SagaCompensationStarted/r1", "fire"),
+        ("saga-otel/SagaCompensationStarted/r2", "fire"),
+    ]
+    # And a third start has nothing left to send.
+    third = Outbox(db, [WebhookSink(receiver.url)])
+    assert third.depth() == 0
+
+
+async def test_metrics_depth_and_delay_from_the_events_own_time(tmp_path: Path) -> None:
+    registry = CollectorRegistry()
+    sink = FakeSink()
+    box = Outbox(tmp_path / "db", [sink], metrics=AlertMetrics.create(registry), clock=lambda: 11.0)
+    box.add([fire("r1"), fire("r2")])
+    assert registry.get_sample_value(sc.M_SIDECAR_OUTBOX_DEPTH) == 2
+    await box.start()
+    try:
+        assert await box.wait_idle()
+    finally:
+        await box.stop()
+    assert registry.get_sample_value(sc.M_SIDECAR_OUTBOX_DEPTH) == 0
+    delay = sc.M_SIDECAR_ALERT_DELAY
+    assert registry.get_sample_value(f"{delay}_count", {"sink": "webhook"}) == 2
+    # The events report the unwind at t=1.0; accepted at t=11.0.
+    assert registry.get_sample_value(f"{delay}_sum", {"sink": "webhook"}) == 20.0
+
+
+async def test_firing_alerts_are_resent_to_alertmanager_until_resolved(tmp_path: Path) -> None:
+    sink = FakeSink("alertmanager", "am", resend=0.02)
+    box = Outbox(tmp_path / "db", [sink])
+    box.add([fire("r1")])
+    await box.start()
+    try:
+        await wait_for(lambda: len(sink.got) >= 4)
+        assert {e.action for e in sink.got} == {Action.FIRE}
+        box.add([resolve("r1")])
+        await wait_for(lambda: sink.got[-1].action is Action.RESOLVE)
+        count = len(sink.got)
+        await asyncio.sleep(0.15)  # several resend intervals
+        assert len(sink.got) == count
+    finally:
+        await box.stop()
+    assert [r.state for r in box.rows()] == [DELIVERED, DELIVERED]
+
+
+async def test_writing_wakes_the_worker_without_polling(tmp_path: Path) -> None:
+    sink = FakeSink()
+    box = Outbox(tmp_path / "db", [sink])
+    await box.start()
+    try:
+        await asyncio.sleep(0)  # the worker is now waiting on its event
+        box.add([fire("r1")])
+        # A handful of loop iterations, no timer: the insert itself woke it.
+        for _ in range(50):
+            if sink.got:
+                break
+            await asyncio.sleep(0)
+        assert len(sink.got) == 1
+    finally:
+        await box.stop()
+
+
+def test_duplicate_sink_names_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="different URL"):
+        Outbox(tmp_path / "db", [FakeSink(name="x"), FakeSink(name="x")])
+
+
+# --- the service: listener and startup re-evaluation ---------------------------------------
+
+
+async def test_startup_reevaluation_raises_and_resolves_what_a_crash_missed(
+    tmp_path: Path,
+) -> None:
+    db = tmp_path / "sidecar.db"
+    sink = FakeSink()
+    service = AlertService(db, AlertSettings(log_sink=False), sinks=[sink])
+    # r1 fired before the crash; its resolving change was committed but never evaluated.
+    service.on_change(view("r1"), unwinding("r1"), now=2.0)
+    service.close()
+
+    sink2 = FakeSink()
+    restarted = AlertService(db, AlertSettings(log_sink=False), sinks=[sink2])
+    stored = [
+        view("r1", status="compensated"),  # resolved while down
+        unwinding("r2"),  # its unwind span was acknowledged just before the crash
+        view("r3", status="completed"),
+    ]
+    assert restarted.reevaluate(stored, now=5.0) == 2
+    assert restarted.reevaluate(stored, now=6.0) == 0  # idempotent
+    await restarted.start()
+    try:
+        assert await restarted.outbox.wait_idle()
+    finally:
+        await restarted.stop()
+    got = sorted((e.run_id, e.action.value) for e in sink2.got)
+    assert got == [("r1", "fire"), ("r1", "resolve"), ("r2", "fire")]
+
+
+def test_listener_swallows_store_errors(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    service = AlertService(tmp_path / "db", AlertSettings(log_sink=False), sinks=[FakeSink()])
+    service.close()  # the connection is gone: writes fail
+    with caplog.at_level(logging.ERROR, logger="sidecar.alerts"):
+        assert service.on_change(view("r1"), unwinding("r1"), now=1.0) == []
+    assert "could not write alerts of run r1" in caplog.text
+
+
+def test_pending_state_names(tmp_path: Path) -> None:
+    box = Outbox(tmp_path / "db", [FakeSink()])
+    box.add([fire("r1")])
+    assert [r.state for r in box.rows()] == [PENDING]

@@ -1,0 +1,61 @@
+"""The rich run diagram, checked as text."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+from rich.console import Console
+from sidecar_testkit import compensated_run, compensation_failed_run, stuck_run
+
+from sidecar import RunState, render_run
+from sidecar._otlp import extract
+
+
+def view_of(script: Any) -> dict[str, Any]:
+    state = RunState()
+    state.apply(extract(encode_spans(script.spans())).spans, 1_700_000_100.0)
+    view = state.view(script.run_id)
+    assert view is not None
+    return view
+
+
+def text(view: dict[str, Any]) -> str:
+    console = Console(record=True, width=100)
+    console.print(render_run(view))
+    return console.export_text()
+
+
+def test_compensated_run() -> None:
+    out = text(view_of(compensated_run()))
+    assert "COMPENSATED" in out
+    assert "FORWARD" in out and "COMPENSATION STACK" in out
+    assert "#1 issue_credit (compensable)" in out
+    assert "UNWIND (reverse order)" in out
+    unwind = out.split("UNWIND (reverse order)")[1]
+    assert unwind.index("#2 update_ticket") < unwind.index("#1 issue_credit")
+    assert "✓ #2 update_ticket" in unwind and "✓ #1 issue_credit" in unwind
+    assert "(empty: nothing left to undo)" in out
+    assert "failed step: notify_billing" in out
+    assert "PIVOT" not in out
+
+
+def test_compensation_failed_run() -> None:
+    out = text(view_of(compensation_failed_run()))
+    assert "COMPENSATION_FAILED" in out
+    assert "✓ #2 update_ticket" in out
+    assert "✗ #1 issue_credit" in out
+    assert "last error: HTTPError: 500 from billing" in out
+    left = out.split("LEFT ON THE STACK")[1]
+    assert 'reverse_credit(credit_id="cr_1")' in left
+    assert "ESCALATED: compensation_failed" in out
+
+
+def test_stuck_run() -> None:
+    out = text(view_of(stuck_run()))
+    assert "STUCK" in out
+    assert "PIVOT: send_reply (#1)" in out and "no undo past this line" in out
+    assert out.index("#1 send_reply") < out.index("PIVOT") < out.index("#2 close_ticket")
+    assert "UNWIND" not in out
+    assert "#0 issue_credit" in out.split("LEFT ON THE STACK")[1]
+    assert "(cannot be undone)" in out

@@ -1,0 +1,91 @@
+"""Settings validation: unsafe binds are refused before anything listens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from sidecar import ConfigError, Settings
+from sidecar._cli import main
+from sidecar._settings import default_db_path, parse_duration, parse_size
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "192.168.1.10", "sidecar.example.com"])
+def test_non_loopback_host_without_token_is_refused(host: str) -> None:
+    with pytest.raises(ConfigError, match="--token"):
+        Settings(host=host)
+
+
+def test_non_loopback_host_with_token_is_allowed() -> None:
+    assert Settings(host="0.0.0.0", token="abc123").host == "0.0.0.0"
+
+
+def test_loopback_hosts_need_no_token() -> None:
+    for host in ("127.0.0.1", "::1", "localhost", "127.0.0.2"):
+        assert Settings(host=host).token is None
+
+
+def test_cli_refuses_public_bind_with_a_clear_error(tmp_path: Path) -> None:
+    result = CliRunner().invoke(
+        main, ["serve", "--host", "0.0.0.0", "--db", str(tmp_path / "x.db")]
+    )
+    assert result.exit_code != 0
+    assert "refusing to listen on non-loopback host '0.0.0.0'" in result.output
+    assert not (tmp_path / "x.db").exists()
+
+
+def test_env_vars_are_shown_and_read(tmp_path: Path) -> None:
+    help_text = CliRunner().invoke(main, ["serve", "--help"]).output
+    for name in (
+        "SAGA_SIDECAR_HOST",
+        "SAGA_SIDECAR_API_PORT",
+        "SAGA_SIDECAR_OTLP_HTTP_PORT",
+        "SAGA_SIDECAR_OTLP_GRPC_PORT",
+        "SAGA_SIDECAR_DB",
+        "SAGA_SIDECAR_TOKEN",
+        "SAGA_SIDECAR_FORWARD",
+        "SAGA_SIDECAR_RETENTION",
+        "SAGA_SIDECAR_IDLE_TIMEOUT",
+        "SAGA_SIDECAR_MAX_BODY",
+    ):
+        assert name in help_text
+    result = CliRunner().invoke(
+        main, ["serve", "--db", str(tmp_path / "x.db")], env={"SAGA_SIDECAR_HOST": "10.0.0.1"}
+    )
+    assert result.exit_code != 0 and "'10.0.0.1'" in result.output
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"api_port": 70000}, "api_port"),
+        ({"token": "has space", "host": "0.0.0.0"}, "whitespace"),
+        ({"forward": "collector:4318"}, "--forward"),
+        ({"max_body": 0}, "max_body"),
+        ({"idle_timeout": 0}, "idle_timeout"),
+    ],
+)
+def test_bad_settings_name_the_value(kwargs: dict[str, object], needle: str) -> None:
+    with pytest.raises(ConfigError, match=needle):
+        Settings(**kwargs)  # type: ignore[arg-type]
+
+
+def test_durations_and_sizes() -> None:
+    assert parse_duration("7d", "x") == 7 * 86400
+    assert parse_duration("250ms", "x") == 0.25
+    assert parse_duration("90", "x") == 90
+    assert parse_size("16MiB", "x") == 16 * 1024 * 1024
+    assert parse_size("512", "x") == 512
+    with pytest.raises(ConfigError, match="duration"):
+        parse_duration("soon", "--retention")
+    with pytest.raises(ConfigError, match="size"):
+        parse_size("big", "--max-body")
+
+
+def test_default_db_path_follows_xdg(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
+    assert default_db_path() == tmp_path / "saga-sidecar" / "sidecar.db"
+    monkeypatch.delenv("XDG_STATE_HOME")
+    assert default_db_path() == Path.home() / ".local/state/saga-sidecar/sidecar.db"

@@ -1,0 +1,204 @@
+"""Each sink against a real local HTTP server: what it sends, and how it reports the answer."""
+
+from __future__ import annotations
+
+import io
+import json
+import socket
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from sidecar._alerting import Action, AlertEvent, evaluate
+from sidecar._sinks import (
+    AlertmanagerSink,
+    DeliveryRejected,
+    DeliveryRetry,
+    LogSink,
+    PagerDutySink,
+    WebhookSink,
+    parse_retry_after,
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Receiver:
+    """A local HTTP endpoint that records bodies and answers from a script (then 200/202)."""
+
+    def __init__(self, ok_status: int = 202) -> None:
+        self.bodies: list[Any] = []
+        self.script: list[tuple[int, str, dict[str, str]]] = []
+        self.ok_status = ok_status
+        self.runner: web.AppRunner | None = None
+        self.port = 0
+
+    async def handle(self, request: web.Request) -> web.Response:
+        self.bodies.append(await request.json())
+        if self.script:
+            status, text, headers = self.script.pop(0)
+            return web.Response(status=status, text=text, headers=headers)
+        return web.json_response({"status": "success"}, status=self.ok_status)
+
+    async def start(self, port: int | None = None) -> str:
+        app = web.Application()
+        app.router.add_post("/{tail:.*}", self.handle)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        self.port = port or free_port()
+        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+        return f"http://127.0.0.1:{self.port}"
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+
+@pytest.fixture
+async def receiver() -> AsyncIterator[Receiver]:
+    rec = Receiver()
+    await rec.start()
+    yield rec
+    await rec.stop()
+
+
+VIEW: dict[str, Any] = {
+    "run_id": "run-42",
+    "saga": "refund",
+    "service": "refund-agent",
+    "instance": "i1",
+    "status": "unwinding",
+    "updated_at": 10.0,
+    "failed_step": "send_reply",
+    "unwind_reason": "SMTPError: mail down",
+    "unwind_started_at": 10.0,
+    "steps": [],
+    "stack": [],
+    "escalation": None,
+    "resolution": None,
+}
+
+
+def fire_and_resolve() -> tuple[AlertEvent, AlertEvent]:
+    (fire,) = evaluate(None, VIEW, now=10.5)
+    (resolve,) = evaluate(VIEW, {**VIEW, "status": "compensated", "ended_at": 12.0}, now=12.5)
+    return fire, resolve.resolving_with(fire)
+
+
+async def test_pagerduty_trigger_and_resolve(receiver: Receiver) -> None:
+    sink = PagerDutySink("routing-abc", url=f"http://127.0.0.1:{receiver.port}/v2/enqueue")
+    fire, resolve = fire_and_resolve()
+    try:
+        await sink.send(fire)
+        await sink.send(resolve)
+    finally:
+        await sink.close()
+    trigger, resolved = receiver.bodies
+    assert trigger["event_action"] == "trigger"
+    assert trigger["routing_key"] == "routing-abc"
+    assert trigger["dedup_key"] == "saga-otel/SagaCompensationStarted/run-42"
+    payload = trigger["payload"]
+    assert payload["severity"] == "warning"
+    assert payload["source"] == "refund-agent"
+    assert payload["summary"].startswith("refund run run-42 unwinding after send_reply failed")
+    assert payload["custom_details"]["labels"]["step"] == "send_reply"
+    assert payload["custom_details"]["run_url"].endswith("/runs/run-42")
+    assert resolved["event_action"] == "resolve"
+    assert resolved["dedup_key"] == trigger["dedup_key"]
+
+
+async def test_webhook_body(receiver: Receiver) -> None:
+    sink = WebhookSink(f"http://127.0.0.1:{receiver.port}/hook")
+    fire, resolve = fire_and_resolve()
+    try:
+        await sink.send(fire)
+        await sink.send(resolve)
+    finally:
+        await sink.close()
+    first, second = receiver.bodies
+    assert (first["status"], second["status"]) == ("firing", "resolved")
+    assert first["alertname"] == "SagaCompensationStarted"
+    assert first["labels"] == second["labels"]
+    assert first["annotations"]["escalation_card"]
+    assert first["starts_at"] == "1970-01-01T00:00:10Z"
+
+
+async def test_alertmanager_payload_has_ends_at_only_on_resolve(receiver: Receiver) -> None:
+    sink = AlertmanagerSink(f"http://127.0.0.1:{receiver.port}")
+    fire, resolve = fire_and_resolve()
+    try:
+        await sink.send(fire)
+        await sink.send(resolve)
+    finally:
+        await sink.close()
+    [firing], [resolved] = receiver.bodies
+    assert "endsAt" not in firing
+    assert firing["startsAt"] == resolved["startsAt"] == "1970-01-01T00:00:10Z"
+    assert resolved["endsAt"] == "1970-01-01T00:00:12Z"
+    assert firing["labels"] == resolved["labels"]
+    assert firing["generatorURL"].endswith("/runs/run-42")
+
+
+@pytest.mark.parametrize("status", [500, 502, 503])
+async def test_server_errors_are_retryable(receiver: Receiver, status: int) -> None:
+    receiver.script.append((status, "try later", {}))
+    sink = WebhookSink(f"http://127.0.0.1:{receiver.port}/")
+    try:
+        with pytest.raises(DeliveryRetry, match=f"{status}: try later"):
+            await sink.send(fire_and_resolve()[0])
+    finally:
+        await sink.close()
+
+
+async def test_429_is_retryable_with_the_servers_hint(receiver: Receiver) -> None:
+    receiver.script.append((429, "slow down", {"Retry-After": "7"}))
+    sink = PagerDutySink("k", url=f"http://127.0.0.1:{receiver.port}/")
+    try:
+        with pytest.raises(DeliveryRetry) as info:
+            await sink.send(fire_and_resolve()[0])
+    finally:
+        await sink.close()
+    assert info.value.retry_after == 7.0
+
+
+async def test_other_4xx_is_a_configuration_error_with_the_answer(receiver: Receiver) -> None:
+    receiver.script.append((400, '{"message":"Invalid routing key"}', {}))
+    sink = PagerDutySink("bad", url=f"http://127.0.0.1:{receiver.port}/")
+    try:
+        with pytest.raises(DeliveryRejected, match=r"400.*Invalid routing key.*routing key"):
+            await sink.send(fire_and_resolve()[0])
+    finally:
+        await sink.close()
+
+
+async def test_nothing_listening_is_retryable() -> None:
+    sink = WebhookSink(f"http://127.0.0.1:{free_port()}/")
+    try:
+        with pytest.raises(DeliveryRetry, match="unreachable"):
+            await sink.send(fire_and_resolve()[0])
+    finally:
+        await sink.close()
+
+
+async def test_log_sink_writes_one_json_line_per_alert() -> None:
+    stream = io.StringIO()
+    fire, resolve = fire_and_resolve()
+    sink = LogSink(stream=stream)
+    await sink.send(fire)
+    await sink.send(resolve)
+    first, second = (json.loads(line) for line in stream.getvalue().splitlines())
+    assert (first["level"], first["status"]) == ("warning", "firing")
+    assert (second["level"], second["action"]) == ("info", Action.RESOLVE.value)
+
+
+def test_retry_after_forms() -> None:
+    assert parse_retry_after("3", now=0.0) == 3.0
+    assert parse_retry_after("Thu, 01 Jan 1970 00:00:30 GMT", now=10.0) == 20.0
+    assert parse_retry_after("soon", now=0.0) is None
+    assert parse_retry_after(None, now=0.0) is None

@@ -1,0 +1,232 @@
+"""The pure run-state machine: order-, duplicate- and split-independence, orphans, recovery."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+from sidecar_testkit import (
+    CREDIT,
+    RunScript,
+    compensated_run,
+    compensation_failed_run,
+    completed_run,
+    heartbeat_spans,
+    open_run,
+    stuck_run,
+)
+
+from saga_otel import semconv as sc
+from saga_otel._records import Compensation
+from sidecar import RunState, SpanRecord
+from sidecar._otlp import extract
+
+T = 1_700_000_100.0
+
+
+def records(script_spans: Any) -> list[SpanRecord]:
+    decoded = extract(encode_spans(list(script_spans)))
+    assert decoded.rejected == 0, decoded.errors
+    return list(decoded.spans)
+
+
+def recovered_run(ok: bool = True) -> list[SpanRecord]:
+    first = stuck_run(instance="agent-1")
+    second = RunScript(instance="agent-2", run_id=first.run_id, t0=1_700_000_050.0)
+    second.compensate(0, "issue_credit", CREDIT[0], CREDIT[1], ok=ok)
+    second.end(sc.STATUS_COMPENSATED if ok else sc.STATUS_COMPENSATION_FAILED, "close_ticket")
+    return records(first.spans()) + records(second.spans())
+
+
+SCENARIOS = {
+    "completed": lambda: records(completed_run().spans()),
+    "compensated": lambda: records(compensated_run().spans()),
+    "compensation_failed": lambda: records(compensation_failed_run().spans()),
+    "stuck": lambda: records(stuck_run().spans()),
+    "open": lambda: records(open_run().spans()),
+    "recovered": recovered_run,
+}
+EXPECTED_STATUS = {
+    "completed": sc.STATUS_COMPLETED,
+    "compensated": sc.STATUS_COMPENSATED,
+    "compensation_failed": sc.STATUS_COMPENSATION_FAILED,
+    "stuck": sc.STATUS_STUCK,
+    "open": sc.STATE_RUNNING,
+    "recovered": sc.STATE_RECOVERED,
+}
+BUILT = {name: make() for name, make in SCENARIOS.items()}
+
+
+def final_view(spans: list[SpanRecord]) -> dict[str, Any]:
+    state = RunState()
+    state.apply(spans, T)
+    (run_id,) = list(state.run_ids())
+    view = state.view(run_id)
+    assert view is not None
+    return view
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    name=st.sampled_from(sorted(SCENARIOS)),
+    data=st.data(),
+)
+def test_any_permutation_duplication_and_split_gives_the_same_view(name: str, data: Any) -> None:
+    spans = BUILT[name]
+    order = data.draw(st.permutations(spans))
+    dupes = data.draw(st.lists(st.sampled_from(spans), max_size=len(spans)))
+    delivery = data.draw(st.permutations(order + dupes))
+    cuts = sorted(data.draw(st.sets(st.integers(0, len(delivery)), max_size=5)))
+    state = RunState()
+    start = 0
+    for cut in [*cuts, len(delivery)]:
+        state.apply(delivery[start:cut], T)
+        start = max(start, cut)
+    (run_id,) = list(state.run_ids())
+    assert state.view(run_id) == final_view(spans)
+    assert state.status(run_id) == EXPECTED_STATUS[name]
+
+
+def test_stack_items_are_compensation_to_dict() -> None:
+    view = final_view(BUILT["open"])
+    expected = Compensation(
+        tool=CREDIT[0], args=CREDIT[1], description=CREDIT[2], step="issue_credit", index=1
+    ).to_dict()
+    assert view["stack"] == [expected]
+
+
+def test_transitions_running_unwinding_compensated() -> None:
+    spans = records(compensated_run().spans())
+    state = RunState()
+    forward = [s for s in spans if s.phase in (sc.PHASE_DO,)]
+    rest = [s for s in spans if s.phase not in (sc.PHASE_DO, sc.PHASE_RUN)]
+    run_span = [s for s in spans if s.phase == sc.PHASE_RUN]
+    a = state.apply(forward, T)
+    b = state.apply(rest, T + 1)
+    c = state.apply(run_span, T + 2)
+    assert [(t.before, t.after) for t in a.transitions] == [(None, sc.STATE_RUNNING)]
+    assert [(t.before, t.after) for t in b.transitions] == [(sc.STATE_RUNNING, sc.STATE_UNWINDING)]
+    assert [(t.before, t.after) for t in c.transitions] == [
+        (sc.STATE_UNWINDING, sc.STATUS_COMPENSATED)
+    ]
+    assert state.apply(run_span, T + 3).changed == ()  # a duplicate changes nothing
+
+
+def test_a_compensate_span_alone_means_unwinding() -> None:
+    spans = records(compensated_run().spans())
+    state = RunState()
+    state.apply([s for s in spans if s.phase == sc.PHASE_COMPENSATE][:1], T)
+    (run_id,) = list(state.run_ids())
+    view = state.view(run_id)
+    assert view is not None and view["status"] == sc.STATE_UNWINDING
+    assert view["unwind_started_at"] is not None
+
+
+def test_compensation_failed_step_needs_a_lower_compensate_or_the_end() -> None:
+    r = RunScript()
+    r.do(0, "a", comp=("undo_a", {}, ""))
+    r.do(1, "b", comp=("undo_b", {}, ""))
+    r.do(2, "c", ok=False)
+    r.compensate(1, "b", "undo_b", {}, ok=False)
+    spans = records(r.spans())
+    state = RunState()
+    state.apply(spans, T)
+    view = state.view(r.run_id)
+    assert view is not None
+    assert [s["compensation_failed"] for s in view["steps"]] == [False, False, False]
+    r.compensate(0, "a", "undo_a", {})
+    state.apply(records(r.spans()), T)
+    view = state.view(r.run_id)
+    assert view is not None
+    assert [s["compensation_failed"] for s in view["steps"]] == [False, True, False]
+    assert [item["index"] for item in view["stack"]] == [1]
+
+
+def test_idle_run_without_heartbeats_is_orphaned_after_the_timeout() -> None:
+    state = RunState(idle_timeout=60)
+    spans = records(open_run().spans())
+    state.apply(spans, T)
+    assert state.tick(T + 59) == []
+    (t,) = state.tick(T + 61)
+    assert (t.before, t.after, t.at) == (sc.STATE_RUNNING, sc.STATE_ORPHANED, T + 61)
+    assert state.tick(T + 200) == []
+    assert state.orphaned_unresolved() == 1
+
+
+def test_heartbeats_keep_a_run_alive_until_three_intervals_pass() -> None:
+    state = RunState(idle_timeout=5)
+    run = open_run(instance="agent-hb")
+    state.apply(records(run.spans()), T)
+    for i in range(10):  # heartbeats every second for ten seconds: never orphaned
+        state.apply(records(heartbeat_spans("agent-hb", [run.run_id], T + i)), T + i)
+        assert state.tick(T + i + 0.5) == []
+    last = T + 9
+    assert state.tick(last + 2.9) == []
+    (t,) = state.tick(last + 3.1)
+    assert (t.run_id, t.after) == (run.run_id, sc.STATE_ORPHANED)
+
+
+def test_run_span_wins_over_orphaned_and_finished_runs_never_orphan() -> None:
+    state = RunState(idle_timeout=1)
+    done = completed_run()
+    state.apply(records(done.spans()), T)
+    assert state.tick(T + 100) == []
+    r = open_run()
+    state.apply(records(r.spans()), T)
+    state.tick(T + 2)
+    assert state.status(r.run_id) == sc.STATE_ORPHANED
+    r.end(sc.STATUS_COMPLETED)
+    state.apply(records(r.spans()), T + 3)
+    assert state.status(r.run_id) == sc.STATUS_COMPLETED
+
+
+def test_orphaned_run_recovered_by_another_process() -> None:
+    state = RunState(idle_timeout=1)
+    first = open_run(instance="agent-1")
+    state.apply(records(first.spans()), T)
+    state.tick(T + 5)
+    assert state.status(first.run_id) == sc.STATE_ORPHANED
+    second = RunScript(instance="agent-2", run_id=first.run_id, t0=1_700_000_060.0)
+    second.compensate(1, "issue_credit", CREDIT[0], CREDIT[1])
+    partial = records(second.spans())
+    state.apply(partial, T + 6)
+    assert state.status(first.run_id) == sc.STATE_UNWINDING
+    second.end(sc.STATUS_COMPENSATED)
+    applied = state.apply(records(second.spans()), T + 7)
+    assert state.status(first.run_id) == sc.STATE_RECOVERED
+    assert [(t.before, t.after) for t in applied.transitions] == [
+        (sc.STATE_UNWINDING, sc.STATE_RECOVERED)
+    ]
+    view = state.view(first.run_id)
+    assert view is not None and view["stack"] == [] and view["instance"] == "agent-1"
+
+
+def test_failed_recovery_is_compensation_failed() -> None:
+    state = RunState()
+    state.apply(recovered_run(ok=False), T)
+    (run_id,) = list(state.run_ids())
+    assert state.status(run_id) == sc.STATUS_COMPENSATION_FAILED
+    view = state.view(run_id)
+    assert view is not None and [i["index"] for i in view["stack"]] == [0]
+
+
+def test_prune_forgets_finished_runs_past_retention_only() -> None:
+    state = RunState(idle_timeout=10_000)
+    done, running = completed_run(), open_run()
+    state.apply(records(done.spans()) + records(running.spans()), T)
+    assert state.prunable(T + 50, retention=100) == []
+    assert state.prunable(T + 101, retention=100) == [done.run_id]
+    state.forget([done.run_id])
+    assert done.run_id not in state and running.run_id in state
+
+
+def test_want_views_gives_before_views() -> None:
+    state = RunState()
+    spans = records(stuck_run().spans())
+    first = state.apply(spans[:2], T, want_views=True)
+    assert list(first.before.values()) == [None]
+    second = state.apply(spans[2:], T, want_views=True)
+    (before,) = second.before.values()
+    assert before is not None and before["status"] == sc.STATE_RUNNING

@@ -1,0 +1,117 @@
+"""Durability: a 200 means stored; restarts (even kill -9) rebuild the same runs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+from pathlib import Path
+
+import httpx
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.trace.export import SpanExportResult
+from sidecar_testkit import (
+    CREDIT,
+    TICKET,
+    FakeClock,
+    RunScript,
+    export_http,
+    open_run,
+    settings_for,
+    start_sidecar,
+    stuck_run,
+)
+
+from saga_otel import semconv as sc
+from sidecar import Sidecar
+from sidecar._store import Store
+
+
+def test_kill_9_then_restart_on_the_same_db(tmp_path: Path) -> None:
+    db = tmp_path / "state" / "sidecar.db"
+    run = RunScript()
+    run.do(0, "issue_credit", comp=CREDIT)
+    run.do(1, "update_ticket", "reversible", comp=TICKET)
+    first, second = run.spans()
+    proc, ports = start_sidecar(db)
+    try:
+        exporter = OTLPSpanExporter(endpoint=f"http://127.0.0.1:{ports['otlp_http']}/v1/traces")
+        assert exporter.export([first]) is SpanExportResult.SUCCESS
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert stat.S_IMODE(os.stat(db).st_mode) == 0o600
+    proc, ports = start_sidecar(db)
+    try:
+        exporter = OTLPSpanExporter(endpoint=f"http://127.0.0.1:{ports['otlp_http']}/v1/traces")
+        assert exporter.export([second]) is SpanExportResult.SUCCESS
+        base = f"http://127.0.0.1:{ports['api']}"
+        body = httpx.get(f"{base}/runs/{run.run_id}/stack").json()
+        assert body["status"] == sc.STATE_RUNNING
+        assert [item["step"] for item in body["stack"]] == ["update_ticket", "issue_credit"]
+        view = httpx.get(f"{base}/runs/{run.run_id}").json()
+        assert [s["index"] for s in view["steps"]] == [0, 1]
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
+
+
+async def test_restart_keeps_orphan_marks_and_resolutions(tmp_path: Path) -> None:
+    clock = FakeClock()
+    settings = settings_for(tmp_path, idle_timeout=10.0)
+    orphan, stuck = open_run(), stuck_run()
+    async with Sidecar(settings, clock=clock) as sc_:
+        await export_http(sc_, orphan.spans() + stuck.spans())
+        clock.now += 11
+        assert [t.after for t in sc_.tick()] == [sc.STATE_ORPHANED]
+        assert sc_.resolve(stuck.run_id, "settled by hand") is not None
+    async with Sidecar(settings, clock=clock) as sc_:
+        assert sc_.state.status(orphan.run_id) == sc.STATE_ORPHANED
+        view = sc_.state.view(stuck.run_id)
+        assert view is not None and view["resolution"] == {
+            "note": "settled by hand",
+            "at": clock.now,
+        }
+        assert sc_.tick() == []
+
+
+async def test_prune_removes_finished_runs_from_memory_and_disk(tmp_path: Path) -> None:
+    clock = FakeClock()
+    settings = settings_for(tmp_path, retention=100.0, idle_timeout=1e6)
+    done, running = stuck_run(), open_run()
+    async with Sidecar(settings, clock=clock) as sc_:
+        await export_http(sc_, done.spans() + running.spans())
+        assert sc_.prune() == []
+        clock.now += 101
+        assert sc_.prune() == [done.run_id]
+    store = Store(settings.resolved_db_path)
+    try:
+        assert {s.run_id for s in store.spans()} == {running.run_id}
+    finally:
+        store.close()
+    async with Sidecar(settings, clock=clock) as sc_:
+        assert done.run_id not in sc_.state and running.run_id in sc_.state
+
+
+def test_store_ignores_duplicate_spans(tmp_path: Path) -> None:
+    store = Store(tmp_path / "x.db")
+    try:
+        row = ("run", "00000000000000aa", 1.0, "svc", "inst", b"span")
+        store.write([row])
+        store.write([row, row])
+        assert store.span_count() == 1
+    finally:
+        store.close()
+
+
+def test_unwritable_db_path_is_a_clear_error(tmp_path: Path) -> None:
+    from sidecar import StoreError
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    try:
+        Store(blocker / "sub" / "x.db")
+    except StoreError as exc:
+        assert "--db" in str(exc)
+    else:
+        raise AssertionError("opened a database under a file")
