@@ -140,7 +140,7 @@ def agent(world_url: str, otlp: str, *extra: str) -> subprocess.Popen[str]:
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
-        env={**os.environ, "SAGA_OTEL_LOG_LEVEL": "ERROR"},
+        env={**os.environ, "SAGA_OTEL_LOG_LEVEL": "ERROR", "OTEL_SERVICE_NAME": "refund-agent"},
     )
 
 
@@ -161,12 +161,12 @@ def show(api: str, run_id: str) -> None:
     subprocess.run([str(BIN / "saga-sidecar"), "runs", "show", run_id, "--api", api], check=True)
 
 
-def show_alert(alert: dict[str, Any], since: float) -> None:
+def show_alert(alert: dict[str, Any], since: float, what: str) -> None:
     ann = alert.get("annotations", {})
     delay = (alert["_received"] - since) * 1000
     console.print(
         f"  [bold]{alert['alertname']}[/] ({alert['severity']}) at the webhook "
-        f"{delay:.0f} ms after the event"
+        f"{delay:.0f} ms after {what}"
     )
     console.print(f"    {ann.get('description') or ann.get('summary')}")
 
@@ -196,7 +196,8 @@ def main() -> None:
                 "SagaCompensationStarted",
                 lambda: hook.find("SagaCompensationStarted", second["run_id"]),
             )
-            show_alert(alert, t0)
+            unwind_at = view(sc["api"], second["run_id"]).get("unwind_started_at") or t0
+            show_alert(alert, unwind_at, "the unwind began in the agent")
             wait_for(
                 "the alert to resolve",
                 lambda: hook.find("SagaCompensationStarted", second["run_id"], "resolved"),
@@ -219,7 +220,7 @@ def main() -> None:
             orphan = wait_for(
                 "SagaRunOrphaned", lambda: hook.find("SagaRunOrphaned", run_id), timeout=30
             )
-            show_alert(orphan, killed_at)
+            show_alert(orphan, killed_at, "the SIGKILL")
             stack = view(sc["api"], run_id).get("stack", [])
             console.print(f"  the sidecar's stack: {[(c['tool'], c['args']) for c in stack]}")
             console.print(f"  $ saga-otel recover {run_id} --tools examples.demo_tools:registry")
@@ -236,7 +237,12 @@ def main() -> None:
                     sc["otlp"],
                 ],
                 check=True,
-                env={**os.environ, "SAGA_DEMO_WORLD": world_url, "SAGA_OTEL_LOG_LEVEL": "ERROR"},
+                env={
+                    **os.environ,
+                    "SAGA_DEMO_WORLD": world_url,
+                    "SAGA_OTEL_LOG_LEVEL": "ERROR",
+                    "OTEL_SERVICE_NAME": "refund-recovery",
+                },
             )
             wait_for(
                 "the run to be recovered",

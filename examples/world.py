@@ -33,6 +33,7 @@ class World:
     metadata: dict[str, str] = field(default_factory=lambda: {"title": "Old title"})
     mediation: dict[str, Any] = field(default_factory=lambda: {"waterfall": ["a", "b"]})
     flag_down: bool = False
+    ledger_down: bool = False
     _seq: Any = field(default_factory=lambda: itertools.count(9104))
     _keys: dict[str, Any] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -57,6 +58,9 @@ class World:
         return dict(self._once(key, make))
 
     def reverse_credit(self, credit_id: str, key: str | None = None) -> dict[str, Any]:
+        if self.ledger_down:
+            raise ServiceDown("ledger unavailable (503)")
+
         def make() -> dict[str, Any]:
             original = next(e for e in self.ledger if e["credit_id"] == credit_id)
             entry = {

@@ -1,0 +1,126 @@
+"""recover() and `saga-otel recover`: a dead agent's unwind finished elsewhere."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from support import SidecarProcess, wait_until
+
+from examples.world import World
+from examples.world_server import serve_world
+from saga_otel import RecoveryError, ToolRegistry, recover
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+
+
+@pytest.fixture
+def world() -> Iterator[tuple[World, str]]:
+    w = World()
+    server, url = serve_world(w)
+    yield w, url
+    server.shutdown()
+
+
+def kill_after_credit(sc: SidecarProcess, world_url: str) -> str:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "examples.demo_agent", "--world", world_url, "--otlp", sc.otlp,
+         "--pause-after", "issue_credit"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        env={**os.environ, "SAGA_OTEL_LOG_LEVEL": "ERROR"},
+    )  # fmt: skip
+    assert proc.stdout is not None
+    paused = json.loads(proc.stdout.readline())
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    run_id: str = paused["run_id"]
+    return run_id
+
+
+def status(sc: SidecarProcess, run_id: str) -> Any:
+    return httpx.get(f"{sc.api}/runs/{run_id}", timeout=5).json().get("status")
+
+
+def cli_recover(
+    sc: SidecarProcess, run_id: str, world_url: str
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(BIN / "saga-otel"), "recover", run_id, "--tools", "examples.demo_tools:registry",
+         "--sidecar", sc.api, "--otlp", sc.otlp, "--attempts", "2"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+        env={**os.environ, "SAGA_DEMO_WORLD": url, "SAGA_OTEL_LOG_LEVEL": "ERROR"},
+    )  # fmt: skip
+
+
+def test_recover_from_another_process_marks_the_run_recovered_and_never_repeats(
+    sidecar_process: Any, world: tuple[World, str]
+) -> None:
+    w, url = world
+    sc = sidecar_process()
+    run_id = kill_after_credit(sc, url)
+    assert w.balance(4921) == 2500
+    stack = httpx.get(f"{sc.api}/runs/{run_id}/stack", timeout=5).json()["stack"]
+    assert [c["tool"] for c in stack] == ["reverse_credit"]
+
+    first = cli_recover(sc, run_id, url)
+    assert first.returncode == 0, first.stderr
+    assert "✓ reverse_credit" in first.stdout
+    wait_until(lambda: status(sc, run_id) == "recovered", what="recovered")
+    assert w.balance(4921) == 0
+    view = httpx.get(f"{sc.api}/runs/{run_id}", timeout=5).json()
+    assert view["trace_id"] == run_id  # the recovery joined the run's own trace
+
+    second = cli_recover(sc, run_id, url)
+    assert second.returncode == 0
+    assert [e["amount"] for e in w.ledger] == [2500, -2500]  # nothing undone twice
+
+
+def test_recovery_that_cannot_undo_ends_compensation_failed_and_escalates(
+    sidecar_process: Any, world: tuple[World, str]
+) -> None:
+    w, url = world
+    sc = sidecar_process()
+    run_id = kill_after_credit(sc, url)
+    w.ledger_down = True
+    out = cli_recover(sc, run_id, url)
+    assert out.returncode == 1
+    assert "✗ reverse_credit" in out.stdout and "Could NOT be undone" in out.stdout
+    wait_until(lambda: status(sc, run_id) == "compensation_failed", what="compensation_failed")
+    view = httpx.get(f"{sc.api}/runs/{run_id}", timeout=5).json()
+    assert view["escalation"]["reason"] == "compensation_failed"
+    # The ledger comes back: a later recovery finishes the job.
+    w.ledger_down = False
+    assert cli_recover(sc, run_id, url).returncode == 0
+    wait_until(lambda: status(sc, run_id) == "recovered", what="recovered after retry")
+    assert w.balance(4921) == 0
+
+
+def test_recover_errors_name_the_problem_and_the_fix(sidecar_process: Any) -> None:
+    sc = sidecar_process()
+    with pytest.raises(RecoveryError, match=r"knows no run 'nope'.*saga-sidecar runs list"):
+        recover("nope", tools=ToolRegistry(), sidecar=sc.api)
+    with pytest.raises(RecoveryError, match="cannot reach the sidecar"):
+        recover("x", tools=ToolRegistry(), sidecar="http://127.0.0.1:9")
+    view = {"status": "orphaned", "saga": "refund", "stack": [{"tool": "reverse_credit",
+            "args": {"credit_id": "c"}, "index": 1, "step": "issue_credit"}]}  # fmt: skip
+    with pytest.raises(RecoveryError, match="lacks; pass the agent's own ToolRegistry"):
+        recover("r", tools=ToolRegistry(), view=view)
+    pivoted = {**view, "pivot": {"step": "send_reply", "index": 3}}
+    with pytest.raises(RecoveryError, match="crossed its pivot"):
+        recover("r", tools=ToolRegistry(), view=pivoted)
+    cli = subprocess.run(
+        [str(BIN / "saga-otel"), "recover", "nope", "--tools", "examples.demo_tools:registry",
+         "--sidecar", sc.api, "--otlp", sc.otlp],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+        env={**os.environ, "SAGA_DEMO_WORLD": "http://127.0.0.1:9"},
+    )  # fmt: skip
+    assert cli.returncode == 2 and "knows no run 'nope'" in cli.stderr
