@@ -124,7 +124,12 @@ def render_run(view: dict[str, Any]) -> RenderableType:
 
     stack = view.get("stack") or []
     parts.append(Rule("LEFT ON THE STACK (top first)", align="left"))
-    if stack:
+    if stack and view.get("status") == "completed":
+        # A completed run keeps its undo records for the record, not to run them.
+        parts.append(Text(f"  {len(stack)} undo record(s) kept; the run completed, none will run"))
+    elif stack:
+        if view.get("status") == "stuck":
+            parts.append(Text("  past the pivot: a person decides about these", style="red"))
         for item in stack:
             parts.append(
                 Text(f"  #{item['index']} {item.get('step')}: {_call(item)}  {item['description']}")

@@ -50,9 +50,7 @@ def status(sc: SidecarProcess, run_id: str) -> Any:
     return httpx.get(f"{sc.api}/runs/{run_id}", timeout=5).json().get("status")
 
 
-def cli_recover(
-    sc: SidecarProcess, run_id: str, world_url: str
-) -> subprocess.CompletedProcess[str]:
+def cli_recover(sc: SidecarProcess, run_id: str, url: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [str(BIN / "saga-otel"), "recover", run_id, "--tools", "examples.demo_tools:registry",
          "--sidecar", sc.api, "--otlp", sc.otlp, "--attempts", "2"],
