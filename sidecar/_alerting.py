@@ -276,8 +276,8 @@ def _last_error(step: Mapping[str, Any], key: str) -> str | None:
 
 
 def _step_label(view: View) -> str:
-    if view.get("failed_step"):
-        return str(view["failed_step"])
+    if view.get("failed_step") or _card(view).get("failed_step"):
+        return _failed_step(view)
     steps = _steps(view)
     if _status(view) == sc.STATE_ORPHANED and steps:
         # The step the agent was in when it went silent.
@@ -286,16 +286,27 @@ def _step_label(view: View) -> str:
     return ""
 
 
+def _card(view: View) -> Mapping[str, Any]:
+    escalation = view.get("escalation")
+    card = escalation.get("card") if isinstance(escalation, Mapping) else None
+    return card if isinstance(card, Mapping) else {}
+
+
+def _failed_step(view: View) -> str:
+    # The escalate span can arrive before the run span: its card names the step too.
+    return str(view.get("failed_step") or _card(view).get("failed_step") or "?")
+
+
 def _failure_text(view: View) -> str:
     if view.get("unwind_reason"):
         return str(view["unwind_reason"])
-    failed = view.get("failed_step")
+    failed = _failed_step(view)
     for step in _steps(view):
-        if failed and step.get("name") == failed:
+        if step.get("name") == failed:
             error = _last_error(step, "attempts")
             if error:
                 return error
-    return "unknown error"
+    return str(_card(view).get("error") or "unknown error")
 
 
 def _comp_text(comp: Mapping[str, Any]) -> str:
@@ -383,7 +394,7 @@ def render_card(card: Mapping[str, Any]) -> str:
 def _describe(alertname: str, view: View, action: Action) -> tuple[str, str]:
     saga = str(view.get("saga") or "saga")
     run = _short(str(view.get("run_id") or "?"))
-    failed = view.get("failed_step") or "?"
+    failed = _failed_step(view)
     stack = view.get("stack") or []
     pending = f"{len(stack)} compensation{'s' if len(stack) != 1 else ''} pending"
     if action is Action.RESOLVE:

@@ -255,6 +255,20 @@ def test_stuck_fires_and_resolves_on_forward_recovery() -> None:
         assert [(e.action, e.alertname) for e in resolved] == [(Action.RESOLVE, sc.ALERT_RUN_STUCK)]
 
 
+def test_stuck_escalation_arriving_before_the_run_span_is_described_from_its_card() -> None:
+    card = {"failed_step": "close_ticket", "error": "CloseDown: ticket system said 503"}
+    early = view(
+        status="running",
+        steps=[step(0, "send_reply", "irreversible", pivot=True)],
+        escalation={"reason": "stuck", "card": card},
+    )
+    events = evaluate(view(), early, now=111.0)
+    assert names(events, Action.FIRE) == [sc.ALERT_RUN_STUCK]
+    assert events[0].labels["step"] == "close_ticket"
+    description = events[0].annotations["description"]
+    assert "close_ticket failed" in description and "CloseDown" in description
+
+
 def test_orphaned_fires_with_the_stack_and_resolves_when_recovered() -> None:
     orphaned = view(status="orphaned")
     events = evaluate(view(), orphaned, now=200.0)
