@@ -35,7 +35,6 @@ from dataclasses import dataclass
 from typing import Any, Final
 from urllib.parse import urlsplit, urlunsplit
 
-import structlog
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
@@ -47,6 +46,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from saga_otel import semconv as sc
 from saga_otel._errors import ConfigurationError
+from saga_otel._logging import default_logger
 
 __all__ = [
     "ENV_SIDECAR_ENDPOINT",
@@ -277,7 +277,7 @@ class SagaSpanProcessor(SpanProcessor):
         self.endpoint = endpoint
         self.durable = durable
         self.ack_timeout = float(ack_timeout)
-        self._log = logger if logger is not None else structlog.get_logger("saga_otel")
+        self._log = logger if logger is not None else default_logger()
         counter = export_failures_counter(registry)
         self._counters = {r: counter.labels(reason=r) for r in _REASONS}
         self._max_queue = max_queue_size
@@ -839,7 +839,7 @@ def configure(
     waits return at once. Calling again replaces the previous setup.
     """
     global _active, _atexit_registered
-    log = logger if logger is not None else structlog.get_logger("saga_otel")
+    log = logger if logger is not None else default_logger()
     raw = sidecar_endpoint if sidecar_endpoint is not None else os.environ.get(ENV_SIDECAR_ENDPOINT)
     endpoint = _resolve_endpoint(raw) if raw else None
     if durable is None:

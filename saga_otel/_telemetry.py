@@ -11,14 +11,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-import structlog
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import (
@@ -34,29 +32,11 @@ from opentelemetry.trace import (
 from prometheus_client import CollectorRegistry
 
 from saga_otel import semconv as sc
+from saga_otel._logging import default_logger
 from saga_otel._metrics import SagaMetrics, metrics_for
 from saga_otel._records import Compensation, StepClass, describe_error
 
 _VERSION = "0.1.0"
-
-
-def default_logger() -> Any:
-    """The library's own logger: the user's structlog pipeline if they set one up,
-    else JSON lines on stderr, without touching structlog's global configuration."""
-    if structlog.is_configured():
-        return structlog.get_logger("saga_otel")
-    level = getattr(logging, os.environ.get("SAGA_OTEL_LOG_LEVEL", "INFO").upper(), logging.INFO)
-    # bind() resolves structlog's lazy proxy once, instead of on every event.
-    return structlog.wrap_logger(
-        structlog.PrintLogger(sys.stderr),
-        processors=[
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.JSONRenderer(),
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(level),
-        logger_name="saga_otel",
-    ).bind()
 
 
 _LEVELS = {

@@ -44,7 +44,7 @@ class AlertSettings:
     redact_patterns: tuple[str, ...] = ()
     timeout: float = DEFAULT_TIMEOUT
     backoff_initial: float = 0.5
-    backoff_max: float = 60.0
+    backoff_max: float = 15.0  # alerts are urgent: probe a recovering sink often
 
     def __post_init__(self) -> None:
         for url in (self.public_url, *self.alertmanager_urls, self.pagerduty_url,
@@ -208,6 +208,15 @@ _OPTIONS: Sequence[Callable[[F], F]] = (
         help="Mask tool arguments whose name matches this regex (re.search; repeatable).",
     ),
     click.option(
+        "--alert-retry-max",
+        default="15s",
+        show_default=True,
+        envvar=ENV_PREFIX + "ALERT_RETRY_MAX",
+        show_envvar=True,
+        callback=_duration,
+        help="Longest wait between delivery retries to a failing sink (backoff cap).",
+    ),
+    click.option(
         "--alert-timeout",
         envvar=ENV_PREFIX + "ALERT_TIMEOUT",
         show_envvar=True,
@@ -231,6 +240,7 @@ ALERT_OPTION_NAMES = (
     "redact_keys",
     "redact_patterns",
     "alert_timeout",
+    "alert_retry_max",
 )
 
 
@@ -257,4 +267,5 @@ def settings_from_options(options: dict[str, Any]) -> AlertSettings:
         redact_keys=tuple(values.get("redact_keys", ())),
         redact_patterns=tuple(values.get("redact_patterns", ())),
         timeout=float(values.get("alert_timeout", DEFAULT_TIMEOUT)),
+        backoff_max=float(values.get("alert_retry_max", 15.0)),
     )

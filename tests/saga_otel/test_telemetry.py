@@ -300,3 +300,24 @@ def test_observed_rejects_what_it_cannot_wrap() -> None:
 
     with pytest.raises(ConfigurationError, match="needs an object with do"):
         observed(42, saga="s")
+
+
+def test_the_library_never_writes_to_the_agents_stdout() -> None:
+    """An agent's stdout is its own (often a protocol); telemetry goes to stderr."""
+    import subprocess
+    import sys
+
+    code = (
+        "import asyncio, saga_otel\n"
+        "from examples.refund_agent import run_refund\n"
+        "from examples.refund_tools import refund_tools\n"
+        "from examples.world import World\n"
+        "export = saga_otel.configure('http://127.0.0.1:9', ack_timeout=0.05)\n"
+        "saga = saga_otel.Saga('refund', tools=refund_tools(World(mail_down=True)))\n"
+        "print(asyncio.run(run_refund(saga)).status.value)\n"
+        "export.shutdown(timeout=0.2)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "compensated\n"  # the sidecar is down: failures went to stderr
+    assert "saga.export.failed" in proc.stderr
