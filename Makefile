@@ -36,6 +36,7 @@ dashboards: $(STAMP)
 
 chaos: $(STAMP)
 	$(BIN)/python -m pytest -m chaos $(PYTEST_ARGS)
+	$(BIN)/python -m bench.reliability
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

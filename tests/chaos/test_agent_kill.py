@@ -81,7 +81,7 @@ def read_truth(path: Path, offset: int) -> tuple[list[list[str]], int]:
 
 
 def test_killed_agents_are_recovered_with_nothing_lost_or_repeated(
-    tmp_path: Path, sidecar_process: Any
+    tmp_path: Path, sidecar_process: Any, chaos_results: dict[str, Any]
 ) -> None:
     sc = sidecar_process("--idle-timeout", "600s")
     truth = tmp_path / "truth.log"
@@ -136,6 +136,7 @@ def test_killed_agents_are_recovered_with_nothing_lost_or_repeated(
                 assert zygote.reap(pid) == 0
             events2, offset = read_truth(truth, offset)
             undos = agent_undos + [int(e[2]) for e in events2 if e[0] == "undo" and e[1] == run]
+            stats["compensations checked"] += len(undos)
             assert len(undos) == len(set(undos)), ("duplicated", trial, undos)
             assert undos == sorted(undos, reverse=True), ("out of order", trial, undos)
             assert returned_push <= set(undos), ("lost", trial, returned_push, undos)
@@ -152,5 +153,12 @@ def test_killed_agents_are_recovered_with_nothing_lost_or_repeated(
     finally:
         zygote.close()
     print(f"\nagent-kill trials: {TRIALS}; {dict(stats)}")
+    chaos_results["agent_kill"] = {
+        "trials": TRIALS,
+        "lost": 0,
+        "duplicated": 0,
+        "out_of_order": 0,
+        **dict(stats),
+    }
     # The trials must actually exercise recovery, not only early or late kills.
     assert stats["recovered"] >= TRIALS // 4, stats

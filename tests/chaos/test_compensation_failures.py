@@ -45,7 +45,9 @@ def _boom() -> None:
     raise InjectedFailure("the step that makes the run unwind")
 
 
-def test_transient_and_permanent_compensation_failures_at_scale() -> None:
+def test_transient_and_permanent_compensation_failures_at_scale(
+    chaos_results: dict[str, Any],
+) -> None:
     rng = random.Random(7)
     transient = FailureInjector(seed=11, rate=0.3, phases=("compensate",), transient_attempts=2)
     effects: list[tuple[str, int]] = []
@@ -95,3 +97,11 @@ def test_transient_and_permanent_compensation_failures_at_scale() -> None:
     assert tally["compensation_failed"] > 0 and tally["compensated"] > 0
     failed_runs = cap.metric("saga_runs_finished_total", saga="chaos", status="compensation_failed")
     assert failed_runs == tally["compensation_failed"] == len(escalated)
+    chaos_results["compensation_failures"] = {
+        "runs": RUNS,
+        "transient_failures_injected": len(transient.injected),
+        "transient_rate": 0.3,
+        "silent_failures": 0,
+        **{f"ended_{k}": v for k, v in tally.items()},
+        "escalated": len(escalated),
+    }

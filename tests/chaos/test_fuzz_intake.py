@@ -12,6 +12,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -167,6 +168,9 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Any:
     sp.stop()
 
 
+STATUSES: Counter[str] = Counter()
+
+
 def _send(live: Any, body: bytes, media: str, gz: bool) -> None:
     sp, client, _ = live
     headers = {"Content-Type": media}
@@ -174,6 +178,7 @@ def _send(live: Any, body: bytes, media: str, gz: bool) -> None:
         body = gzip.compress(body)
         headers["Content-Encoding"] = "gzip"
     resp = client.post(f"{sp.otlp}/v1/traces", content=body, headers=headers)
+    STATUSES[f"{media.split('/')[1]} {resp.status_code}"] += 1
     assert resp.status_code in ALLOWED, (resp.status_code, resp.text[:300], body[:200])
     assert sp.proc.poll() is None, "the sidecar died"
 
@@ -199,7 +204,9 @@ def test_fuzz_json_bodies(live: Any, body: bytes, gz: bool) -> None:
     _send(live, body, "application/json", gz)
 
 
-def test_memory_stays_flat_and_the_sidecar_serves_after_fuzzing(live: Any) -> None:
+def test_memory_stays_flat_and_the_sidecar_serves_after_fuzzing(
+    live: Any, chaos_results: dict[str, Any]
+) -> None:
     sp, client, proc = live
     # Runs after the two fuzz tests (file order): warm now; one more round must not grow it.
     before = proc.memory_info().rss
@@ -233,3 +240,9 @@ def test_memory_stays_flat_and_the_sidecar_serves_after_fuzzing(live: Any) -> No
     after = proc.memory_info().rss
     assert after - before < 20 * 1024 * 1024, (before, after)
     assert client.get(f"{sp.api}/healthz").status_code == 200
+    chaos_results["fuzz"] = {
+        "bodies": sum(STATUSES.values()),
+        "answers": dict(STATUSES),
+        "server_errors": sum(n for k, n in STATUSES.items() if k.endswith(" 500")),
+        "rss_growth_kib_over_2000_more": (after - before) // 1024,
+    }

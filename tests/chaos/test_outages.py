@@ -98,7 +98,7 @@ def agent(sc_otlp: str, world_url: str, runs: int) -> subprocess.Popen[str]:
 
 
 def test_a_sink_down_for_a_while_gets_every_alert_once(
-    tmp_path: Path, sidecar_process: Any, world: tuple[World, str]
+    tmp_path: Path, sidecar_process: Any, world: tuple[World, str], chaos_results: dict[str, Any]
 ) -> None:
     pager = Pager(free_port())
     sc = sidecar_process("--webhook", pager.url)
@@ -107,6 +107,7 @@ def test_a_sink_down_for_a_while_gets_every_alert_once(
     runs = [json.loads(line)["run_id"] for line in out.splitlines()]
     assert len(runs) == 5
     time.sleep(OUTAGE)  # the pager is down all this while; the sidecar keeps retrying
+    back = time.monotonic()
     pager.start()
     try:
         expected = {
@@ -123,12 +124,19 @@ def test_a_sink_down_for_a_while_gets_every_alert_once(
         for r in runs:  # a resolve never overtakes its fire
             key = f"saga-otel/SagaCompensationStarted/{r}"
             assert order.index((key, "firing")) < order.index((key, "resolved"))
+        chaos_results["sink_outage"] = {
+            "outage_s": OUTAGE,
+            "alerts_expected": len(expected),
+            "alerts_delivered": sum(keys.values()),
+            "duplicates": sum(n - 1 for n in keys.values()),
+            "delivered_within_s_of_return": round(time.monotonic() - back, 1),
+        }
     finally:
         pager.stop()
 
 
 def test_sidecar_killed_under_load_loses_no_acknowledged_span(
-    tmp_path: Path, world: tuple[World, str]
+    tmp_path: Path, world: tuple[World, str], chaos_results: dict[str, Any]
 ) -> None:
     pager = Pager(free_port())
     pager.start()
@@ -177,6 +185,13 @@ def test_sidecar_killed_under_load_loses_no_acknowledged_span(
         wait_until(lambda: len(pager.keys()) >= 2 * len(before), timeout=60, what="alerts")
         time.sleep(1.0)  # let the restarted outbox finish anything it still holds
         assert all(n == 1 for n in pager.keys().values()), pager.keys()
+        chaos_results["sidecar_kill"] = {
+            "runs": len(seen),
+            "acknowledged_before_kill": len(before),
+            "lost": 0,
+            "alerts_delivered": sum(pager.keys().values()),
+            "paged_twice": 0,
+        }
     finally:
         if proc.poll() is None:
             proc.kill()

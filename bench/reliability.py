@@ -1,0 +1,120 @@
+"""Render docs/reliability.md from the chaos suite's last results (build/chaos-results.json).
+
+``make chaos`` runs the suite and then this. The figures are whatever the
+last run measured on this machine; the page says when and how to rerun.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "build" / "chaos-results.json"
+OUT = ROOT / "docs" / "reliability.md"
+
+SECTIONS = [
+    (
+        "agent_kill",
+        "Agent kill",
+        "A real agent process (forked from a zygote that imported everything once) runs a "
+        "random refund-like saga, 40% of them failing at the end so some kills land inside "
+        "the agent's own unwind; the test SIGKILLs it at a random moment inside the run. "
+        "Ground truth: tools append to a file before returning, the agent after each "
+        "`run.call` returned. The sidecar's stack must hold every compensation whose call "
+        "had returned and nothing else but the step in flight; `recover()` from a new "
+        "process then unwinds it.",
+        "tests/chaos/test_agent_kill.py",
+        "SAGA_CHAOS_AGENT_TRIALS",
+    ),
+    (
+        "sidecar_kill",
+        "Sidecar kill",
+        "An agent runs 40 unwinding refunds; after 12 the sidecar is SIGKILLed and restarted "
+        "on the same database and ports. Runs acknowledged before the kill must be there; "
+        "the rest must arrive from the agent's retrying exporter; no alert is delivered "
+        "twice across the crash and the restart's re-evaluation.",
+        "tests/chaos/test_outages.py",
+        "",
+    ),
+    (
+        "sink_outage",
+        "Sink outage",
+        "Five unwinding runs raise and resolve SagaCompensationStarted while the webhook "
+        "sink is not listening; it comes back after the outage.",
+        "tests/chaos/test_outages.py",
+        "SAGA_CHAOS_OUTAGE_S",
+    ),
+    (
+        "fuzz",
+        "Fuzzing the OTLP intake",
+        "Hypothesis generates protobuf bodies (random bytes, valid requests with hostile "
+        "attribute types, truncated and bit-flipped encodings) and JSON bodies (random JSON, "
+        "OTLP-shaped JSON with wrong types), a share gzipped, against a live sidecar; then "
+        "2,000 more requests check that resident memory stays flat once warm.",
+        "tests/chaos/test_fuzz_intake.py",
+        "SAGA_CHAOS_FUZZ",
+    ),
+    (
+        "compensation_failures",
+        "Compensation failures",
+        "Randomized runs with a 30% transient failure rate on compensations (up to two "
+        "failures per undo, four attempts) and, in a tenth of the runs, one undo that fails "
+        "for good. Transient failures must be carried by retries; permanent ones must end "
+        "`compensation_failed` and reach the escalation handler, never silently.",
+        "tests/chaos/test_compensation_failures.py",
+        "SAGA_CHAOS_RUNS",
+    ),
+]
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, dict):
+        return ", ".join(f"{k}: {v}" for k, v in sorted(value.items()))
+    return str(value)
+
+
+def main() -> int:
+    if not RESULTS.exists():
+        print(f"no {RESULTS.relative_to(ROOT)}: run `make chaos` first", file=sys.stderr)
+        return 1
+    results = json.loads(RESULTS.read_text())
+    lines = [
+        "# Reliability",
+        "",
+        "What the chaos suite (`pytest -m chaos`, part of `make test` and CI) measured in its",
+        "last full run on this machine. Every fault named here is injected by a test; each",
+        "test fails if anything is lost, repeated or silent. Rerun with `make chaos`, which",
+        "rewrites this page; raise the counts with the variables named below.",
+        "",
+        "| fault | what held | figures | run |",
+        "|---|---|---|---|",
+    ]
+    for key, title, _how, _test, _env in SECTIONS:
+        data = results.get(key)
+        if data is None:
+            lines.append(f"| {title} | not run | | |")
+            continue
+        figures = {k: v for k, v in data.items() if k not in ("at", "ci")}
+        held = {
+            "agent_kill": "0 lost, 0 duplicated, 0 out of order",
+            "sidecar_kill": "no acknowledged span lost, no alert paged twice",
+            "sink_outage": "every alert delivered, once per dedup key and status",
+            "fuzz": "no crash, no 5xx, memory flat",
+            "compensation_failures": "retries carried every transient failure; "
+            "every permanent one escalated",
+        }[key]
+        lines.append(f"| {title} | {held} | {_fmt(figures)} | {data['at']} |")
+    lines += ["", "## How each is run", ""]
+    for _key, title, how, test, env in SECTIONS:
+        knob = f" Scale: `{env}`." if env else ""
+        lines.append(f"- **{title}** (`{test}`). {how}{knob}")
+    OUT.write_text("\n".join(lines) + "\n")
+    print(f"wrote {OUT.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
