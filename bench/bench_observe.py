@@ -115,7 +115,9 @@ def run(progress: Callable[[str], None]) -> list[Figure]:
             met=val / ref <= GOAL,
             notes=(
                 "Median of 7 batches of 5,000 steps in one process; no-op span processor. "
-                "The library logs at info by default: the finish event is rendered, the start event (debug) is not. Most of the difference is structlog rendering that JSON line."
+                "The library logs at info by default: the finish event is rendered, the start "
+                "event (debug) is not. Most of the difference is structlog rendering that "
+                "JSON line."
             ),
         ),
         Figure(
