@@ -10,17 +10,20 @@ from __future__ import annotations
 import base64
 import json
 import math
+import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
-from google.protobuf import json_format
+from google.protobuf import descriptor_pb2, descriptor_pool, json_format, message_factory
 from google.protobuf.message import DecodeError as ProtobufDecodeError
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTracePartialSuccess,
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
 )
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue
+from opentelemetry.proto.trace.v1.trace_pb2 import Span as PbSpan
 
 from saga_otel import semconv as sc
 
@@ -126,6 +129,104 @@ def _attributes(kvs: Iterable[Any]) -> dict[str, Any]:
         # Inline fast path: almost every attribute is a scalar.
         out[kv.key] = getattr(value, kind) if kind in _SCALARS else any_value(value)
     return out
+
+
+# --- lean reading ---------------------------------------------------------------
+# The generated OTLP types make a Python object per attribute (KeyValue, AnyValue)
+# before we can even see a key: most of the cost of a batch. These message types
+# read the same wire format with the attributes as a map of key -> AnyValue bytes
+# (a map entry and a KeyValue are the same bytes), so a span without saga.phase
+# costs one lookup, and with RawScopeSpans every Span comes out as its own bytes.
+
+_F = descriptor_pb2.FieldDescriptorProto
+
+
+def _lean_types() -> tuple[Any, Any]:
+    fdp = descriptor_pb2.FileDescriptorProto(
+        name="saga_sidecar_lean.proto", package="saga_sidecar_lean", syntax="proto3"
+    )
+    rep, opt = _F.LABEL_REPEATED, _F.LABEL_OPTIONAL
+
+    def message(name: str, fields: Iterable[tuple[str, int, Any, Any, str]]) -> Any:
+        m = fdp.message_type.add(name=name)
+        for fname, number, kind, label, type_name in fields:
+            field = m.field.add(name=fname, number=number, type=kind, label=label)
+            if type_name:
+                field.type_name = f".saga_sidecar_lean.{type_name}"
+        return m
+
+    def attributes(m: Any, number: int) -> None:
+        entry = m.nested_type.add(name="AttributesEntry")
+        entry.options.map_entry = True
+        entry.field.add(name="key", number=1, type=_F.TYPE_STRING, label=opt)
+        entry.field.add(name="value", number=2, type=_F.TYPE_BYTES, label=opt)
+        m.field.add(
+            name="attributes",
+            number=number,
+            type=_F.TYPE_MESSAGE,
+            label=rep,
+            type_name=f".saga_sidecar_lean.{m.name}.AttributesEntry",
+        )
+
+    msg = _F.TYPE_MESSAGE
+    message("Request", [("resource_spans", 1, msg, rep, "ResourceSpans")])
+    message(
+        "ResourceSpans",
+        [("resource", 1, msg, opt, "Resource"), ("scope_spans", 2, msg, rep, "ScopeSpans")],
+    )
+    attributes(message("Resource", []), 1)
+    message("ScopeSpans", [("spans", 2, msg, rep, "Span")])
+    span = message(
+        "Span",
+        [
+            ("trace_id", 1, _F.TYPE_BYTES, opt, ""),
+            ("span_id", 2, _F.TYPE_BYTES, opt, ""),
+            ("parent_span_id", 4, _F.TYPE_BYTES, opt, ""),
+            ("name", 5, _F.TYPE_STRING, opt, ""),
+            ("start_time_unix_nano", 7, _F.TYPE_FIXED64, opt, ""),
+            ("end_time_unix_nano", 8, _F.TYPE_FIXED64, opt, ""),
+            ("events", 11, _F.TYPE_BYTES, rep, ""),
+            ("status", 15, msg, opt, "Status"),
+        ],
+    )
+    attributes(span, 9)
+    message("Status", [("message", 2, _F.TYPE_STRING, opt, ""), ("code", 3, _F.TYPE_INT32, opt, "")])
+    message("RawRequest", [("resource_spans", 1, msg, rep, "RawResourceSpans")])
+    message("RawResourceSpans", [("scope_spans", 2, msg, rep, "RawScopeSpans")])
+    message("RawScopeSpans", [("spans", 2, _F.TYPE_BYTES, rep, "")])
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(fdp)
+    return tuple(  # type: ignore[return-value]
+        message_factory.GetMessageClass(pool.FindMessageTypeByName(f"saga_sidecar_lean.{n}"))
+        for n in ("Request", "RawRequest")
+    )
+
+
+_LeanRequest, _RawRequest = _lean_types()
+_DOUBLE = struct.Struct("<d")
+
+
+def _value(data: bytes) -> Any:
+    """``any_value`` of a serialized AnyValue; the usual one-field shapes without parsing."""
+    size = len(data)
+    if size >= 2:
+        tag = data[0]
+        if tag == 0x0A:  # string_value; one- or two-byte length, nothing after it
+            n = data[1]
+            if n < 0x80:
+                if size == n + 2:
+                    return data[2:].decode()
+            elif size >= 3 and data[2] < 0x80 and size == (n & 0x7F | data[2] << 7) + 3:
+                return data[3:].decode()
+        elif tag == 0x18:  # int_value, 0..127
+            if size == 2 and data[1] < 0x80:
+                return data[1]
+        elif tag == 0x10:  # bool_value
+            if size == 2 and data[1] < 2:
+                return data[1] == 1
+        elif tag == 0x21 and size == 9:  # double_value
+            return _DOUBLE.unpack_from(data, 1)[0]
+    return any_value(AnyValue.FromString(data))
 
 
 # --- validation -----------------------------------------------------------------
@@ -281,8 +382,104 @@ def _list(value: Any) -> list[Any]:
     return value if isinstance(value, list) else []
 
 
-def extract(request: ExportTraceServiceRequest) -> Decoded:
-    """Walk a request: saga spans out, non-saga spans counted, bad saga spans rejected."""
+def extract(request: ExportTraceServiceRequest, body: bytes | None = None) -> Decoded:
+    """Walk a request: saga spans out, non-saga spans counted, bad saga spans rejected.
+
+    ``body`` is the protobuf the request was parsed from, when there is one (it
+    saves serialising the request again). The full parse of ``request`` is still
+    what decides that a body is well formed; this reads the same bytes again
+    through the lean message types below.
+    """
+    if body is None:
+        body = request.SerializeToString()
+    try:
+        lean = _LeanRequest.FromString(body)
+        raw = _RawRequest.FromString(body)
+    except (ProtobufDecodeError, ValueError, RuntimeError):
+        return _extract_exact(request)  # cannot happen for a body that parsed; never guess
+    spans: list[SpanRecord] = []
+    raws: list[bytes] = []
+    errors: list[str] = []
+    total = ignored = rejected = 0
+    phase_key = sc.SAGA_PHASE
+    for rs, raw_rs in zip(lean.resource_spans, raw.resource_spans, strict=True):
+        resource: dict[str, Any] | None = None
+        for ss, raw_ss in zip(rs.scope_spans, raw_rs.scope_spans, strict=True):
+            raw_spans = raw_ss.spans
+            for i, span in enumerate(ss.spans):
+                total += 1
+                wire = span.attributes
+                if phase_key not in wire:
+                    ignored += 1  # not a saga span: counted, never decoded or stored
+                    continue
+                data = raw_spans[i]
+                try:
+                    attrs = {key: _value(value) for key, value in wire.items()}
+                    problem = validate(attrs)
+                except RecursionError:
+                    problem = ""
+                if problem is not None:
+                    # Rare: redo the span the exact way, so the message names the first
+                    # bad attribute in wire order (the map above has no order).
+                    problem = _problem_exact(PbSpan.FromString(data))
+                if problem is None and (len(span.trace_id) != 16 or len(span.span_id) != 8):
+                    problem = (
+                        f"span ids have the wrong length (trace {len(span.trace_id)} bytes, "
+                        f"span {len(span.span_id)} bytes): use 16 and 8 bytes"
+                    )
+                if problem is not None:
+                    rejected += 1
+                    if len(errors) < MAX_ERROR_MESSAGES and problem not in errors:
+                        errors.append(problem)
+                    continue
+                if resource is None:
+                    resource = {k: _value(v) for k, v in rs.resource.attributes.items()}
+                status = span.status
+                code = status.code
+                events = span.events
+                spans.append(
+                    SpanRecord(
+                        trace_id=span.trace_id.hex(),
+                        span_id=span.span_id.hex(),
+                        parent_span_id=span.parent_span_id.hex(),
+                        name=span.name,
+                        start=span.start_time_unix_nano / 1e9,
+                        end=span.end_time_unix_nano / 1e9,
+                        status="error"
+                        if code == _STATUS_CODE_ERROR
+                        else ("ok" if code == 1 else "unset"),
+                        status_message=status.message,
+                        attributes=attrs,
+                        resource=resource,
+                        events=_events(events) if events else (),
+                    )
+                )
+                raws.append(data)  # the Span exactly as received: nothing to serialise
+    return Decoded(tuple(spans), tuple(raws), total, ignored, rejected, tuple(errors))
+
+
+def _events(events: Iterable[bytes]) -> tuple[SpanEvent, ...]:
+    out = []
+    for data in events:
+        e = PbSpan.Event.FromString(data)
+        out.append(SpanEvent(e.name, e.time_unix_nano / 1e9, _attributes(e.attributes)))
+    return tuple(out)
+
+
+def _problem_exact(span: Any) -> str | None:
+    """``validate`` on attributes decoded in wire order, as :func:`_extract_exact` does."""
+    try:
+        attrs = _attributes(span.attributes)
+    except RecursionError:
+        attrs = {sc.SAGA_PHASE: None}
+    try:
+        return validate(attrs)
+    except RecursionError:
+        return "attribute values nest too deeply"
+
+
+def _extract_exact(request: ExportTraceServiceRequest) -> Decoded:
+    """:func:`extract` through the generated message types only (the fallback)."""
     spans: list[SpanRecord] = []
     raw: list[bytes] = []
     errors: list[str] = []

@@ -593,3 +593,73 @@ def test_global_provider_made_with_resource_and_flushed_at_exit(receiver: Receiv
     got = receiver.spans[0]
     assert got.resource[sc.SERVICE_NAME] == "refund-agent"
     assert len(got.resource[sc.SERVICE_INSTANCE_ID]) == 36  # a uuid4
+
+
+# --------------------------------------------------------------------------
+# the five kinds of run, over a real OTLP/HTTP export
+
+
+class _Wire:
+    """A received span in the shape contract_violations() reads."""
+
+    def __init__(self, got: Got) -> None:
+        self.name = got.name
+        # Arrays arrive as lists; the SDK hands them over as tuples.
+        self.attributes = {k: tuple(v) if isinstance(v, list) else v for k, v in got.attrs.items()}
+
+
+async def _five_runs(provider: TracerProvider, registry: CollectorRegistry) -> list[str]:
+    from examples.refund_agent import run_refund
+    from examples.refund_tools import refund_tools
+    from examples.release_saga import Release, release
+    from examples.world import World
+    from saga_otel import RetryPolicy, Saga
+    from saga_otel.testing import FailureInjector
+
+    kw: dict[str, Any] = {"tracer_provider": provider, "registry": registry}
+    statuses = []
+    for world, close_fails in ((World(), False), (World(mail_down=True), False), (World(), True)):
+        saga = Saga("refund", tools=refund_tools(world, close_fails=close_fails), **kw)
+        statuses.append((await run_refund(saga)).status.value)
+    broken = FailureInjector().fail("reverse_credit", phase="compensate")
+    saga = Saga(
+        "refund",
+        tools=broken.wrap(refund_tools(World(mail_down=True))),
+        retry=RetryPolicy(attempts=2, initial=0, jitter=0),
+        **kw,
+    )
+    statuses.append((await run_refund(saga)).status.value)
+    bad = Release(World(), {}, "x" * 99)
+    statuses.append((await release(Saga("release", **kw), bad)).status.value)
+    return statuses
+
+
+async def test_all_five_kinds_of_run_keep_the_contract_over_otlp_http(
+    receiver: Receiver, setup: Any, provider: TracerProvider, registry: CollectorRegistry
+) -> None:
+    from saga_otel.testing import contract_violations
+
+    export = setup(receiver.url)
+    statuses = await _five_runs(provider, registry)
+    assert statuses == ["completed", "compensated", "stuck", "compensation_failed", "rejected"]
+    assert export.force_flush(5.0)
+    run_spans = [g for g in receiver.spans if g.attrs.get(sc.SAGA_PHASE) == sc.PHASE_RUN]
+    assert sorted(g.attrs[sc.SAGA_RUN_STATUS] for g in run_spans) == sorted(statuses)
+    saga_spans = [_Wire(g) for g in receiver.spans if sc.SAGA_PHASE in g.attrs]
+    assert contract_violations(saga_spans) == []  # type: ignore[arg-type]
+    phases = {g.attrs[sc.SAGA_PHASE] for g in receiver.spans}
+    assert phases >= {"run", "do", "validate", "unwind", "compensate", "escalate"}
+
+
+async def test_a_slow_or_down_sidecar_changes_no_saga_outcome(
+    receiver: Receiver, setup: Any, provider: TracerProvider, registry: CollectorRegistry
+) -> None:
+    setup(receiver.url, ack_timeout=0.05)
+    receiver.stall.set()  # every request hangs well past the ack bound
+    slow = await _five_runs(provider, registry)
+    receiver.release.set()
+    receiver.stop()  # and now nothing listens at all
+    down = await _five_runs(provider, registry)
+    expected = ["completed", "compensated", "stuck", "compensation_failed", "rejected"]
+    assert slow == expected and down == expected
+    assert failures(registry, "timeout") > 0
