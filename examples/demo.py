@@ -21,11 +21,9 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -34,46 +32,11 @@ from rich.console import Console
 
 from examples.world import World
 from examples.world_server import serve_world
+from saga_otel.testing import AlertReceiver, start_sidecar
 
 console = Console(highlight=False)
 PY = sys.executable
 BIN = Path(PY).parent
-
-
-class Webhook:
-    """The pager: records every alert the sidecar delivers."""
-
-    def __init__(self) -> None:
-        self.alerts: list[dict[str, Any]] = []
-        self.lock = threading.Lock()
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, format: str, *args: Any) -> None:
-                return
-
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                with outer.lock:
-                    outer.alerts.append({**json.loads(body), "_received": time.time()})
-                self.send_response(200)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.server.server_port}/alerts"
-
-    def find(self, alertname: str, run_id: str, status: str = "firing") -> dict[str, Any] | None:
-        with self.lock:
-            for a in self.alerts:
-                if (a.get("alertname"), a.get("run_id"), a.get("status")) == (
-                    alertname,
-                    run_id,
-                    status,
-                ):
-                    return a
-        return None
 
 
 def wait_for(what: str, probe: Callable[[], Any], timeout: float = 20.0) -> Any:
@@ -88,50 +51,8 @@ def wait_for(what: str, probe: Callable[[], Any], timeout: float = 20.0) -> Any:
 
 @contextmanager
 def sidecar(tmp: Path, webhook: str) -> Iterator[dict[str, Any]]:
-    cmd = [
-        str(BIN / "saga-sidecar"),
-        "serve",
-        "--otlp-http-port",
-        "0",
-        "--otlp-grpc-port",
-        "0",
-        "--api-port",
-        "0",
-        "--db",
-        str(tmp / "sidecar.db"),
-        "--webhook",
-        webhook,
-        "--no-alert-log",
-        "--idle-timeout",
-        "30s",
-    ]
-    log = (tmp / "sidecar.log").open("w")  # closed in the finally below
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
-    try:
-        assert proc.stdout is not None
-        listening: dict[str, Any] = {}
-        for line in proc.stdout:
-            try:
-                doc = json.loads(line)
-            except ValueError:
-                continue
-            if doc.get("event") == "sidecar.listening":
-                listening = doc
-                break
-        if not listening:
-            raise SystemExit(f"demo: the sidecar did not start; see {tmp / 'sidecar.log'}")
-        threading.Thread(target=proc.stdout.read, daemon=True).start()  # drain
-        yield {
-            "otlp": f"http://127.0.0.1:{listening['otlp_http']}",
-            "api": f"http://127.0.0.1:{listening['api']}",
-        }
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+    with start_sidecar(tmp, "--webhook", webhook, "--idle-timeout", "30s") as sc:
+        yield {"otlp": sc.otlp, "api": sc.api}
 
 
 def agent(world_url: str, otlp: str, *extra: str) -> subprocess.Popen[str]:
@@ -176,7 +97,7 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="saga-demo-"))
     world = World()
     world_server, world_url = serve_world(world)
-    hook = Webhook()
+    hook = AlertReceiver()
     try:
         with sidecar(tmp, hook.url) as sc:
             console.rule("[bold]Act 1: a refund that succeeds")
@@ -255,7 +176,7 @@ def main() -> None:
             )
     finally:
         world_server.shutdown()
-        hook.server.shutdown()
+        hook.stop()
         shutil.rmtree(tmp, ignore_errors=True)
     console.rule(f"[bold green]done in {time.monotonic() - started:.1f} s")
 

@@ -26,13 +26,16 @@ from saga_otel._engine import Saga, current_call
 from saga_otel._registry import Tool, ToolRegistry
 
 __all__ = [
+    "AlertReceiver",
     "Captured",
     "FailureInjector",
     "InjectedFailure",
+    "SidecarProcess",
     "capture",
     "contract_violations",
     "metric_value",
     "span_attrs",
+    "start_sidecar",
 ]
 
 
@@ -294,3 +297,159 @@ def contract_violations(spans: Iterable[ReadableSpan]) -> list[str]:
         elif span.name != sc.HEARTBEAT_SPAN_NAME:
             out.append(f"{where}: heartbeat span must be named {sc.HEARTBEAT_SPAN_NAME!r}")
     return out
+
+
+# -- a real sidecar and a recording alert sink, for integration tests ----------------
+
+
+@dataclass
+class SidecarProcess:
+    """A ``saga-sidecar serve`` process started by :func:`start_sidecar`."""
+
+    proc: Any
+    otlp: str
+    grpc: str
+    api: str
+    db: Any
+    log: Any
+
+    def stop(self) -> None:
+        import subprocess
+
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self) -> SidecarProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def start_sidecar(tmp: Any, *args: str, db: Any = None, log: Any = None) -> SidecarProcess:
+    """Start ``saga-sidecar serve`` on free loopback ports, its database in folder ``tmp``.
+
+    Extra ``args`` go to ``serve`` (e.g. ``"--webhook", url``). Returns once it
+    listens; use as a context manager or call ``stop()``.
+    """
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    folder = Path(tmp)
+    db = Path(db) if db is not None else folder / "sidecar.db"
+    log = (
+        Path(log)
+        if log is not None
+        else folder / f"sidecar-{len(list(folder.glob('sidecar-*.log')))}.log"
+    )
+    cmd = [
+        str(Path(sys.executable).parent / "saga-sidecar"),
+        "serve",
+        "--otlp-http-port", "0",
+        "--otlp-grpc-port", "0",
+        "--api-port", "0",
+        "--db", str(db),
+        "--no-alert-log",
+        *args,
+    ]  # fmt: skip
+    with log.open("w") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        try:
+            doc = json.loads(line)
+        except ValueError:
+            continue
+        if doc.get("event") == "sidecar.listening":
+            threading.Thread(target=proc.stdout.read, daemon=True).start()  # drain
+            return SidecarProcess(
+                proc,
+                otlp=f"http://127.0.0.1:{doc['otlp_http']}",
+                grpc=f"127.0.0.1:{doc['otlp_grpc']}",
+                api=f"http://127.0.0.1:{doc['api']}",
+                db=db,
+                log=log,
+            )
+    proc.wait()
+    raise RuntimeError(f"the sidecar did not start; its log ends: {log.read_text()[-2000:]}")
+
+
+class AlertReceiver:
+    """A webhook alert sink on loopback that records every alert the sidecar delivers.
+
+    ``port=0`` picks a free port; a chosen port may be started late with
+    :meth:`start`, to play a sink that is down for a while.
+    """
+
+    def __init__(self, port: int = 0, *, start: bool = True) -> None:
+        import socket
+
+        if port == 0:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = int(s.getsockname()[1])
+        self.port = port
+        self.alerts: list[dict[str, Any]] = []
+        self.lock = threading.Lock()
+        self._server: Any = None
+        if start:
+            self.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/alerts"
+
+    def start(self) -> None:
+        import json
+        import time
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, format: str, *args: Any) -> None:
+                return
+
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                with outer.lock:
+                    outer.alerts.append({**json.loads(body), "_received": time.time()})
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    def find(self, alertname: str, run_id: str, status: str = "firing") -> dict[str, Any] | None:
+        with self.lock:
+            for a in self.alerts:
+                if (a.get("alertname"), a.get("run_id"), a.get("status")) == (
+                    alertname,
+                    run_id,
+                    status,
+                ):
+                    return a
+        return None
+
+    def keys(self) -> dict[tuple[str, str], int]:
+        """How many times each (dedup_key, status) arrived."""
+        out: dict[tuple[str, str], int] = {}
+        with self.lock:
+            for a in self.alerts:
+                key = (a["dedup_key"], a["status"])
+                out[key] = out.get(key, 0) + 1
+        return out
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None

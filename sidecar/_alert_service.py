@@ -117,7 +117,8 @@ def install_alerting(
     """
     kwargs.setdefault("registry", sidecar.metrics.registry)
     service = AlertService(sidecar.db_path, settings, **kwargs)
-    sidecar.add_listener(service.listener)
+    # The rules read only a run's facts: equal facts before and after fire nothing.
+    sidecar.add_listener(service.listener, facts_only=True)
 
     async def deliver() -> None:
         # Runs after the sidecar rebuilt its state from the store: raise what a crash

@@ -53,7 +53,7 @@ async def start_grpc(sidecar: Sidecar, host: str, port: int) -> tuple[Any, int]:
                 )
             try:
                 try:
-                    decoded = extract(parse_protobuf(body))
+                    decoded = extract(parse_protobuf(body), body)
                 except DecodeError as exc:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
                 try:

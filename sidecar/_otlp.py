@@ -414,7 +414,8 @@ def extract(request: ExportTraceServiceRequest, body: bytes | None = None) -> De
                     continue
                 data = raw_spans[i]
                 try:
-                    attrs = {key: _value(value) for key, value in wire.items()}
+                    # By key: the map's items()/dict() go through Python-level views.
+                    attrs = {key: _value(wire[key]) for key in wire}
                     problem = validate(attrs)
                 except RecursionError:
                     problem = ""
@@ -433,7 +434,8 @@ def extract(request: ExportTraceServiceRequest, body: bytes | None = None) -> De
                         errors.append(problem)
                     continue
                 if resource is None:
-                    resource = {k: _value(v) for k, v in rs.resource.attributes.items()}
+                    wire_res = rs.resource.attributes
+                    resource = {k: _value(wire_res[k]) for k in wire_res}
                 status = span.status
                 code = status.code
                 events = span.events

@@ -60,7 +60,8 @@ class Sidecar:
         self.otlp_grpc_port: int | None = None
         self.api_port: int | None = None
         self.in_flight = 0
-        self._listeners: list[Listener] = []
+        # (fn, facts_only): see add_listener.
+        self._listeners: list[tuple[Listener, bool]] = []
         self._background: list[BackgroundFactory] = []
         self._api_routes: list[web.AbstractRouteDef] = []
         self._tasks: list[asyncio.Task[None]] = []
@@ -74,9 +75,16 @@ class Sidecar:
     def db_path(self) -> Path:
         return self.settings.resolved_db_path
 
-    def add_listener(self, fn: Listener) -> None:
-        """Call ``fn(before, after, now)`` after every committed change to a run view."""
-        self._listeners.append(fn)
+    def add_listener(self, fn: Listener, *, facts_only: bool = False) -> None:
+        """Call ``fn(before, after, now)`` after every committed change to a run view.
+
+        With ``facts_only``, intake calls ``fn`` only for runs whose alert-relevant
+        facts changed (``RunState.facts``: status, unwind start, escalation, pivot,
+        compensation failures, resolution; a new run counts as changed when its facts
+        differ from a fresh running run's), which saves building two views per run
+        and batch. Orphaning and resolution always call it.
+        """
+        self._listeners.append((fn, facts_only))
 
     def add_background(self, factory: BackgroundFactory) -> None:
         """Run ``factory()`` as a task from start to stop (cancelled on stop)."""
@@ -265,23 +273,38 @@ class Sidecar:
                 )
         if rows or heartbeats:
             store.write(rows, heartbeats)  # committed before anyone hears "stored"
-        applied = self.state.apply(decoded.spans, now, want_views=bool(self._listeners))
+        listeners = self._listeners
+        every = any(not facts_only for _, facts_only in listeners)
+        applied = self.state.apply(decoded.spans, now, keep_before=bool(listeners))
         counter = self.metrics.spans_received
         counter.labels(transport=transport, outcome="accepted").inc(len(decoded.spans))
         if decoded.ignored:
             counter.labels(transport=transport, outcome="ignored").inc(decoded.ignored)
         if decoded.rejected:
             counter.labels(transport=transport, outcome="rejected").inc(decoded.rejected)
-        if self._listeners:
-            for run_id in applied.changed:
-                after = self.state.view(run_id)
+        if listeners:
+            state = self.state
+            # Views are most of the cost of a batch: build them (once per run) only for
+            # the runs some listener will hear of.
+            facts_changed = set(applied.facts_changed)
+            for run_id in applied.changed if every else applied.facts_changed:
+                after = state.view(run_id)
                 if after is not None:
-                    self._notify(applied.before.get(run_id), after, now)
+                    before = state.view_before(applied, run_id)
+                    self._notify(before, after, now, run_id in facts_changed)
         if self.forwarder is not None and body is not None and decoded.total:
             self.forwarder.offer(body, content_type, decoded.total)
 
-    def _notify(self, before: dict[str, Any] | None, after: dict[str, Any], now: float) -> None:
-        for fn in self._listeners:
+    def _notify(
+        self,
+        before: dict[str, Any] | None,
+        after: dict[str, Any],
+        now: float,
+        facts_changed: bool = True,
+    ) -> None:
+        for fn, facts_only in self._listeners:
+            if facts_only and not facts_changed:
+                continue
             try:
                 fn(before, after, now)
             except Exception:

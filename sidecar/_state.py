@@ -12,10 +12,11 @@ only when asked.
 
 from __future__ import annotations
 
+import bisect
 import json
 import sys
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from saga_otel import semconv as sc
@@ -63,12 +64,19 @@ class Heartbeat:
 
 @dataclass(frozen=True, slots=True)
 class Applied:
-    """What one batch of spans changed. ``before`` holds views only when asked for."""
+    """What one batch of spans changed.
+
+    ``before`` holds views only when asked for (``want_views``). With ``keep_before``,
+    ``facts_changed`` lists the changed runs whose :meth:`RunState.facts` moved, and
+    :meth:`RunState.view_before` builds the view a run had before the batch.
+    """
 
     changed: tuple[str, ...]
     transitions: tuple[Transition, ...]
     heartbeats: tuple[Heartbeat, ...]
     before: Mapping[str, dict[str, Any] | None]
+    facts_changed: tuple[str, ...] = ()
+    snapshots: Mapping[str, _Run | None] = field(default_factory=dict)
 
 
 class _Step:
@@ -82,6 +90,12 @@ class _Step:
         self.pivot_ok = False
         self.dos: tuple[tuple[Any, ...], ...] = ()
         self.comps: tuple[tuple[Any, ...], ...] = ()
+
+    def copy(self) -> _Step:
+        step = _Step(self.index, self.name)
+        step.cls, step.pivot_any, step.pivot_ok = self.cls, self.pivot_any, self.pivot_ok
+        step.dos, step.comps = self.dos, self.comps  # tuples: shared, never mutated
+        return step
 
     def ok(self) -> bool:
         return any(a[_A_OK] for a in self.dos)
@@ -141,13 +155,27 @@ class _Run:
         self.status = sc.STATE_RUNNING
 
     def step(self, index: int, name: str) -> _Step:
-        for step in self.steps:
+        steps = self.steps
+        # Steps mostly arrive in index order: look from the end, append at the end.
+        # (A list, not a dict: a run's memory matters more than a scan of a few steps.)
+        if not steps or steps[-1].index < index:
+            step = _Step(index, name)
+            steps.append(step)
+            return step
+        for step in reversed(steps):
             if step.index == index:
                 return step
         step = _Step(index, name)
-        self.steps.append(step)
-        self.steps.sort(key=lambda s: s.index)
+        bisect.insort(steps, step, key=_step_index)
         return step
+
+    def copy(self) -> _Run:
+        """A frozen copy for the view a listener gets as ``before``."""
+        run = _Run(self.run_id)
+        for name in _Run.__slots__:
+            setattr(run, name, getattr(self, name))
+        run.steps = [s.copy() for s in self.steps]
+        return run
 
     def recovering(self) -> bool:
         return any(i != self.instance for i in self.instances)
@@ -181,6 +209,41 @@ class _Run:
         return bool(self.run_spans)
 
 
+def _step_index(step: _Step) -> int:
+    return step.index
+
+
+def _comp_failed(step: _Step, ended: bool, lowest_comp: int | None) -> bool:
+    """A step's compensations all failed and the unwind moved on (or the run ended)."""
+    return (
+        bool(step.comps)
+        and not step.compensated()
+        and any(not a[_A_OK] for a in step.comps)
+        and (ended or (lowest_comp is not None and lowest_comp < step.index))
+    )
+
+
+Facts = tuple[Any, ...]
+
+
+def _facts(run: _Run) -> Facts:
+    """What the alert rules read of a view: status, unwind start, escalation, pivot,
+    compensation failures and resolution. Equal facts mean equal alerts."""
+    failed: tuple[int, ...] = ()
+    if run.first_comp_start is not None:  # no compensation span: no step can have failed
+        ended = run.has_ended()
+        lowest = min((s.index for s in run.steps if s.comps), default=None)
+        failed = tuple(s.index for s in run.steps if _comp_failed(s, ended, lowest))
+    return (
+        run.status,
+        run.unwind[0] if run.unwind else run.first_comp_start,
+        run.escalation,
+        next((s.index for s in run.steps if s.pivot_ok), None),
+        failed,
+        run.resolution is not None,
+    )
+
+
 def _error_text(span: SpanRecord) -> str | None:
     if span.ok:
         return None
@@ -204,6 +267,9 @@ def _parse_json(text: str | None, default: Any) -> Any:
 
 def _opt_str(value: Any) -> str | None:
     return _intern(value) if isinstance(value, str) and value else None
+
+
+_NEW_RUN_FACTS = _facts(_Run(""))
 
 
 class RunState:
@@ -295,8 +361,19 @@ class RunState:
     def view(self, run_id: str) -> dict[str, Any] | None:
         """The run view of docs/internals.md, or None for an unknown run."""
         run = self._runs.get(run_id)
-        if run is None:
-            return None
+        return None if run is None else self._view(run)
+
+    def facts(self, run_id: str) -> Facts | None:
+        """The alert-relevant part of a run (see ``_facts``); None for an unknown run."""
+        run = self._runs.get(run_id)
+        return None if run is None else _facts(run)
+
+    def view_before(self, applied: Applied, run_id: str) -> dict[str, Any] | None:
+        """The view ``run_id`` had before ``applied`` (which must be ``keep_before``)."""
+        snapshot = applied.snapshots.get(run_id)
+        return None if snapshot is None else self._view(snapshot)
+
+    def _view(self, run: _Run) -> dict[str, Any]:
         final = run.final_run_span()
         ended = run.has_ended()
         lowest_comp = min((s.index for s in run.steps if s.comps), default=None)
@@ -305,12 +382,7 @@ class RunState:
         for s in run.steps:
             comp = s.compensation()
             compensated = s.compensated()
-            failed = (
-                bool(s.comps)
-                and not compensated
-                and any(not a[_A_OK] for a in s.comps)
-                and (ended or (lowest_comp is not None and lowest_comp < s.index))
-            )
+            failed = _comp_failed(s, ended, lowest_comp)
             if pivot is None and s.pivot_ok:
                 pivot = {"step": s.name, "index": s.index}
             steps.append(
@@ -383,13 +455,28 @@ class RunState:
     # --- changes ---------------------------------------------------------------
 
     def apply(
-        self, spans: Iterable[SpanRecord], now: float, *, want_views: bool = False
+        self,
+        spans: Iterable[SpanRecord],
+        now: float,
+        *,
+        want_views: bool = False,
+        keep_before: bool = False,
     ) -> Applied:
-        """Fold validated spans (see ``_otlp.validate``) into the state."""
+        """Fold validated spans (see ``_otlp.validate``) into the state.
+
+        ``want_views`` puts every changed run's view from before the batch in
+        ``Applied.before``; ``keep_before`` keeps cheap copies instead, so a caller
+        builds the before views only of the runs whose facts changed.
+        """
         changed: dict[str, None] = {}
+        touched: dict[str, _Run] = {}
         before_status: dict[str, str | None] = {}
         before_views: dict[str, dict[str, Any] | None] = {}
+        snapshots: dict[str, _Run | None] = {}
+        before_facts: dict[str, Facts] = {}
         heartbeats: list[Heartbeat] = []
+        runs = self._runs
+        fold = self._fold
         for span in spans:
             attrs = span.attributes
             phase = attrs.get(sc.SAGA_PHASE)
@@ -399,33 +486,48 @@ class RunState:
             run_id = attrs.get(sc.SAGA_RUN_ID)
             if not isinstance(run_id, str) or not run_id:
                 continue  # validation rejects these; never trust it blindly
-            run = self._runs.get(run_id)
-            if run_id not in before_status:
-                before_status[run_id] = run.status if run else None
+            run = touched.get(run_id)
+            if run is None:  # first span of this run in the batch
+                found = runs.get(run_id)
+                before_status[run_id] = found.status if found else None
                 if want_views:
-                    before_views[run_id] = self.view(run_id) if run else None
-            if run is None:
-                run = self._runs[run_id] = _Run(_intern(run_id))
-            if self._fold(run, span, phase):
+                    before_views[run_id] = self._view(found) if found else None
+                if keep_before:
+                    snapshots[run_id] = found.copy() if found else None
+                    before_facts[run_id] = _facts(found) if found else _NEW_RUN_FACTS
+                if found is None:
+                    found = runs[run_id] = _Run(_intern(run_id))
+                run = touched[run_id] = found
+            if fold(run, span, phase):
                 changed[run_id] = None
-            run.last_seen = max(run.last_seen, now)
-            if run_id in self._idle:
-                del self._idle[run_id]
+        idle = self._idle
+        # Once per run, not per span: every run of the batch was seen at ``now``, so
+        # their order among themselves in the idle queue does not matter.
+        for run_id, run in touched.items():
+            if run_id in changed:
+                run.status = run.derive()
+            if now > run.last_seen:
+                run.last_seen = now
+            idle.pop(run_id, None)
             if not run.has_ended() and run.orphaned_at is None:
-                self._idle[run_id] = None
+                idle[run_id] = None
         transitions = []
         for run_id in changed:
-            run = self._runs[run_id]
-            run.status = run.derive()
-            if run.has_ended():
-                self._idle.pop(run_id, None)
-            if run.status != before_status[run_id]:
-                transitions.append(Transition(run_id, before_status[run_id], run.status, now))
+            status = runs[run_id].status
+            if status != before_status[run_id]:
+                transitions.append(Transition(run_id, before_status[run_id], status, now))
+        facts_changed: tuple[str, ...] = ()
+        if keep_before:
+            facts_changed = tuple(
+                r for r in changed if _facts(runs[r]) != before_facts[r]
+            )
         return Applied(
             tuple(changed),
             tuple(transitions),
             tuple(heartbeats),
             {k: before_views[k] for k in changed} if want_views else {},
+            facts_changed,
+            {k: snapshots[k] for k in changed} if keep_before else {},
         )
 
     def _heartbeat(self, span: SpanRecord, now: float) -> Heartbeat:
@@ -477,8 +579,10 @@ class RunState:
             attempt = int(attrs.get(sc.SAGA_STEP_ATTEMPT, 1))
             ok = span.ok
             if phase == sc.PHASE_DO:
-                if any(a[_A_SPAN] == span_id for a in step.dos):
-                    return changed
+                dos = step.dos
+                for a in dos:
+                    if a[_A_SPAN] == span_id:
+                        return changed
                 if isinstance(name, str):
                     step.name = _intern(name)
                 cls = attrs.get(sc.SAGA_STEP_CLASS)
@@ -504,10 +608,12 @@ class RunState:
                     span.end,
                     comp,
                 )
-                step.dos = tuple(sorted((*step.dos, entry), key=_attempt_key))
+                step.dos = _insert(dos, entry)
             else:
-                if any(a[_A_SPAN] == span_id for a in step.comps):
-                    return changed
+                comps = step.comps
+                for a in comps:
+                    if a[_A_SPAN] == span_id:
+                        return changed
                 if not step.dos and isinstance(name, str) and not step.name:
                     step.name = _intern(name)
                 tool = attrs.get(sc.SAGA_COMPENSATION_TOOL)
@@ -520,7 +626,7 @@ class RunState:
                     span.end,
                     _intern(tool) if isinstance(tool, str) else None,
                 )
-                step.comps = tuple(sorted((*step.comps, entry_c), key=_attempt_key))
+                step.comps = _insert(comps, entry_c)
                 if run.first_comp_start is None or span.start < run.first_comp_start:
                     run.first_comp_start = span.start
             return True
@@ -632,8 +738,15 @@ class RunState:
             self._idle.pop(run_id, None)
 
 
-def _attempt_key(a: tuple[Any, ...]) -> tuple[Any, ...]:
-    return (a[_A_ATTEMPT], a[_A_START], a[_A_SPAN])
+def _insert(attempts: tuple[Any, ...], entry: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``attempts`` with ``entry``, kept sorted by (attempt, start, span id).
+
+    Whole tuples compare as that key: the span id in the third place is unique
+    within a step's list, so a comparison never reaches the later fields.
+    """
+    if not attempts or attempts[-1] < entry:  # the usual case: later attempt
+        return (*attempts, entry)
+    return tuple(sorted((*attempts, entry)))
 
 
 def _attempt_dict(a: tuple[Any, ...]) -> dict[str, Any]:

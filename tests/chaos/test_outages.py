@@ -10,17 +10,14 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
-from collections import Counter
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from support import SidecarProcess, start_sidecar, wait_until
+from support import AlertReceiver, SidecarProcess, start_sidecar, wait_until
 
 from examples.world import World
 from examples.world_server import serve_world
@@ -37,47 +34,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-class Pager:
-    """A webhook sink that can be started late, on a port chosen in advance."""
-
-    def __init__(self, port: int) -> None:
-        self.port = port
-        self.alerts: list[dict[str, Any]] = []
-        self.lock = threading.Lock()
-        self.server: ThreadingHTTPServer | None = None
-
-    def start(self) -> None:
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, format: str, *args: Any) -> None:
-                return
-
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                with outer.lock:
-                    outer.alerts.append(json.loads(body))
-                self.send_response(200)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/alerts"
-
-    def keys(self) -> Counter[tuple[str, str]]:
-        with self.lock:
-            return Counter((a["dedup_key"], a["status"]) for a in self.alerts)
-
-    def stop(self) -> None:
-        if self.server is not None:
-            self.server.shutdown()
-            self.server.server_close()
 
 
 @pytest.fixture
@@ -100,7 +56,7 @@ def agent(sc_otlp: str, world_url: str, runs: int) -> subprocess.Popen[str]:
 def test_a_sink_down_for_a_while_gets_every_alert_once(
     tmp_path: Path, sidecar_process: Any, world: tuple[World, str], chaos_results: dict[str, Any]
 ) -> None:
-    pager = Pager(free_port())
+    pager = AlertReceiver(start=False)  # the sink is down from the start
     sc = sidecar_process("--webhook", pager.url)
     proc = agent(sc.otlp, world[1], runs=5)
     out, _ = proc.communicate(timeout=120)
@@ -138,8 +94,7 @@ def test_a_sink_down_for_a_while_gets_every_alert_once(
 def test_sidecar_killed_under_load_loses_no_acknowledged_span(
     tmp_path: Path, world: tuple[World, str], chaos_results: dict[str, Any]
 ) -> None:
-    pager = Pager(free_port())
-    pager.start()
+    pager = AlertReceiver()
     ports = [str(free_port()) for _ in range(3)]
     args = ("--otlp-http-port", ports[0], "--otlp-grpc-port", ports[1], "--api-port", ports[2])
     first = start_sidecar(tmp_path, "--webhook", pager.url, *args)
