@@ -16,7 +16,8 @@ import inspect
 import json
 import random
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Any, Literal
@@ -41,7 +42,7 @@ from saga_otel._records import (
     describe_error,
 )
 from saga_otel._registry import IDEMPOTENCY_PARAM, CallInfo, Tool, ToolRegistry
-from saga_otel._telemetry import Instrumentation, RunTelemetry
+from saga_otel._telemetry import Attempt, Instrumentation, RunTelemetry
 
 EscalationHandler = Callable[[EscalationCard, SagaReport], None]
 
@@ -438,6 +439,37 @@ class _Core:
             )
         )
 
+    @contextmanager
+    def do_attempt(self, t: Tool, idx: int, attempt: int) -> Iterator[Attempt]:
+        """One do attempt: the tool's call context and its telemetry, around the call."""
+        token = self.enter_call(t.name, idx, "do", attempt)
+        try:
+            with self.instr.attempt(
+                self.telemetry, "do", t.name, index=idx, attempt=attempt, tool=t.name,
+                step_class=t.step_class, pivot=t.pivot,
+            ) as obs:  # fmt: skip
+                yield obs
+        finally:
+            _current_call.reset(token)
+
+    @contextmanager
+    def undo_attempt(self, comp: Compensation, attempt: int) -> Iterator[Attempt]:
+        token = self.enter_call(comp.step, comp.index, "compensate", attempt)
+        try:
+            with self.instr.attempt(
+                self.telemetry, "compensate", comp.step or comp.tool, index=comp.index,
+                attempt=attempt, tool=comp.tool, compensation=comp,
+            ) as obs:  # fmt: skip
+                yield obs
+        finally:
+            _current_call.reset(token)
+
+    def do_kwargs(self, t: Tool, args: Mapping[str, Any], idx: int) -> dict[str, Any]:
+        return self.kwargs_for(t, args, idempotency_key(self.run_id, idx))
+
+    def undo_kwargs(self, t: Tool, comp: Compensation) -> dict[str, Any]:
+        return self.kwargs_for(t, comp.args, idempotency_key(self.run_id, comp.index, "compensate"))
+
     # -- forward ---------------------------------------------------------------
     def begin(self, t: Tool, index: int | None) -> int:
         assert self.state is not None
@@ -624,28 +656,13 @@ class Run(_RunBase):
             async for attempt in core.async_retrying(core.forward_policy):
                 with attempt:
                     attempts = attempt.retry_state.attempt_number
-                    token = core.enter_call(t.name, idx, "do", attempts)
-                    try:
-                        with core.instr.attempt(
-                            core.telemetry,
-                            "do",
-                            t.name,
-                            index=idx,
-                            attempt=attempts,
-                            tool=t.name,
-                            step_class=t.step_class,
-                            pivot=t.pivot,
-                        ) as obs:
-                            result = t.fn(
-                                **core.kwargs_for(t, args, idempotency_key(core.run_id, idx))
-                            )
-                            if inspect.isawaitable(result):
-                                result = await result
-                            comp = core.succeeded(t, idx, args, result, snapshot, attempts)
-                            if comp is not None:
-                                obs.pushed(comp)
-                    finally:
-                        _current_call.reset(token)
+                    with core.do_attempt(t, idx, attempts) as obs:
+                        result = t.fn(**core.do_kwargs(t, args, idx))
+                        if inspect.isawaitable(result):
+                            result = await result
+                        comp = core.succeeded(t, idx, args, result, snapshot, attempts)
+                        if comp is not None:
+                            obs.pushed(comp)
         except BaseException as exc:
             core.failed(t, idx, args, exc, max(attempts, 1))
             raise
@@ -692,23 +709,10 @@ class Run(_RunBase):
             async for attempt in core.async_retrying(policy):
                 with attempt:
                     attempts = attempt.retry_state.attempt_number
-                    token = core.enter_call(comp.step, comp.index, "compensate", attempts)
-                    try:
-                        with core.instr.attempt(
-                            core.telemetry,
-                            "compensate",
-                            comp.step or comp.tool,
-                            index=comp.index,
-                            attempt=attempts,
-                            tool=comp.tool,
-                            compensation=comp,
-                        ) as obs:
-                            key = idempotency_key(core.run_id, comp.index, "compensate")
-                            out = t.fn(**core.kwargs_for(t, comp.args, key))
-                            if inspect.isawaitable(out):
-                                await out
-                    finally:
-                        _current_call.reset(token)
+                    with core.undo_attempt(comp, attempts) as obs:
+                        out = t.fn(**core.undo_kwargs(t, comp))
+                        if inspect.isawaitable(out):
+                            await out
         except Exception as exc:
             core.compensation_ended(comp, False, max(attempts, 1), exc)
             return
@@ -762,27 +766,14 @@ class SyncRun(_RunBase):
             for attempt in core.retrying(core.forward_policy):
                 with attempt:
                     attempts = attempt.retry_state.attempt_number
-                    token = core.enter_call(t.name, idx, "do", attempts)
-                    try:
-                        with core.instr.attempt(
-                            core.telemetry,
-                            "do",
-                            t.name,
-                            index=idx,
-                            attempt=attempts,
-                            tool=t.name,
-                            step_class=t.step_class,
-                            pivot=t.pivot,
-                        ) as obs:
-                            result = _no_await(
-                                t.fn(**core.kwargs_for(t, args, idempotency_key(core.run_id, idx))),
-                                name,
-                            )
-                            comp = core.succeeded(t, idx, args, result, snapshot, attempts)
-                            if comp is not None:
-                                obs.pushed(comp)
-                    finally:
-                        _current_call.reset(token)
+                    with core.do_attempt(t, idx, attempts) as obs:
+                        result = _no_await(
+                            t.fn(**core.do_kwargs(t, args, idx)),
+                            name,
+                        )
+                        comp = core.succeeded(t, idx, args, result, snapshot, attempts)
+                        if comp is not None:
+                            obs.pushed(comp)
         except BaseException as exc:
             core.failed(t, idx, args, exc, max(attempts, 1))
             raise
@@ -818,21 +809,8 @@ class SyncRun(_RunBase):
             for attempt in core.retrying(policy):
                 with attempt:
                     attempts = attempt.retry_state.attempt_number
-                    token = core.enter_call(comp.step, comp.index, "compensate", attempts)
-                    try:
-                        with core.instr.attempt(
-                            core.telemetry,
-                            "compensate",
-                            comp.step or comp.tool,
-                            index=comp.index,
-                            attempt=attempts,
-                            tool=comp.tool,
-                            compensation=comp,
-                        ) as obs:
-                            key = idempotency_key(core.run_id, comp.index, "compensate")
-                            _no_await(t.fn(**core.kwargs_for(t, comp.args, key)), comp.tool)
-                    finally:
-                        _current_call.reset(token)
+                    with core.undo_attempt(comp, attempts) as obs:
+                        _no_await(t.fn(**core.undo_kwargs(t, comp)), comp.tool)
         except Exception as exc:
             core.compensation_ended(comp, False, max(attempts, 1), exc)
             return

@@ -162,7 +162,9 @@ def build_otlp_app(sidecar: Sidecar) -> web.Application:
                 body = await _read_bounded(request, limit)
                 if encoding in ("gzip", "deflate"):
                     body = inflate(body, limit)
-                decoded = extract(parse_json(body)) if as_json else extract(parse_protobuf(body), body)
+                decoded = (
+                    extract(parse_json(body)) if as_json else extract(parse_protobuf(body), body)
+                )
             except _TooLarge:
                 return too_large
             except DecodeError as exc:

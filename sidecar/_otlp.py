@@ -190,7 +190,9 @@ def _lean_types() -> tuple[Any, Any]:
         ],
     )
     attributes(span, 9)
-    message("Status", [("message", 2, _F.TYPE_STRING, opt, ""), ("code", 3, _F.TYPE_INT32, opt, "")])
+    message(
+        "Status", [("message", 2, _F.TYPE_STRING, opt, ""), ("code", 3, _F.TYPE_INT32, opt, "")]
+    )
     message("RawRequest", [("resource_spans", 1, msg, rep, "RawResourceSpans")])
     message("RawResourceSpans", [("scope_spans", 2, msg, rep, "RawScopeSpans")])
     message("RawScopeSpans", [("spans", 2, _F.TYPE_BYTES, rep, "")])

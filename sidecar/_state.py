@@ -518,9 +518,7 @@ class RunState:
                 transitions.append(Transition(run_id, before_status[run_id], status, now))
         facts_changed: tuple[str, ...] = ()
         if keep_before:
-            facts_changed = tuple(
-                r for r in changed if _facts(runs[r]) != before_facts[r]
-            )
+            facts_changed = tuple(r for r in changed if _facts(runs[r]) != before_facts[r])
         return Applied(
             tuple(changed),
             tuple(transitions),
