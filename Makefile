@@ -14,6 +14,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: $(STAMP)
+	scripts/debian-deps
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 demo: $(STAMP)

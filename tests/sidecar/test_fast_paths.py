@@ -6,6 +6,7 @@ import itertools
 from pathlib import Path
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
@@ -132,7 +133,13 @@ def test_lean_decoding_matches_on_odd_attributes(
             event.name = "exception"
             _set(event.attributes.add(), "exception.type", "ValueError")
     body = request.SerializeToString()
-    _same(extract(ExportTraceServiceRequest.FromString(body), body), _extract_exact(request))
+    try:
+        exact = _extract_exact(request)
+    except TypeError:  # validate() on an unhashable saga.phase (an array): both raise
+        with pytest.raises(TypeError):
+            extract(ExportTraceServiceRequest.FromString(body), body)
+        return
+    _same(extract(ExportTraceServiceRequest.FromString(body), body), exact)
 
 
 def test_attempts_arriving_out_of_order_fold_the_same() -> None:
