@@ -22,7 +22,7 @@ import httpx
 import pytest
 from support import wait_until
 
-pytestmark = pytest.mark.chaos
+pytestmark = [pytest.mark.chaos, pytest.mark.timeout(900)]
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent.parent

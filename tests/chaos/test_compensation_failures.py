@@ -12,7 +12,7 @@ import pytest
 from saga_otel import EscalationCard, RetryPolicy, RunStatus, SagaReport, ToolRegistry, tool
 from saga_otel.testing import FailureInjector, InjectedFailure, capture
 
-pytestmark = pytest.mark.chaos
+pytestmark = [pytest.mark.chaos, pytest.mark.timeout(900)]
 
 RUNS = int(os.environ.get("SAGA_CHAOS_RUNS", "10000"))
 

@@ -22,7 +22,7 @@ from support import AlertReceiver, SidecarProcess, start_sidecar, wait_until
 from examples.world import World
 from examples.world_server import serve_world
 
-pytestmark = pytest.mark.chaos
+pytestmark = [pytest.mark.chaos, pytest.mark.timeout(900)]
 
 ROOT = Path(__file__).resolve().parents[2]
 OUTAGE = float(os.environ.get("SAGA_CHAOS_OUTAGE_S", "30"))
