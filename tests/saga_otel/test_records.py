@@ -1,0 +1,69 @@
+"""Records: compensations, retry policies, step classes, escalation cards."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from saga_otel import (
+    Compensation,
+    ConfigurationError,
+    EscalationCard,
+    RetryPolicy,
+    StepClass,
+)
+
+
+def test_compensation_records_round_trip_through_json() -> None:
+    comp = Compensation("reverse_credit", {"credit_id": "cr_1", "n": [1, 2]}, "undo", "issue", 3)
+    assert Compensation.from_json(comp.to_json()) == comp
+    assert json.loads(comp.to_json())["index"] == 3
+    with pytest.raises(ConfigurationError, match="JSON-serialisable"):
+        Compensation("t", {"x": object()})
+    with pytest.raises(ConfigurationError, match="not a compensation record"):
+        Compensation.from_dict({"args": {}})
+
+
+def test_compensation_args_are_frozen_at_capture_time() -> None:
+    refs = {"credit_id": "cr_1"}
+    comp = Compensation("reverse_credit", refs)
+    refs["credit_id"] = "cr_2"
+    assert comp.args == {"credit_id": "cr_1"}
+
+
+def test_retry_policy_rejects_nonsense() -> None:
+    with pytest.raises(ConfigurationError, match="attempts=0"):
+        RetryPolicy(attempts=0)
+    p = RetryPolicy(initial=1, multiplier=3, maximum=5, jitter=0)
+    assert [p.delay(n) for n in (1, 2, 3)] == [1, 3, 5]
+
+
+def test_step_classes_are_the_five_of_the_contract() -> None:
+    assert [c.value for c in StepClass] == [
+        "read",
+        "convergent",
+        "reversible",
+        "compensable",
+        "irreversible",
+    ]
+    assert [c.pushes for c in StepClass] == [False, False, True, True, False]
+
+
+def test_escalation_card_round_trips_and_renders_every_section() -> None:
+    card = EscalationCard(
+        saga="refund",
+        run_id="r1",
+        reason="compensation_failed",
+        failed_step="send_reply",
+        error="ServiceDown: mail",
+        done=("issue_credit (compensable)",),
+        undone=("set ticket back",),
+        not_undone=("reverse credit cr_1: LedgerDown",),
+        irreversible=(),
+        decide=("Undo by hand or accept: reverse credit cr_1",),
+    )
+    assert EscalationCard.from_dict(json.loads(card.to_json())) == card
+    text = card.render()
+    for part in ("needs a person", "Done:", "Undone:", "Could NOT be undone:", "You must decide:"):
+        assert part in text

@@ -1,0 +1,50 @@
+"""Tools and the registry: declarations checked up front, undo recipes, keys."""
+
+from __future__ import annotations
+
+import pytest
+
+from saga_otel import CallInfo, ConfigurationError, ToolRegistry, UnknownToolError, tool
+
+
+def test_tool_declarations_are_checked() -> None:
+    with pytest.raises(ConfigurationError, match="names no compensation"):
+        tool("compensable")(lambda: None)
+    with pytest.raises(ConfigurationError, match="unknown step class 'weird'"):
+        tool("weird")(lambda: None)
+    reg = ToolRegistry([tool("compensable", compensate="missing")(lambda: None)])
+    with pytest.raises(UnknownToolError, match="'missing'"):
+        reg.check_compensations()
+    with pytest.raises(UnknownToolError, match="no tool named 'nope'"):
+        reg.get("nope")
+
+
+def test_compensation_is_built_from_the_calls_own_references() -> None:
+    t = tool(
+        "compensable",
+        compensate="reverse_credit",
+        compensate_args=lambda i: {"credit_id": i.result["credit_id"]},
+        describe="reverse {credit_id} of order {order_id}",
+    )(lambda order_id, amount: {"credit_id": "cr_7"})
+    comp = t.build_compensation(
+        CallInfo("issue_credit", {"order_id": 1, "amount": 5}, {"credit_id": "cr_7"}, index=2),
+        step="issue_credit",
+    )
+    assert comp is not None
+    assert (comp.tool, dict(comp.args), comp.index) == ("reverse_credit", {"credit_id": "cr_7"}, 2)
+    assert comp.description == "reverse cr_7 of order 1"
+
+
+def test_a_tool_that_takes_an_idempotency_key_gets_one() -> None:
+    def with_key(x: int, idempotency_key: str) -> None: ...
+
+    def without(x: int) -> None: ...
+
+    assert tool("convergent")(with_key).accepts_idempotency_key
+    assert not tool("convergent")(without).accepts_idempotency_key
+
+
+def test_registry_refuses_two_tools_under_one_name() -> None:
+    reg = ToolRegistry([tool("read", name="x")(lambda: 1)])
+    with pytest.raises(ConfigurationError, match="already registered"):
+        reg.register(tool("read", name="x")(lambda: 2))
