@@ -271,7 +271,8 @@ def _json_object(text: str) -> bool:
 def validate(attrs: Mapping[str, Any]) -> str | None:
     """Why a span that carries ``saga.phase`` breaks the contract, or None when it does not."""
     phase = attrs.get(sc.SAGA_PHASE)
-    if phase not in sc.PHASES:
+    # A list is unhashable: check the type before the set lookup, or a hostile span 500s.
+    if not isinstance(phase, str) or phase not in sc.PHASES:
         return f"{sc.SAGA_PHASE}={phase!r} is not one of {', '.join(sorted(sc.PHASES))}"
     for key, value in attrs.items():  # one pass over what is there, not over every name
         kind = _KINDS.get(key)

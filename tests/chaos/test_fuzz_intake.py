@@ -25,7 +25,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, ArrayValue, KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span
 from support import SidecarProcess, start_sidecar
 
@@ -62,6 +62,10 @@ any_values = st.one_of(
     st.builds(lambda v: AnyValue(bool_value=v), st.booleans()),
     st.builds(lambda v: AnyValue(bytes_value=v), st.binary(max_size=20)),
     st.just(AnyValue()),
+    st.builds(
+        lambda vs: AnyValue(array_value=ArrayValue(values=[AnyValue(string_value=v) for v in vs])),
+        st.lists(st.sampled_from(PHASES), max_size=3),
+    ),
 )
 key_values = st.builds(
     lambda k, v: KeyValue(key=k, value=v), st.sampled_from(KEYS) | st.text(max_size=10), any_values

@@ -245,6 +245,24 @@ async def test_protobuf_partial_success_response(sidecar: Sidecar) -> None:
     assert sc.SAGA_RUN_ID in answer.partial_success.error_message
 
 
+async def test_an_array_valued_phase_is_rejected_not_a_server_error(sidecar: Sidecar) -> None:
+    req = ExportTraceServiceRequest()
+    span = req.resource_spans.add().scope_spans.add().spans.add()
+    span.trace_id, span.span_id = b"\x01" * 16, b"\x03" * 8
+    kv = span.attributes.add()
+    kv.key = sc.SAGA_PHASE
+    kv.value.array_value.values.add().string_value = "do"
+    headers = {"Content-Type": "application/x-protobuf"}
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(otlp(sidecar), data=req.SerializeToString(), headers=headers) as resp,
+    ):
+        assert resp.status == 200
+        answer = ExportTraceServiceResponse.FromString(await resp.read())
+    assert answer.partial_success.rejected_spans == 1
+    assert sc.SAGA_PHASE in answer.partial_success.error_message
+
+
 async def test_bad_bodies_get_4xx(sidecar: Sidecar) -> None:
     async with aiohttp.ClientSession() as s:
         async with s.post(
