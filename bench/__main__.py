@@ -83,7 +83,7 @@ def render(figures: list[Figure], elapsed: float) -> str:
         lines.append(
             f"| {f.area} | {f.name} | {f.value:,.3f} {f.unit} | {f.reference_name}: "
             f"{f.reference_value:,.3f} {f.unit} | {f.ratio:.3f} | {f.goal} | "
-            f"{'yes' if f.met else '**no**'} |"
+            f"{('yes' if f.met else '**no**') if f.goal else '—'} |"
         )
     notes = [f for f in figures if f.notes]
     if notes:
@@ -110,7 +110,7 @@ def main(argv: list[str]) -> int:
             failed.append(name)
             continue
         for f in got:
-            mark = "met" if f.met else "NOT met"
+            mark = ("met" if f.met else "NOT met") if f.goal else "no goal"
             print(
                 f"  = {f.name}: {f.value:,.3f} {f.unit} vs {f.reference_value:,.3f} "
                 f"(ratio {f.ratio:.3f}, goal {f.goal}: {mark})",
