@@ -182,19 +182,8 @@ def tool(
     a compensation. ``validate`` is a dry run called before the saga's first do.
     A bare ``@tool`` declares a read.
     """
-    if callable(step_class) and not isinstance(step_class, str):
-        return _make_tool(
-            step_class,
-            StepClass.READ,
-            name=name,
-            compensate=compensate,
-            compensate_args=compensate_args,
-            describe=describe,
-            snapshot=snapshot,
-            validate=validate,
-            retry=retry,
-            pivot=pivot,
-        )
+    if callable(step_class) and not isinstance(step_class, str):  # bare @tool
+        return tool(StepClass.READ, name=name, validate=validate, retry=retry)(step_class)
     cls = step_class
 
     def decorate(fn: Callable[..., Any]) -> Tool:
