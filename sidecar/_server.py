@@ -68,6 +68,7 @@ class Sidecar:
         self._runners: list[web.AppRunner] = []
         self._grpc: Any = None
         self._started = False
+        self._span_counters: dict[tuple[str, str], Any] = {}
 
     # --- hooks for the alerting side --------------------------------------------
 
@@ -276,12 +277,11 @@ class Sidecar:
         listeners = self._listeners
         every = any(not facts_only for _, facts_only in listeners)
         applied = self.state.apply(decoded.spans, now, keep_before=bool(listeners))
-        counter = self.metrics.spans_received
-        counter.labels(transport=transport, outcome="accepted").inc(len(decoded.spans))
+        self._spans_counter(transport, "accepted").inc(len(decoded.spans))
         if decoded.ignored:
-            counter.labels(transport=transport, outcome="ignored").inc(decoded.ignored)
+            self._spans_counter(transport, "ignored").inc(decoded.ignored)
         if decoded.rejected:
-            counter.labels(transport=transport, outcome="rejected").inc(decoded.rejected)
+            self._spans_counter(transport, "rejected").inc(decoded.rejected)
         if listeners:
             state = self.state
             # Views are most of the cost of a batch: build them (once per run) only for
@@ -294,6 +294,15 @@ class Sidecar:
                     self._notify(before, after, now, run_id in facts_changed)
         if self.forwarder is not None and body is not None and decoded.total:
             self.forwarder.offer(body, content_type, decoded.total)
+
+    def _spans_counter(self, transport: str, outcome: str) -> Any:
+        # labels() costs more than the increment: keep the children.
+        key = (transport, outcome)
+        child = self._span_counters.get(key)
+        if child is None:
+            child = self.metrics.spans_received.labels(transport=transport, outcome=outcome)
+            self._span_counters[key] = child
+        return child
 
     def _notify(
         self,
