@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
-from typing import Any, Final, Protocol, TextIO
+from typing import Any, ClassVar, Final, Protocol, TextIO
 
 import aiohttp
 import structlog
@@ -138,26 +138,44 @@ def _redacted(redactor: Redactor, event: AlertEvent, payload: Any) -> Any:
     return redactor.redact(payload, secrets)
 
 
-@dataclass
-class AlertmanagerSink:
-    """POST /api/v2/alerts of one Alertmanager. Give each HA peer its own sink."""
+class _HttpSink:
+    """What the HTTP sinks share: one client, a name for metrics and logs, and close()."""
 
+    KIND: ClassVar[str]
     url: str
-    redactor: Redactor = field(default_factory=Redactor)
-    resend: float | None = 60.0
-    timeout: float = DEFAULT_TIMEOUT
-    _http: _Http = field(init=False)
+    timeout: float
+    _http: _Http
 
     def __post_init__(self) -> None:
         self._http = _Http(self.timeout)
 
     @property
     def kind(self) -> str:
-        return KIND_ALERTMANAGER
+        return self.KIND
 
     @property
     def name(self) -> str:
-        return f"{KIND_ALERTMANAGER}:{self.url}"
+        return f"{self.KIND}:{self.url}"
+
+    @property
+    def resend_interval(self) -> float | None:
+        return None
+
+    async def close(self) -> None:
+        await self._http.close()
+
+
+@dataclass
+class AlertmanagerSink(_HttpSink):
+    """POST /api/v2/alerts of one Alertmanager. Give each HA peer its own sink."""
+
+    KIND: ClassVar[str] = KIND_ALERTMANAGER
+
+    url: str
+    redactor: Redactor = field(default_factory=Redactor)
+    resend: float | None = 60.0
+    timeout: float = DEFAULT_TIMEOUT
+    _http: _Http = field(init=False)
 
     @property
     def resend_interval(self) -> float | None:
@@ -180,33 +198,17 @@ class AlertmanagerSink:
             f"{self.url.rstrip('/')}/api/v2/alerts", self.payload(event), "Alertmanager"
         )
 
-    async def close(self) -> None:
-        await self._http.close()
-
 
 @dataclass
-class PagerDutySink:
+class PagerDutySink(_HttpSink):
+    KIND: ClassVar[str] = KIND_PAGERDUTY
+
     routing_key: str
     url: str = DEFAULT_PAGERDUTY_URL
     redactor: Redactor = field(default_factory=Redactor)
     timeout: float = DEFAULT_TIMEOUT
     source: str = "saga-sidecar"
     _http: _Http = field(init=False)
-
-    def __post_init__(self) -> None:
-        self._http = _Http(self.timeout)
-
-    @property
-    def kind(self) -> str:
-        return KIND_PAGERDUTY
-
-    @property
-    def name(self) -> str:
-        return f"{KIND_PAGERDUTY}:{self.url}"
-
-    @property
-    def resend_interval(self) -> float | None:
-        return None
 
     def payload(self, event: AlertEvent) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -240,40 +242,21 @@ class PagerDutySink:
     async def send(self, event: AlertEvent) -> None:
         await self._http.post(self.url, self.payload(event), "PagerDuty")
 
-    async def close(self) -> None:
-        await self._http.close()
-
 
 @dataclass
-class WebhookSink:
+class WebhookSink(_HttpSink):
+    KIND: ClassVar[str] = KIND_WEBHOOK
+
     url: str
     redactor: Redactor = field(default_factory=Redactor)
     timeout: float = DEFAULT_TIMEOUT
     _http: _Http = field(init=False)
-
-    def __post_init__(self) -> None:
-        self._http = _Http(self.timeout)
-
-    @property
-    def kind(self) -> str:
-        return KIND_WEBHOOK
-
-    @property
-    def name(self) -> str:
-        return f"{KIND_WEBHOOK}:{self.url}"
-
-    @property
-    def resend_interval(self) -> float | None:
-        return None
 
     def payload(self, event: AlertEvent) -> dict[str, Any]:
         return event_document(event, self.redactor)
 
     async def send(self, event: AlertEvent) -> None:
         await self._http.post(self.url, self.payload(event), "webhook")
-
-    async def close(self) -> None:
-        await self._http.close()
 
 
 def event_document(event: AlertEvent, redactor: Redactor) -> dict[str, Any]:
