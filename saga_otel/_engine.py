@@ -230,7 +230,9 @@ class Saga:
         return SyncRun(_Core(self, run_id, validate=validate))
 
     # -- fixed plans ---------------------------------------------------------
-    def _plan(self, steps: Sequence[Step], ctx: Any) -> tuple[_Core, list[Tool]]:
+    @staticmethod
+    def _step_tools(steps: Sequence[Step], ctx: Any) -> tuple[dict[str, Tool], list[Tool]]:
+        """A plan's steps as tools by name (do and undo), and the do tools in order."""
         overlay: dict[str, Tool] = {}
         forwards: list[Tool] = []
         for step in steps:
@@ -243,6 +245,10 @@ class Saga:
             if undo is not None:
                 overlay[undo.name] = undo
             forwards.append(fwd)
+        return overlay, forwards
+
+    def _plan(self, steps: Sequence[Step], ctx: Any) -> tuple[_Core, list[Tool]]:
+        overlay, forwards = self._step_tools(steps, ctx)
         core = _Core(
             self,
             None,
@@ -285,12 +291,7 @@ class Saga:
                 f"run {report.run_id} ended {report.status.value}; only a stuck run is resumed "
                 "forward (a compensated run is finished, a compensation_failed one needs a person)"
             )
-        overlay = {}
-        for step in steps:
-            fwd, undo = step.as_tools(ctx)
-            overlay[fwd.name] = fwd
-            if undo is not None:
-                overlay[undo.name] = undo
+        overlay, _ = self._step_tools(steps, ctx)
         core = _Core(
             self,
             report.run_id,
@@ -491,16 +492,7 @@ class _Core:
         comp = t.build_compensation(
             CallInfo(t.name, args, result, snapshot, self.run_id, index), step=t.name
         )
-        record = StepRecord(
-            index=index,
-            name=t.name,
-            tool=t.name,
-            step_class=t.step_class,
-            attempts=attempts,
-            ok=True,
-            pivot=t.pivot,
-            compensation=comp,
-        )
+        record = _step_record(t, index, attempts, ok=True, compensation=comp)
         had_pivot = self.state.pivot_crossed
         self.state = st.step_succeeded(self.state, record)
         if not had_pivot and self.state.pivot_crossed:
@@ -512,16 +504,7 @@ class _Core:
         self, t: Tool, index: int, args: Mapping[str, Any], exc: BaseException, attempts: int
     ) -> None:
         assert self.state is not None
-        record = StepRecord(
-            index=index,
-            name=t.name,
-            tool=t.name,
-            step_class=t.step_class,
-            attempts=attempts,
-            ok=False,
-            pivot=t.pivot,
-            error=describe_error(exc),
-        )
+        record = _step_record(t, index, attempts, ok=False, error=describe_error(exc))
         self.state = st.step_failed(
             self.state, record, PendingCall(index, t.name, t.name, dict(args))
         )
@@ -816,6 +799,28 @@ class SyncRun(_RunBase):
             return
         core.compensation_ended(comp, True, attempts, None)
         _export.wait_for_ack(obs.span)
+
+
+def _step_record(
+    t: Tool,
+    index: int,
+    attempts: int,
+    *,
+    ok: bool,
+    compensation: Compensation | None = None,
+    error: str | None = None,
+) -> StepRecord:
+    return StepRecord(
+        index=index,
+        name=t.name,
+        tool=t.name,
+        step_class=t.step_class,
+        attempts=attempts,
+        ok=ok,
+        pivot=t.pivot,
+        compensation=compensation,
+        error=error,
+    )
 
 
 def _is_pivot(record: StepRecord) -> bool:
