@@ -18,7 +18,9 @@ from saga_otel._errors import (
 from saga_otel._export import SidecarExport, configure
 from saga_otel._metrics import start_metrics_server
 from saga_otel._observe import ObservedRun, observed, observed_run
-from saga_otel._records import (
+from saga_otel._recovery import fetch_run, recover
+from saga_otel._registry import CallInfo, Tool, ToolRegistry, tool
+from saga_otel.records import (
     Compensation,
     CompensationOutcome,
     EscalationCard,
@@ -29,8 +31,6 @@ from saga_otel._records import (
     StepClass,
     StepRecord,
 )
-from saga_otel._recovery import fetch_run, recover
-from saga_otel._registry import CallInfo, Tool, ToolRegistry, tool
 
 __version__ = "0.1.0"
 

@@ -11,9 +11,9 @@ import click
 
 from saga_otel._errors import SagaError
 from saga_otel._export import configure
-from saga_otel._records import RetryPolicy, RunStatus
 from saga_otel._recovery import DEFAULT_SIDECAR_API, ENV_SIDECAR_API, recover
 from saga_otel._registry import ToolRegistry
+from saga_otel.records import RetryPolicy, RunStatus
 
 
 def load_registry(spec: str) -> ToolRegistry:

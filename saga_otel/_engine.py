@@ -29,7 +29,9 @@ from tenacity import AsyncRetrying, RetryCallState, Retrying, stop_after_attempt
 from saga_otel import _export
 from saga_otel import _stack as st
 from saga_otel._errors import ConfigurationError, StepRefusedError, ValidationRejectedError
-from saga_otel._records import (
+from saga_otel._registry import IDEMPOTENCY_PARAM, CallInfo, Tool, ToolRegistry
+from saga_otel._telemetry import Attempt, Instrumentation, RunTelemetry
+from saga_otel.records import (
     Compensation,
     CompensationOutcome,
     EscalationCard,
@@ -41,8 +43,6 @@ from saga_otel._records import (
     StepRecord,
     describe_error,
 )
-from saga_otel._registry import IDEMPOTENCY_PARAM, CallInfo, Tool, ToolRegistry
-from saga_otel._telemetry import Attempt, Instrumentation, RunTelemetry
 
 EscalationHandler = Callable[[EscalationCard, SagaReport], None]
 

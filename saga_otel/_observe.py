@@ -26,9 +26,9 @@ from prometheus_client import CollectorRegistry
 from saga_otel import _export
 from saga_otel import semconv as sc
 from saga_otel._errors import ConfigurationError
-from saga_otel._records import Compensation, StepClass
 from saga_otel._registry import CallInfo
 from saga_otel._telemetry import Instrumentation, RunTelemetry
+from saga_otel.records import Compensation, StepClass
 
 CompensationRecipe = Callable[[CallInfo], Compensation | Mapping[str, Any] | None]
 

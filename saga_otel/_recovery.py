@@ -22,8 +22,8 @@ from prometheus_client import CollectorRegistry
 from saga_otel import semconv as sc
 from saga_otel._engine import Saga, SyncRun, _Core
 from saga_otel._errors import RecoveryError
-from saga_otel._records import Compensation, RetryPolicy, RunStatus, SagaReport
 from saga_otel._registry import ToolRegistry
+from saga_otel.records import Compensation, RetryPolicy, RunStatus, SagaReport
 
 ENV_SIDECAR_API = "SAGA_OTEL_SIDECAR_API"
 DEFAULT_SIDECAR_API = "http://127.0.0.1:4320"

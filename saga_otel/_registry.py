@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, overload
 
 from saga_otel._errors import ConfigurationError, UnknownToolError
-from saga_otel._records import Compensation, RetryPolicy, StepClass
+from saga_otel.records import Compensation, RetryPolicy, StepClass
 
 IDEMPOTENCY_PARAM = "idempotency_key"
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from enum import Enum
 
 from saga_otel._errors import StepRefusedError
-from saga_otel._records import (
+from saga_otel.records import (
     Compensation,
     CompensationOutcome,
     PendingCall,

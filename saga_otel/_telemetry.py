@@ -34,7 +34,7 @@ from prometheus_client import CollectorRegistry
 from saga_otel import semconv as sc
 from saga_otel._logging import default_logger
 from saga_otel._metrics import SagaMetrics, metrics_for
-from saga_otel._records import Compensation, StepClass, describe_error
+from saga_otel.records import Compensation, StepClass, describe_error
 
 _VERSION = "0.1.0"
 

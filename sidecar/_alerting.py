@@ -21,7 +21,7 @@ from enum import StrEnum
 from typing import Any, Final
 
 from saga_otel import semconv as sc
-from saga_otel._records import EscalationCard
+from saga_otel.records import EscalationCard
 
 View = Mapping[str, Any]
 

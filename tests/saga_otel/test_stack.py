@@ -17,7 +17,7 @@ from saga_otel import (
     _stack,
     tool,
 )
-from saga_otel._records import Compensation, CompensationOutcome, StepRecord
+from saga_otel.records import Compensation, CompensationOutcome, StepRecord
 from saga_otel.testing import capture
 
 ATTEMPTS = 3

@@ -19,7 +19,7 @@ from sidecar_testkit import (
 )
 
 from saga_otel import semconv as sc
-from saga_otel._records import Compensation
+from saga_otel.records import Compensation
 from sidecar import RunState, SpanRecord
 from sidecar._otlp import extract
 

@@ -45,6 +45,13 @@ class StepClass(StrEnum):
         return self is not StepClass.READ
 
 
+def is_pivot(step_class: StepClass | str | None, declared_pivot: bool | None) -> bool:
+    """The pivot rule, the one place it is written: a step is a pivot when it is
+    declared one or its class is irreversible. Past the first successful pivot
+    there is no unwind, only forward recovery and a person."""
+    return bool(declared_pivot) or step_class == StepClass.IRREVERSIBLE
+
+
 class RunStatus(StrEnum):
     COMPLETED = "completed"
     COMPENSATED = "compensated"
