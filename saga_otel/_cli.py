@@ -1,109 +1,158 @@
-"""The ``saga-otel`` command: recover a run whose agent died."""
+"""The ``saga-otel`` command: recover a run whose agent died.
+
+Built on argparse, not click: the library installs without the sidecar's
+command-line stack (click, rich), and this command is small enough not to miss it.
+"""
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import json
+import os
 import sys
+from collections.abc import Sequence
 from typing import Any
 
-import click
-
+from saga_otel import __version__
 from saga_otel._errors import SagaError
 from saga_otel._export import configure
 from saga_otel._recovery import DEFAULT_SIDECAR_API, ENV_SIDECAR_API, recover
 from saga_otel._registry import ToolRegistry
 from saga_otel.records import RetryPolicy, RunStatus
 
+ENV_TOOLS = "SAGA_OTEL_TOOLS"
+ENV_OTLP = "SAGA_OTEL_SIDECAR_ENDPOINT"
+ENV_TOKEN = "SAGA_OTEL_TOKEN"
+DEFAULT_OTLP = "http://127.0.0.1:4318"
+
+
+class _BadTools(ValueError):
+    """``--tools`` does not name a ToolRegistry; the message says what it names instead."""
+
 
 def load_registry(spec: str) -> ToolRegistry:
     """``package.module:name``: a ToolRegistry, or a callable that returns one."""
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
-        raise click.BadParameter(
+        raise _BadTools(
             f"{spec!r} is not MODULE:NAME; point at your agent's registry, e.g. "
             "examples.demo_tools:registry"
         )
     try:
         obj: Any = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
-        raise click.BadParameter(f"cannot load {spec!r}: {exc}") from exc
+        raise _BadTools(f"cannot load {spec!r}: {exc}") from exc
     if callable(obj) and not isinstance(obj, ToolRegistry):
-        obj = obj()
+        try:
+            obj = obj()
+        except TypeError as exc:
+            raise _BadTools(
+                f"{spec!r} is a callable that needs arguments ({exc}); point at a "
+                "ToolRegistry or a factory that takes none"
+            ) from exc
     if not isinstance(obj, ToolRegistry):
-        raise click.BadParameter(f"{spec!r} is a {type(obj).__name__}, not a ToolRegistry")
+        raise _BadTools(f"{spec!r} is a {type(obj).__name__}, not a ToolRegistry")
     return obj
 
 
-@click.group()
-def main() -> None:
-    """saga-otel: compensation stacks for agents' tool calls."""
+def _env_help(text: str, env: str, default: object = None) -> str:
+    shown = f"; default: {default}" if default is not None else ""
+    return f"{text} [env: {env}{shown}]"
 
 
-@main.command("recover")
-@click.argument("run_id")
-@click.option(
-    "--tools",
-    "tools_spec",
-    required=True,
-    envvar="SAGA_OTEL_TOOLS",
-    show_envvar=True,
-    help="The agent's ToolRegistry as MODULE:NAME (or a factory returning one).",
-)
-@click.option(
-    "--sidecar",
-    default=DEFAULT_SIDECAR_API,
-    envvar=ENV_SIDECAR_API,
-    show_envvar=True,
-    show_default=True,
-    help="The sidecar's API base URL, where the run's stack is fetched.",
-)
-@click.option(
-    "--otlp",
-    default="http://127.0.0.1:4318",
-    envvar="SAGA_OTEL_SIDECAR_ENDPOINT",
-    show_envvar=True,
-    show_default=True,
-    help="Where the recovery's own spans go (the sidecar's OTLP/HTTP endpoint).",
-)
-@click.option("--token", envvar="SAGA_OTEL_TOKEN", show_envvar=True, help="Bearer token.")
-@click.option("--attempts", default=3, show_default=True, help="Attempts per compensation.")
-@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def recover_cmd(
-    run_id: str,
-    tools_spec: str,
-    sidecar: str,
-    otlp: str,
-    token: str | None,
-    attempts: int,
-    as_json: bool,
-) -> None:
-    """Unwind RUN_ID's compensation stack, as the sidecar rebuilt it, from this process."""
-    tools = load_registry(tools_spec)
+def build_parser() -> argparse.ArgumentParser:
+    """The whole command line; defaults read the environment when it is built."""
+    parser = argparse.ArgumentParser(
+        prog="saga-otel", description="saga-otel: compensation stacks for agents' tool calls."
+    )
+    parser.add_argument("--version", action="version", version=f"saga-otel {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    rec = commands.add_parser(
+        "recover",
+        help="unwind a dead agent's run from this process",
+        description="Unwind RUN_ID's compensation stack, as the sidecar rebuilt it, "
+        "from this process.",
+    )
+    rec.add_argument("run_id", metavar="RUN_ID")
+    rec.add_argument(
+        "--tools",
+        dest="tools_spec",
+        metavar="MODULE:NAME",
+        default=os.environ.get(ENV_TOOLS),
+        help=_env_help(
+            "The agent's ToolRegistry as MODULE:NAME (or a factory returning one).", ENV_TOOLS
+        ),
+    )
+    rec.add_argument(
+        "--sidecar",
+        metavar="URL",
+        default=os.environ.get(ENV_SIDECAR_API, DEFAULT_SIDECAR_API),
+        help=_env_help(
+            "The sidecar's API base URL, where the run's stack is fetched.",
+            ENV_SIDECAR_API,
+            DEFAULT_SIDECAR_API,
+        ),
+    )
+    rec.add_argument(
+        "--otlp",
+        metavar="URL",
+        default=os.environ.get(ENV_OTLP, DEFAULT_OTLP),
+        help=_env_help(
+            "Where the recovery's own spans go (the sidecar's OTLP/HTTP endpoint).",
+            ENV_OTLP,
+            DEFAULT_OTLP,
+        ),
+    )
+    rec.add_argument(
+        "--token", default=os.environ.get(ENV_TOKEN), help=_env_help("Bearer token.", ENV_TOKEN)
+    )
+    rec.add_argument(
+        "--attempts", type=int, default=3, help="Attempts per compensation (default: 3)."
+    )
+    rec.add_argument(
+        "--json", dest="as_json", action="store_true", help="Print the report as JSON."
+    )
+    rec.set_defaults(command_parser=rec)  # so main() reports errors with recover's usage
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``saga-otel``: 0 when the run ends compensated, 1 otherwise, 2 on errors."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    rec: argparse.ArgumentParser = args.command_parser
+    if not args.tools_spec:
+        rec.error(f"--tools is required (or set {ENV_TOOLS}), e.g. examples.demo_tools:registry")
+    try:
+        tools = load_registry(args.tools_spec)
+    except _BadTools as exc:
+        rec.error(f"--tools: {exc}")
+    token: str | None = args.token
     headers = {"Authorization": f"Bearer {token}"} if token else None
-    export = configure(otlp, headers=headers)
+    export = configure(args.otlp, headers=headers)
     try:
         report = recover(
-            run_id,
+            args.run_id,
             tools=tools,
-            sidecar=sidecar,
+            sidecar=args.sidecar,
             token=token,
-            retry=RetryPolicy(attempts=attempts),
+            retry=RetryPolicy(attempts=args.attempts),
         )
     except SagaError as exc:
-        click.echo(f"saga-otel: {exc}", err=True)
-        sys.exit(2)
+        print(f"saga-otel: {exc}", file=sys.stderr)
+        return 2
     finally:
         export.shutdown()
-    if as_json:
-        click.echo(json.dumps(report.to_dict(), indent=2, sort_keys=True))
+    if args.as_json:
+        print(json.dumps(report.to_dict(), indent=2, sort_keys=True))
     else:
         done = len(report.compensations_run)
-        click.echo(f"run {report.run_id}: {report.status.value} ({done} compensation(s) run)")
+        print(f"run {report.run_id}: {report.status.value} ({done} compensation(s) run)")
         for o in report.compensations:
             mark = "✓" if o.ok else "✗"
-            click.echo(f"  {mark} {o.compensation.tool}({json.dumps(dict(o.compensation.args))})")
+            print(f"  {mark} {o.compensation.tool}({json.dumps(dict(o.compensation.args))})")
         card = report.escalation_card()
         if card is not None:
-            click.echo(card.render())
-    sys.exit(0 if report.status is RunStatus.COMPENSATED else 1)
+            print(card.render())
+    return 0 if report.status is RunStatus.COMPENSATED else 1

@@ -414,8 +414,8 @@ class AlertReceiver:
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
-            def log_message(self, format: str, *args: Any) -> None:
-                return
+            def log_message(self, format: str, *args: Any) -> None:  # noqa: ARG002
+                return  # quiet: the test reads the recorded alerts, not the access log
 
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))

@@ -27,7 +27,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Final
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -526,15 +526,3 @@ def describe_routing(routing: Routing, sinks: Sequence[Sink]) -> list[str]:
                 "from the route"
             )
     return problems
-
-
-def as_dict(row: OutboxRow) -> dict[str, Any]:
-    return {
-        "id": row.id,
-        "dedup_key": row.dedup_key,
-        "action": row.action,
-        "sink": row.sink,
-        "state": row.state,
-        "attempts": row.attempts,
-        "last_error": row.last_error,
-    }

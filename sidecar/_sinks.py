@@ -11,9 +11,7 @@ leaves the process.
 from __future__ import annotations
 
 import asyncio
-import json
 import sys
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
@@ -322,7 +320,3 @@ class LogSink:
 
     async def close(self) -> None:
         return None
-
-
-def json_text(obj: Mapping[str, Any]) -> str:
-    return json.dumps(obj, sort_keys=True)

@@ -250,7 +250,10 @@ async def test_400_is_not_retried_and_is_logged_with_the_answer(
         finally:
             await box.stop()
     assert len(receiver.bodies) == 2  # one each: the refused one was not retried
-    assert [r.state for r in box.rows()] == [FAILED, DELIVERED]
+    failed, delivered = box.rows()
+    assert [failed.state, delivered.state] == [FAILED, DELIVERED]
+    assert failed.last_error is not None and "Invalid routing key" in failed.last_error
+    assert delivered.last_error is None
     (rejected,) = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert "Invalid routing key" in rejected
     assert rejected.startswith("configuration error")
