@@ -32,7 +32,7 @@ demo: $(DEMO_STAMP)
 	$(BIN)/python -m examples.demo
 
 # ruff (rules and format), mypy strict on both packages, vulture for dead code
-# (framework callbacks it cannot see being called are listed in vulture_whitelist.py).
+# (framework callbacks it cannot see being called: [tool.vulture] in pyproject.toml).
 lint: $(STAMP)
 	$(BIN)/ruff check $(LINTED)
 	$(BIN)/ruff format --check $(LINTED)
