@@ -56,6 +56,10 @@ SAGA_STEP_PIVOT: Final = "saga.step.pivot"
 SAGA_COMPENSATION_TOOL: Final = "saga.compensation.tool"
 SAGA_COMPENSATION_ARGS: Final = "saga.compensation.args"
 SAGA_COMPENSATION_DESCRIPTION: Final = "saga.compensation.description"
+# On an OK do span whose undo could not be captured as plain data (not JSON, too
+# large, or its recipe raised): a short reason. The effect stands with no stored
+# undo, so the run must end compensation_failed if it unwinds.
+SAGA_COMPENSATION_UNSTORABLE: Final = "saga.compensation.unstorable"
 
 # --- unwind / escalate ----------------------------------------------------
 SAGA_UNWIND_REASON: Final = "saga.unwind.reason"
