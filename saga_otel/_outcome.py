@@ -314,14 +314,26 @@ class AsyncMode(Mode):
     def shield(self, o: Outcome[T]) -> Pending[T]:
         inner = _pending(o)
 
+        async def guarded() -> tuple[bool, Any]:
+            # An interrupt must not escape a task (asyncio would re-raise it out of the
+            # event loop itself): carry every outcome out as a value, raise it below.
+            try:
+                return True, await inner()
+            except BaseException as exc:
+                return False, exc
+
         async def run() -> T:
-            task = asyncio.ensure_future(inner())
+            task = asyncio.ensure_future(guarded())
             while not task.done():
                 try:
                     await asyncio.shield(task)
                 except asyncio.CancelledError:
                     # Our caller was cancelled; the shielded work goes on to its end.
                     continue
-            return task.result()
+            ok, value = task.result()
+            if not ok:
+                raise value
+            result: T = value
+            return result
 
         return Pending(run)
