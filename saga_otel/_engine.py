@@ -295,7 +295,6 @@ class Saga:
             parent_span_id=report.span_id,
         )
         state = st.StackState(
-            saga=self.name,
             run_id=report.run_id,
             allow_writes_after_pivot=self.allow_writes_after_pivot,
             phase=st.Phase.ENDED,
@@ -444,7 +443,6 @@ class _Core:
         )
         if self.state is None:
             self.state = st.StackState(
-                saga=self.saga.name,
                 run_id=self.tel.run_id,
                 allow_writes_after_pivot=self.saga.allow_writes_after_pivot,
             )

@@ -123,7 +123,6 @@ def _adhoc_run(instr: Instrumentation) -> ObservedRun:
     ctx = trace.get_current_span().get_span_context()
     rid = format(ctx.trace_id, "032x") if ctx.is_valid else os.urandom(16).hex()
     tel = RunTelemetry(
-        saga=instr.saga,
         run_id=rid,
         span=trace.get_current_span(),
         context=trace.set_span_in_context(trace.get_current_span()),

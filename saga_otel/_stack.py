@@ -40,22 +40,18 @@ class Unwind:
 class Escalate:
     """Decision: do not unwind; a person must take over (failure past the pivot)."""
 
-    reason: str
-
 
 Decision = Unwind | Escalate
 
 
 @dataclass(frozen=True, slots=True)
 class StackState:
-    saga: str
     run_id: str
     allow_writes_after_pivot: bool = False
     phase: Phase = Phase.FORWARD
     next_index: int = 0
     # Bottom of the stack first; the top is the last item.
     stack: tuple[Compensation, ...] = ()
-    in_flight: frozenset[int] = frozenset()
     in_flight_writes: frozenset[int] = frozenset()
     pivot: StepRecord | None = None
     steps: tuple[StepRecord, ...] = ()
@@ -105,7 +101,6 @@ def begin_step(
         replace(
             state,
             next_index=max(state.next_index, index + 1),
-            in_flight=state.in_flight | {index},
             in_flight_writes=writes,
         ),
         index,
@@ -115,7 +110,6 @@ def begin_step(
 def _settle(state: StackState, record: StepRecord) -> StackState:
     return replace(
         state,
-        in_flight=state.in_flight - {record.index},
         in_flight_writes=state.in_flight_writes - {record.index},
         steps=(*state.steps, record),
     )
@@ -166,7 +160,7 @@ def abort(
                 failed_step=failed,
                 failure=error,
             ),
-            Escalate(reason=RunStatus.STUCK.value),
+            Escalate(),
         )
     top_first = tuple(reversed(state.stack))
     return (

@@ -317,10 +317,6 @@ class SagaReport:
     span_id: int = 0
 
     @property
-    def completed_steps(self) -> tuple[str, ...]:
-        return tuple(s.name for s in self.steps if s.ok)
-
-    @property
     def compensations_run(self) -> tuple[Compensation, ...]:
         return tuple(o.compensation for o in self.compensations if o.ok)
 
