@@ -3,9 +3,11 @@
 Two ways in share one engine. Agents assemble a run as they go
 (``async with saga.run() as run: await run.call("issue_credit", ...)``); code
 with a known plan passes a list of :class:`Step` to :meth:`Saga.execute`. Both
-go through :class:`_Core`, which holds the run's state and telemetry; the async
-and sync runs differ only where they call a tool, sleep, or wait for an ack,
-and those branches are spelled out, so a span ends after the awaited call.
+go through :class:`_Core`, which holds the run's state and telemetry and
+writes each step's policy once (attempts and their spans, retries with the
+policy's backoff, the push and its durable ack, the shielded unwind) as
+outcomes (``_outcome.py``). :class:`Run` and :class:`SyncRun` are the two
+drivers: the async one awaits the outcome, the sync one calls it.
 """
 
 from __future__ import annotations
@@ -161,7 +163,9 @@ class Saga:
     """A kind of saga (``refund``) with its tools, policies and telemetry.
 
     A Saga holds no per-run state: any number of runs may go at once, in
-    threads or tasks.
+    threads or tasks. ``max_undo_bytes`` bounds one undo's arguments as JSON
+    (default 64 KiB, well under the sidecar's body limit): a do whose undo is
+    larger, or not JSON, is an effect with no stored undo and fails the call.
     """
 
     def __init__(
@@ -768,7 +772,14 @@ class _RunBase:
 
 
 class Run(_RunBase):
-    """An async run. Use as ``async with saga.run() as run``: the async driver."""
+    """An async run. Use as ``async with saga.run() as run``: the async driver.
+
+    On an exception the unwind runs before it propagates, shielded from
+    cancellation. A compensation that raises (any ``BaseException``, including
+    ``KeyboardInterrupt`` and ``SystemExit``) fails only that undo: the others
+    still run, the run ends ``compensation_failed`` (escalated), and then that
+    exception propagates with the agent's error as its ``__cause__``.
+    """
 
     def __init__(self, core: _Core) -> None:
         super().__init__(core)
@@ -790,7 +801,7 @@ class Run(_RunBase):
 
 
 class SyncRun(_RunBase):
-    """A sync run. Use as ``with saga.run_sync() as run``: the sync driver."""
+    """A sync run. Use as ``with saga.run_sync() as run``: the sync driver (see :class:`Run`)."""
 
     def __init__(self, core: _Core) -> None:
         super().__init__(core)
