@@ -181,6 +181,11 @@ class Mode(ABC):
         """Run ``body(handle)``'s outcome inside a fresh ``with cm() as handle``."""
 
     @abstractmethod
+    def each(self, items: Iterable[T], body: Callable[[T], Outcome[Any]]) -> Outcome[None]:
+        """Run ``body(item)`` for each item, one after the other (a loop, not a chain,
+        so a long run does not nest a frame per step)."""
+
+    @abstractmethod
     def sleep(self, seconds: float) -> Outcome[None]: ...
 
     @abstractmethod
@@ -195,13 +200,6 @@ class Mode(ABC):
     def run(self, fn: Callable[[], T]) -> Outcome[T]:
         """A plain function's call as an outcome (nothing awaited)."""
         return self.pure(None).map(lambda _: fn())
-
-    def each(self, items: Iterable[T], body: Callable[[T], Outcome[Any]]) -> Outcome[None]:
-        """Run ``body(item)`` for each item, one after the other."""
-        out: Outcome[Any] = self.pure(None)
-        for item in items:
-            out = out.then(lambda _, item=item: body(item))  # type: ignore[misc]
-        return out.map(lambda _: None)
 
     def retry(
         self,
@@ -253,6 +251,13 @@ class SyncMode(Mode):
 
         return Immediate(run)
 
+    def each(self, items: Iterable[T], body: Callable[[T], Outcome[Any]]) -> Immediate[None]:
+        def run() -> None:
+            for item in items:
+                _immediate(body(item))()
+
+        return Immediate(run)
+
     def sleep(self, seconds: float) -> Immediate[None]:
         return Immediate(lambda: self._sleep(seconds))
 
@@ -296,6 +301,13 @@ class AsyncMode(Mode):
         async def run() -> T:
             with cm() as handle:
                 return await _pending(body(handle))()
+
+        return Pending(run)
+
+    def each(self, items: Iterable[T], body: Callable[[T], Outcome[Any]]) -> Pending[None]:
+        async def run() -> None:
+            for item in items:
+                await _pending(body(item))()
 
         return Pending(run)
 

@@ -719,3 +719,25 @@ async def test_max_undo_bytes_is_a_saga_parameter(cap: Captured, mode: Driver) -
             await run.call("write")
     with pytest.raises(ConfigurationError, match="max_undo_bytes=0"):
         cap.saga("x", max_undo_bytes=0)
+
+
+async def test_a_long_run_unwinds_without_deep_recursion(cap: Captured, mode: Driver) -> None:
+    undone: list[int] = []
+
+    @tool("compensable", compensate="undo", compensate_args=lambda i: {"n": i.result})
+    def write(n: int) -> int:
+        return n
+
+    @tool("convergent")
+    def undo(n: int) -> None:
+        undone.append(n)
+
+    saga = cap.saga("long", tools=[write, undo])
+    run = mode.run(saga)
+    with pytest.raises(InjectedFailure):
+        async with run:
+            for n in range(1200):  # more steps than Python's default recursion limit
+                await run.call("write", n=n)
+            raise InjectedFailure("late")
+    assert undone == list(reversed(range(1200)))
+    assert run.report is not None and run.report.status is RunStatus.COMPENSATED

@@ -208,3 +208,10 @@ async def test_async_sleep_and_ack_do_not_block_the_loop() -> None:
     t.cancel()
     assert time.perf_counter() - t0 >= 0.05
     assert ticks >= 5  # the loop ran meanwhile
+
+
+async def test_each_runs_long_sequences_without_nesting(mode: Driver) -> None:
+    m = make_mode(mode)
+    seen: list[int] = []
+    await drive(m.each(range(5000), lambda i: m.run(lambda: seen.append(i))))
+    assert seen == list(range(5000))
