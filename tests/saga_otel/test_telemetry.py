@@ -13,9 +13,9 @@ from opentelemetry.trace import StatusCode
 from saga_modes import Driver, run_refund, settle
 
 from examples.refund_tools import refund_tools
-from examples.release_saga import Release, release
+from examples.release_saga import Release, release, validate_metadata
 from examples.world import ServiceDown, World
-from saga_otel import RetryPolicy, RunStatus, observed, observed_run
+from saga_otel import RetryPolicy, RunStatus, Step, observed, observed_run
 from saga_otel import semconv as sc
 from saga_otel.testing import Captured, FailureInjector, capture, contract_violations, span_attrs
 
@@ -153,9 +153,20 @@ async def test_stuck_run_spans(cap: Captured, mode: Driver) -> None:
     assert cap.metric("saga_pivots_total", saga="refund", step="send_reply") == 1
 
 
-async def test_rejected_run_spans(cap: Captured) -> None:
+async def test_rejected_run_spans(cap: Captured, mode: Driver) -> None:
     ctx = Release(World(), {"waterfall": []}, "x" * 100)
-    report = await release(cap.saga("release"), ctx)
+    if mode.is_async:
+        report = await release(cap.saga("release"), ctx)
+    else:  # the release plan's own validation, in a sync plan
+
+        def noop(c: Any) -> None:
+            pass
+
+        steps = [
+            Step("admob_mediation", do=noop, compensate=noop),
+            Step("appstore_metadata", do=noop, compensate=noop, validate=validate_metadata),
+        ]
+        report = await mode.execute(cap.saga("release"), steps, ctx)
     assert report.status is RunStatus.REJECTED
     assert contract_violations(cap.spans()) == []
     v = cap.spans(phase="validate")
