@@ -794,7 +794,7 @@ class Run(_RunBase):
         return await _pending(self._core.call(self._mode, tool, args))()
 
     async def __aexit__(
-        self, et: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+        self, _et: type[BaseException] | None, exc: BaseException | None, _tb: TracebackType | None
     ) -> Literal[False]:
         await _pending(self._core.exit(self._mode, exc))()
         return False  # the agent's own exception propagates unchanged
@@ -815,7 +815,7 @@ class SyncRun(_RunBase):
         return _immediate(self._core.call(self._mode, tool, args))()
 
     def __exit__(
-        self, et: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+        self, _et: type[BaseException] | None, exc: BaseException | None, _tb: TracebackType | None
     ) -> Literal[False]:
         # KeyboardInterrupt too: the unwind runs before it propagates.
         _immediate(self._core.exit(self._mode, exc))()

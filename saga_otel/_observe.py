@@ -305,13 +305,13 @@ def _wrap(fn: Callable[..., Any], observer: _Observer, phase: str) -> Any:
     if inspect.iscoroutinefunction(fn):
 
         @wrapt.decorator
-        async def async_wrapper(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+        async def async_wrapper(wrapped: Any, _instance: Any, args: Any, kwargs: Any) -> Any:
             return await _pending(policy(observer.async_mode, wrapped, args, kwargs))()
 
         return async_wrapper(fn)
 
     @wrapt.decorator
-    def sync_wrapper(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+    def sync_wrapper(wrapped: Any, _instance: Any, args: Any, kwargs: Any) -> Any:
         return _immediate(policy(observer.sync_mode, wrapped, args, kwargs))()
 
     return sync_wrapper(fn)
