@@ -3,9 +3,11 @@
 Two ways in share one engine. Agents assemble a run as they go
 (``async with saga.run() as run: await run.call("issue_credit", ...)``); code
 with a known plan passes a list of :class:`Step` to :meth:`Saga.execute`. Both
-go through :class:`_Core`, which holds the run's state and telemetry; the async
-and sync runs differ only where they call a tool, sleep, or wait for an ack,
-and those branches are spelled out, so a span ends after the awaited call.
+go through :class:`_Core`, which holds the run's state and telemetry and
+writes each step's policy once (attempts and their spans, retries with the
+policy's backoff, the push and its durable ack, the shielded unwind) as
+outcomes (``_outcome.py``). :class:`Run` and :class:`SyncRun` are the two
+drivers: the async one awaits the outcome, the sync one calls it.
 """
 
 from __future__ import annotations
@@ -20,15 +22,16 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Se
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple, TypeVar
 
 from opentelemetry.trace import TracerProvider
 from prometheus_client import CollectorRegistry
-from tenacity import AsyncRetrying, RetryCallState, Retrying, stop_after_attempt
 
 from saga_otel import _export
 from saga_otel import _stack as st
+from saga_otel import semconv as sc
 from saga_otel._errors import ConfigurationError, StepRefusedError, ValidationRejectedError
+from saga_otel._outcome import AsyncMode, Mode, Outcome, SyncMode, _immediate, _pending
 from saga_otel._registry import IDEMPOTENCY_PARAM, CallInfo, Tool, ToolRegistry
 from saga_otel._telemetry import Attempt, Instrumentation, RunTelemetry
 from saga_otel.records import (
@@ -42,7 +45,13 @@ from saga_otel.records import (
     StepClass,
     StepRecord,
     describe_error,
+    is_pivot,
 )
+
+T = TypeVar("T")
+
+#: Default bound on one undo's arguments as JSON, well under the sidecar's 16 MiB body limit.
+MAX_UNDO_BYTES = 64 * 1024
 
 EscalationHandler = Callable[[EscalationCard, SagaReport], None]
 
@@ -150,21 +159,13 @@ def log_escalation(instr: Instrumentation) -> EscalationHandler:
     return handle
 
 
-class _Policy:
-    """Adapts a RetryPolicy to tenacity's wait protocol, with an injectable RNG."""
-
-    def __init__(self, policy: RetryPolicy, rng: random.Random) -> None:
-        self.policy, self.rng = policy, rng
-
-    def __call__(self, state: RetryCallState) -> float:
-        return self.policy.delay(state.attempt_number, self.rng)
-
-
 class Saga:
     """A kind of saga (``refund``) with its tools, policies and telemetry.
 
     A Saga holds no per-run state: any number of runs may go at once, in
-    threads or tasks.
+    threads or tasks. ``max_undo_bytes`` bounds one undo's arguments as JSON
+    (default 64 KiB, well under the sidecar's body limit): a do whose undo is
+    larger, or not JSON, is an effect with no stored undo and fails the call.
     """
 
     def __init__(
@@ -183,12 +184,19 @@ class Saga:
         sleep: Callable[[float], None] = time.sleep,
         async_sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         rng: random.Random | None = None,
+        max_undo_bytes: int = MAX_UNDO_BYTES,
     ) -> None:
         if not name or not isinstance(name, str):
             raise ConfigurationError(
                 f"saga name {name!r} is empty: name the kind of saga, e.g. Saga('refund')"
             )
+        if max_undo_bytes < 1:
+            raise ConfigurationError(
+                f"max_undo_bytes={max_undo_bytes!r} stores no undo at all: use a positive "
+                f"bound (default {MAX_UNDO_BYTES})"
+            )
         self.name = name
+        self.max_undo_bytes = max_undo_bytes
         self.tools = tools if isinstance(tools, ToolRegistry) else ToolRegistry(tools or ())
         self.retry = retry or RetryPolicy()
         self.forward_retry = forward_retry or RetryPolicy(attempts=1)
@@ -257,32 +265,23 @@ class Saga:
         )
         return core, forwards
 
+    def _plan_body(self, core: _Core, mode: Mode, forwards: list[Tool]) -> Outcome[None]:
+        def step(i: int) -> Outcome[Any]:
+            core.remaining = [PendingCall(-1, f.name, f.name) for f in forwards[i + 1 :]]
+            return core.call(mode, forwards[i].name, {})
+
+        return mode.each(range(len(forwards)), step)
+
     async def execute(self, steps: Sequence[Step], ctx: Any = None) -> SagaReport:
         """Run a fixed plan; the report carries any error instead of raising it."""
         core, forwards = self._plan(steps, ctx)
-        run = Run(core)
-        try:
-            async with run:
-                for i, t in enumerate(forwards):
-                    core.remaining = [PendingCall(-1, f.name, f.name) for f in forwards[i + 1 :]]
-                    await run.call(t.name)
-        except Exception:
-            pass  # the report holds it, unchanged
-        assert run.report is not None
-        return run.report
+        mode = AsyncMode(self.async_sleep)
+        return await _pending(core.whole(mode, lambda: self._plan_body(core, mode, forwards)))()
 
     def execute_sync(self, steps: Sequence[Step], ctx: Any = None) -> SagaReport:
         core, forwards = self._plan(steps, ctx)
-        run = SyncRun(core)
-        try:
-            with run:
-                for i, t in enumerate(forwards):
-                    core.remaining = [PendingCall(-1, f.name, f.name) for f in forwards[i + 1 :]]
-                    run.call(t.name)
-        except Exception:
-            pass
-        assert run.report is not None
-        return run.report
+        mode = SyncMode(self.sleep)
+        return _immediate(core.whole(mode, lambda: self._plan_body(core, mode, forwards)))()
 
     # -- forward recovery ------------------------------------------------------
     def _resume_core(self, report: SagaReport, steps: Sequence[Step], ctx: Any) -> _Core:
@@ -300,25 +299,24 @@ class Saga:
             parent_span_id=report.span_id,
         )
         state = st.StackState(
-            saga=self.name,
             run_id=report.run_id,
             allow_writes_after_pivot=self.allow_writes_after_pivot,
             phase=st.Phase.ENDED,
             status=RunStatus.STUCK,
             next_index=max((s.index for s in report.steps), default=-1) + 1,
             steps=report.steps,
-            pivot=next(
-                (
-                    s
-                    for s in report.steps
-                    if s.ok and (s.pivot or s.step_class is StepClass.IRREVERSIBLE)
-                ),
-                None,
-            ),
+            pivot=next((s for s in report.steps if s.ok and is_pivot(s.step_class, s.pivot)), None),
         )
         core.state = st.resume(state)
         core.forward_policy = self.recovery_retry
         return core
+
+    @staticmethod
+    def _resume_body(core: _Core, mode: Mode, report: SagaReport) -> Outcome[None]:
+        return mode.each(
+            report.pending,
+            lambda p: core.call(mode, p.tool, dict(p.args), p.index if p.index >= 0 else None),
+        )
 
     async def resume(
         self, report: SagaReport, steps: Sequence[Step] = (), ctx: Any = None
@@ -329,33 +327,28 @@ class Saga:
         idempotency key. The run ends ``completed``, or ``stuck`` again.
         """
         core = self._resume_core(report, steps, ctx)
-        run = Run(core)
-        try:
-            async with run:
-                for p in report.pending:
-                    await run._call(p.tool, dict(p.args), index=p.index if p.index >= 0 else None)
-        except Exception:
-            pass
-        assert run.report is not None
-        return run.report
+        mode = AsyncMode(self.async_sleep)
+        return await _pending(core.whole(mode, lambda: self._resume_body(core, mode, report)))()
 
     def resume_sync(
         self, report: SagaReport, steps: Sequence[Step] = (), ctx: Any = None
     ) -> SagaReport:
         core = self._resume_core(report, steps, ctx)
-        run = SyncRun(core)
-        try:
-            with run:
-                for p in report.pending:
-                    run._call(p.tool, dict(p.args), index=p.index if p.index >= 0 else None)
-        except Exception:
-            pass
-        assert run.report is not None
-        return run.report
+        mode = SyncMode(self.sleep)
+        return _immediate(core.whole(mode, lambda: self._resume_body(core, mode, report)))()
+
+
+class _Done(NamedTuple):
+    """A do that returned: its result, the undo pushed (if any), why none could be stored."""
+
+    result: Any
+    pushed: bool
+    unstorable: str | None
+    span: Any
 
 
 class _Core:
-    """The run's state and telemetry; everything here is sync and does no waiting."""
+    """The run's state, telemetry and policy; its methods return outcomes a driver runs."""
 
     def __init__(
         self,
@@ -380,19 +373,6 @@ class _Core:
         self.error: BaseException | None = None
         self.report: SagaReport | None = None
 
-    # -- lifecycle -----------------------------------------------------------
-    def open(self) -> None:
-        self.tel = self.instr.start_run(
-            self.requested_run_id, trace_id=self.trace_id, parent_span_id=self.parent_span_id
-        )
-        if self.state is None:
-            self.state = st.StackState(
-                saga=self.saga.name,
-                run_id=self.tel.run_id,
-                allow_writes_after_pivot=self.saga.allow_writes_after_pivot,
-            )
-        _export.register_open_run(self.tel.run_id)
-
     @property
     def run_id(self) -> str:
         return self.telemetry.run_id
@@ -405,21 +385,16 @@ class _Core:
     def tool(self, name: str) -> Tool:
         return self.overlay[name] if name in self.overlay else self.saga.tools.get(name)
 
-    def retrying(self, policy: RetryPolicy) -> Retrying:
-        return Retrying(
-            stop=stop_after_attempt(policy.attempts),
-            wait=_Policy(policy, self.saga.rng),
-            sleep=self.saga.sleep,
-            reraise=True,
-        )
+    def invoke(self, mode: Mode, fn: Callable[..., Any], name: str, **kwargs: Any) -> Outcome[Any]:
+        """Call a user function; a sync run refuses an awaitable it cannot await."""
+        out = mode.call(fn, **kwargs)
+        return out if mode.is_async else out.map(lambda value: _no_await(value, name))
 
-    def async_retrying(self, policy: RetryPolicy) -> AsyncRetrying:
-        return AsyncRetrying(
-            stop=stop_after_attempt(policy.attempts),
-            wait=_Policy(policy, self.saga.rng),
-            sleep=self.saga.async_sleep,
-            reraise=True,
-        )
+    def retrying(
+        self, mode: Mode, policy: RetryPolicy, body: Callable[[int], Outcome[T]]
+    ) -> Outcome[T]:
+        """The one retry loop: the policy's backoff (RetryPolicy.delay), slept through the mode."""
+        return mode.retry(policy.attempts, lambda n: policy.delay(n, self.saga.rng), body)
 
     def kwargs_for(self, t: Tool, args: Mapping[str, Any], key: str) -> dict[str, Any]:
         kwargs = dict(args)
@@ -465,19 +440,94 @@ class _Core:
         finally:
             _current_call.reset(token)
 
-    def do_kwargs(self, t: Tool, args: Mapping[str, Any], idx: int) -> dict[str, Any]:
-        return self.kwargs_for(t, args, idempotency_key(self.run_id, idx))
+    # -- opening -----------------------------------------------------------------
+    def open(self) -> None:
+        self.tel = self.instr.start_run(
+            self.requested_run_id, trace_id=self.trace_id, parent_span_id=self.parent_span_id
+        )
+        if self.state is None:
+            self.state = st.StackState(
+                run_id=self.tel.run_id,
+                allow_writes_after_pivot=self.saga.allow_writes_after_pivot,
+            )
+        _export.register_open_run(self.tel.run_id)
 
-    def undo_kwargs(self, t: Tool, comp: Compensation) -> dict[str, Any]:
-        return self.kwargs_for(t, comp.args, idempotency_key(self.run_id, comp.index, "compensate"))
+    def enter(self, mode: Mode) -> Outcome[None]:
+        """Open the run and run the pre-flight validations; a rejection closes it."""
 
-    # -- forward ---------------------------------------------------------------
-    def begin(self, t: Tool, index: int | None) -> int:
+        def check(item: tuple[str, Mapping[str, Any]]) -> Outcome[Any]:
+            name, args = item
+            t = self.tool(name)
+            if t.validate is None:
+                return mode.pure(None)
+
+            def rejected(exc: BaseException) -> None:
+                self.reject(name, exc)
+                self.close()
+                raise ValidationRejectedError(
+                    f"pre-flight validation of {name!r} rejected run {self.run_id}: "
+                    f"{describe_error(exc)}; fix the input, nothing was changed"
+                ) from exc
+
+            dry_run = self.invoke(mode, t.validate, name, **dict(args))
+            return dry_run.also(
+                lambda: self.instr.attempt(self.telemetry, "validate", name, index=-1)
+            ).intercept(rejected, Exception)
+
+        return mode.run(self.open).then(lambda _: mode.each(self.validations, check))
+
+    # -- forward -----------------------------------------------------------------
+    def call(
+        self, mode: Mode, name: str, args: Mapping[str, Any], index: int | None = None
+    ) -> Outcome[Any]:
+        """One forward call: attempts with retries, the push, the durable ack."""
+        t = self.tool(name)
+        if t.is_async and not mode.is_async:
+            raise ConfigurationError(
+                f"tool {name!r} is async and cannot run in a sync run: use "
+                "`async with saga.run()`, or register a sync function"
+            )
         assert self.state is not None
         self.state, idx = st.begin_step(
             self.state, t.name, t.step_class, pivot=t.pivot, index=index
         )
-        return idx
+        tries = [1]
+
+        def attempt(n: int, snapshot: Any) -> Outcome[_Done]:
+            tries[0] = n
+
+            def body(obs: Attempt) -> Outcome[_Done]:
+                kwargs = self.kwargs_for(t, args, idempotency_key(self.run_id, idx))
+                return self.invoke(mode, t.fn, name, **kwargs).map(
+                    lambda result: self.succeeded(t, idx, args, result, snapshot, n, obs)
+                )
+
+            return mode.within(lambda: self.do_attempt(t, idx, n), body)
+
+        def failed(exc: BaseException) -> None:
+            self.failed(t, idx, args, exc, tries[0])  # then the error propagates unchanged
+
+        def settled(done: _Done) -> Outcome[Any]:
+            if not done.pushed and done.unstorable is None:
+                return mode.pure(done.result)
+            # Durable mode: the sidecar holds this undo (or knows it has none) before we go on.
+            acked = mode.ack(done.span)
+            if done.unstorable is None:
+                return acked.map(lambda _: done.result)
+            return acked.map(lambda _: _raise(ConfigurationError(done.unstorable)))
+
+        snapshot = (
+            self.invoke(mode, t.snapshot, name, **dict(args))
+            if t.snapshot is not None
+            else mode.pure(None)
+        )
+        return (
+            snapshot.then(
+                lambda snap: self.retrying(mode, self.forward_policy, lambda n: attempt(n, snap))
+            )
+            .intercept(failed)
+            .then(settled)
+        )
 
     def succeeded(
         self,
@@ -487,18 +537,41 @@ class _Core:
         result: Any,
         snapshot: Any,
         attempts: int,
-    ) -> Compensation | None:
-        assert self.state is not None
-        comp = t.build_compensation(
-            CallInfo(t.name, args, result, snapshot, self.run_id, index), step=t.name
-        )
-        record = _step_record(t, index, attempts, ok=True, compensation=comp)
+        obs: Attempt,
+    ) -> _Done:
+        """Record the do and capture its undo as plain data, inside the do's span."""
+        assert self.state is not None and self.tel is not None
+        comp: Compensation | None = None
+        unstorable: str | None = None
+        try:
+            comp = t.build_compensation(
+                CallInfo(t.name, args, result, snapshot, self.run_id, index), step=t.name
+            )
+            if comp is not None:
+                size = len(json.dumps(dict(comp.args), sort_keys=True).encode())
+                if size > self.saga.max_undo_bytes:
+                    raise ConfigurationError(
+                        f"its arguments are {size} bytes of JSON, over max_undo_bytes="
+                        f"{self.saga.max_undo_bytes}"
+                    )
+        except Exception as exc:  # the do succeeded: never retry it for a bad undo
+            comp = None
+            why = str(exc) if isinstance(exc, ConfigurationError) else describe_error(exc)
+            unstorable = (
+                f"the undo {t.compensate!r} of step {t.name!r} (index {index}) could not be "
+                f"stored: {why}. The do ran once and is not retried; the run unwinds what it can "
+                "and escalates. Return plain JSON references (ids) from the tool, or raise "
+                "Saga(max_undo_bytes=...)"
+            )
+            obs.extra[sc.SAGA_COMPENSATION_UNSTORABLE] = _short(why)
+        record = _step_record(t, index, attempts, ok=True, compensation=comp, undo_error=unstorable)
         had_pivot = self.state.pivot_crossed
         self.state = st.step_succeeded(self.state, record)
         if not had_pivot and self.state.pivot_crossed:
-            assert self.tel is not None
             self.instr.pivot_crossed(self.tel, t.name)
-        return comp
+        if comp is not None:
+            obs.pushed(comp)
+        return _Done(result, comp is not None, unstorable, obs.span)
 
     def failed(
         self, t: Tool, index: int, args: Mapping[str, Any], exc: BaseException, attempts: int
@@ -509,29 +582,98 @@ class _Core:
             self.state, record, PendingCall(index, t.name, t.name, dict(args))
         )
 
-    # -- ending ----------------------------------------------------------------
+    # -- ending ------------------------------------------------------------------
     def reject(self, step: str, exc: BaseException) -> None:
         assert self.state is not None
         self.state = st.reject(self.state, step, describe_error(exc))
         self.error = exc
 
-    def abort(self, exc: BaseException) -> st.Decision:
+    def exit(self, mode: Mode, exc: BaseException | None) -> Outcome[None]:
+        """End the run: close it, or unwind first (shielded from cancellation).
+
+        Whatever a compensation raises, the remaining undos still run and the
+        run closes (``compensation_failed``, escalated) before the first such
+        exception propagates, with the agent's error as its ``__cause__``.
+        """
+        if self.report is not None:  # rejected in enter
+            return mode.pure(None)
+        if exc is None:
+            return mode.run(self.close).map(lambda _: None)
+        return mode.shield(mode.lazy(lambda: self.abort(mode, exc)))
+
+    def abort(self, mode: Mode, exc: BaseException) -> Outcome[None]:
         assert self.state is not None and self.tel is not None
         self.error = exc
-        failed_step = self.state.failed_step
-        if failed_step is None:
-            failed_step = "(agent)"  # the failure came from the agent's own code
+        failed_step = self.state.failed_step or "(agent)"  # "(agent)": the agent's own code
         self.state, decision = st.abort(self.state, describe_error(exc), failed_step=failed_step)
         if isinstance(decision, st.Escalate):
             later = [replace(p, index=-1) for p in self.remaining]
             self.state = replace(self.state, pending=(*self.state.pending, *later))
-        return decision
-
-    def unwind_span(self, decision: st.Unwind) -> Any:
-        assert self.state is not None and self.tel is not None
-        return self.instr.unwind(
+            return mode.run(self.close).map(lambda _: None)
+        span = self.instr.unwind(
             self.tel, self.state.failure or "", self.state.failed_step, decision.compensations
         )
+        escaped: list[BaseException] = []
+
+        def reraise(_: Any) -> None:
+            if escaped:
+                first = escaped[0]
+                if first.__cause__ is None and first is not exc:
+                    first.__cause__ = exc  # the agent's error stays in the chain
+                raise first
+
+        return (
+            mode.ack(span)
+            .then(
+                lambda _: mode.each(
+                    decision.compensations, lambda c: self.compensate(mode, c, escaped)
+                )
+            )
+            .map(lambda _: self.close())
+            .map(reraise)
+        )
+
+    def compensate(
+        self, mode: Mode, comp: Compensation, escaped: list[BaseException]
+    ) -> Outcome[None]:
+        """One undo, retried by its tool's policy; a failure is recorded, never raised here."""
+        tries = [1]
+
+        def attempt(t: Tool, n: int) -> Outcome[Any]:
+            tries[0] = n
+            return mode.within(
+                lambda: self.undo_attempt(comp, n),
+                lambda obs: self.invoke(
+                    mode,
+                    t.fn,
+                    comp.tool,
+                    **self.kwargs_for(
+                        t, comp.args, idempotency_key(self.run_id, comp.index, "compensate")
+                    ),
+                ).map(lambda _: obs.span),
+            )
+
+        def undo() -> Outcome[Any]:
+            t = self.tool(comp.tool)
+            return self.retrying(mode, t.retry or self.saga.retry, lambda n: attempt(t, n))
+
+        ended = [False]
+
+        def done(span: Any) -> Outcome[None]:
+            ended[0] = True
+            self.compensation_ended(comp, True, tries[0], None)
+            # Once the sidecar knows this undo is done, a recovery elsewhere will not repeat it.
+            return mode.ack(span).map(lambda _: None)
+
+        def failed(exc: BaseException) -> Outcome[None] | None:
+            if ended[0]:
+                return None
+            self.compensation_ended(comp, False, tries[0], exc)
+            if not isinstance(exc, Exception):
+                escaped.append(exc)  # raised once every undo has run and the run is closed
+            return mode.pure(None)
+
+        return mode.lazy(undo).then(done).intercept(failed)
 
     def compensation_ended(
         self, comp: Compensation, ok: bool, attempts: int, exc: BaseException | None
@@ -573,6 +715,41 @@ class _Core:
         self.report = report
         return report
 
+    def whole(self, mode: Mode, body: Callable[[], Outcome[Any]]) -> Outcome[SagaReport]:
+        """A run from open to close around ``body`` (fixed plans, forward recovery).
+
+        The report carries an Exception instead of raising it; an interrupt
+        still propagates, after the unwind.
+        """
+
+        def ended(_: Any) -> SagaReport:
+            assert self.report is not None
+            return self.report
+
+        def on_error(exc: BaseException) -> Outcome[SagaReport]:
+            def report_or_raise(_: Any) -> SagaReport:
+                if not isinstance(exc, Exception):
+                    raise exc
+                return ended(None)
+
+            return self.exit(mode, exc).map(report_or_raise)
+
+        return (
+            self.enter(mode)
+            .then(lambda _: body())
+            .then(lambda _: self.exit(mode, None))
+            .map(ended)
+            .intercept(on_error)
+        )
+
+
+def _raise(exc: BaseException) -> Any:
+    raise exc
+
+
+def _short(text: str, limit: int = 256) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "\u2026"
+
 
 class _RunBase:
     def __init__(self, core: _Core) -> None:
@@ -595,210 +772,54 @@ class _RunBase:
 
 
 class Run(_RunBase):
-    """An async run. Use as ``async with saga.run() as run``."""
+    """An async run. Use as ``async with saga.run() as run``: the async driver.
+
+    On an exception the unwind runs before it propagates, shielded from
+    cancellation. A compensation that raises (any ``BaseException``, including
+    ``KeyboardInterrupt`` and ``SystemExit``) fails only that undo: the others
+    still run, the run ends ``compensation_failed`` (escalated), and then that
+    exception propagates with the agent's error as its ``__cause__``.
+    """
+
+    def __init__(self, core: _Core) -> None:
+        super().__init__(core)
+        self._mode = AsyncMode(core.saga.async_sleep)
 
     async def __aenter__(self) -> Run:
-        core = self._core
-        core.open()
-        for name, args in core.validations:
-            t = core.tool(name)
-            if t.validate is None:
-                continue
-            try:
-                with core.instr.attempt(core.telemetry, "validate", name, index=-1):
-                    out = t.validate(**dict(args))
-                    if inspect.isawaitable(out):
-                        await out
-            except Exception as exc:
-                core.reject(name, exc)
-                core.close()
-                raise ValidationRejectedError(
-                    f"pre-flight validation of {name!r} rejected run {core.run_id}: "
-                    f"{describe_error(exc)}; fix the input, nothing was changed"
-                ) from exc
+        await _pending(self._core.enter(self._mode))()
         return self
 
     async def call(self, tool: str, /, **args: Any) -> Any:
         """Run one tool; on success its compensation is pushed before this returns."""
-        return await self._call(tool, args)
-
-    async def _call(self, name: str, args: Mapping[str, Any], index: int | None = None) -> Any:
-        core = self._core
-        t = core.tool(name)
-        idx = core.begin(t, index)
-        snapshot: Any = None
-        attempts = 0
-        comp: Compensation | None = None
-        obs: Any = None
-        result: Any = None
-        try:
-            if t.snapshot is not None:
-                snapshot = t.snapshot(**dict(args))
-                if inspect.isawaitable(snapshot):
-                    snapshot = await snapshot
-            async for attempt in core.async_retrying(core.forward_policy):
-                with attempt:
-                    attempts = attempt.retry_state.attempt_number
-                    with core.do_attempt(t, idx, attempts) as obs:
-                        result = t.fn(**core.do_kwargs(t, args, idx))
-                        if inspect.isawaitable(result):
-                            result = await result
-                        comp = core.succeeded(t, idx, args, result, snapshot, attempts)
-                        if comp is not None:
-                            obs.pushed(comp)
-        except BaseException as exc:
-            core.failed(t, idx, args, exc, max(attempts, 1))
-            raise
-        if comp is not None:
-            # Durable mode: the sidecar holds this compensation before the agent moves on.
-            await _export.wait_for_ack_async(obs.span)
-        return result
+        return await _pending(self._core.call(self._mode, tool, args))()
 
     async def __aexit__(
-        self, et: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+        self, _et: type[BaseException] | None, exc: BaseException | None, _tb: TracebackType | None
     ) -> Literal[False]:
-        core = self._core
-        if core.report is not None:  # rejected in __aenter__
-            return False
-        if exc is None:
-            core.close()
-            return False
-        task = asyncio.ensure_future(self._abort(exc))
-        # The unwind is shielded: cancelling the agent's task must not cut it short.
-        while not task.done():
-            try:
-                await asyncio.shield(task)
-            except asyncio.CancelledError:
-                continue
-        task.result()
+        await _pending(self._core.exit(self._mode, exc))()
         return False  # the agent's own exception propagates unchanged
-
-    async def _abort(self, exc: BaseException) -> None:
-        core = self._core
-        decision = core.abort(exc)
-        if isinstance(decision, st.Unwind):
-            span = core.unwind_span(decision)
-            await _export.wait_for_ack_async(span)
-            for comp in decision.compensations:
-                await self._compensate(comp)
-        core.close()
-
-    async def _compensate(self, comp: Compensation) -> None:
-        core = self._core
-        attempts = 0
-        try:
-            t = core.tool(comp.tool)
-            policy = t.retry or core.saga.retry
-            async for attempt in core.async_retrying(policy):
-                with attempt:
-                    attempts = attempt.retry_state.attempt_number
-                    with core.undo_attempt(comp, attempts) as obs:
-                        out = t.fn(**core.undo_kwargs(t, comp))
-                        if inspect.isawaitable(out):
-                            await out
-        except Exception as exc:
-            core.compensation_ended(comp, False, max(attempts, 1), exc)
-            return
-        core.compensation_ended(comp, True, attempts, None)
-        # Once the sidecar knows this undo is done, a recovery elsewhere will not repeat it.
-        await _export.wait_for_ack_async(obs.span)
 
 
 class SyncRun(_RunBase):
-    """A sync run. Use as ``with saga.run_sync() as run``."""
+    """A sync run. Use as ``with saga.run_sync() as run``: the sync driver (see :class:`Run`)."""
+
+    def __init__(self, core: _Core) -> None:
+        super().__init__(core)
+        self._mode = SyncMode(core.saga.sleep)
 
     def __enter__(self) -> SyncRun:
-        core = self._core
-        core.open()
-        for name, args in core.validations:
-            t = core.tool(name)
-            if t.validate is None:
-                continue
-            try:
-                with core.instr.attempt(core.telemetry, "validate", name, index=-1):
-                    _no_await(t.validate(**dict(args)), name)
-            except Exception as exc:
-                core.reject(name, exc)
-                core.close()
-                raise ValidationRejectedError(
-                    f"pre-flight validation of {name!r} rejected run {core.run_id}: "
-                    f"{describe_error(exc)}; fix the input, nothing was changed"
-                ) from exc
+        _immediate(self._core.enter(self._mode))()
         return self
 
     def call(self, tool: str, /, **args: Any) -> Any:
-        return self._call(tool, args)
-
-    def _call(self, name: str, args: Mapping[str, Any], index: int | None = None) -> Any:
-        core = self._core
-        t = core.tool(name)
-        if t.is_async:
-            raise ConfigurationError(
-                f"tool {name!r} is async and cannot run in a sync run: use "
-                "`async with saga.run()`, or register a sync function"
-            )
-        idx = core.begin(t, index)
-        snapshot: Any = None
-        attempts = 0
-        comp: Compensation | None = None
-        obs: Any = None
-        result: Any = None
-        try:
-            if t.snapshot is not None:
-                snapshot = _no_await(t.snapshot(**dict(args)), name)
-            for attempt in core.retrying(core.forward_policy):
-                with attempt:
-                    attempts = attempt.retry_state.attempt_number
-                    with core.do_attempt(t, idx, attempts) as obs:
-                        result = _no_await(
-                            t.fn(**core.do_kwargs(t, args, idx)),
-                            name,
-                        )
-                        comp = core.succeeded(t, idx, args, result, snapshot, attempts)
-                        if comp is not None:
-                            obs.pushed(comp)
-        except BaseException as exc:
-            core.failed(t, idx, args, exc, max(attempts, 1))
-            raise
-        if comp is not None:
-            _export.wait_for_ack(obs.span)
-        return result
+        return _immediate(self._core.call(self._mode, tool, args))()
 
     def __exit__(
-        self, et: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+        self, _et: type[BaseException] | None, exc: BaseException | None, _tb: TracebackType | None
     ) -> Literal[False]:
-        core = self._core
-        if core.report is not None:
-            return False
-        if exc is None:
-            core.close()
-            return False
         # KeyboardInterrupt too: the unwind runs before it propagates.
-        decision = core.abort(exc)
-        if isinstance(decision, st.Unwind):
-            span = core.unwind_span(decision)
-            _export.wait_for_ack(span)
-            for comp in decision.compensations:
-                self._compensate(comp)
-        core.close()
+        _immediate(self._core.exit(self._mode, exc))()
         return False
-
-    def _compensate(self, comp: Compensation) -> None:
-        core = self._core
-        attempts = 0
-        try:
-            t = core.tool(comp.tool)
-            policy = t.retry or core.saga.retry
-            for attempt in core.retrying(policy):
-                with attempt:
-                    attempts = attempt.retry_state.attempt_number
-                    with core.undo_attempt(comp, attempts) as obs:
-                        _no_await(t.fn(**core.undo_kwargs(t, comp)), comp.tool)
-        except Exception as exc:
-            core.compensation_ended(comp, False, max(attempts, 1), exc)
-            return
-        core.compensation_ended(comp, True, attempts, None)
-        _export.wait_for_ack(obs.span)
 
 
 def _step_record(
@@ -809,6 +830,7 @@ def _step_record(
     ok: bool,
     compensation: Compensation | None = None,
     error: str | None = None,
+    undo_error: str | None = None,
 ) -> StepRecord:
     return StepRecord(
         index=index,
@@ -820,11 +842,8 @@ def _step_record(
         pivot=t.pivot,
         compensation=compensation,
         error=error,
+        undo_error=undo_error,
     )
-
-
-def _is_pivot(record: StepRecord) -> bool:
-    return record.pivot or record.step_class is StepClass.IRREVERSIBLE
 
 
 def _no_await(value: Any, name: str) -> Any:

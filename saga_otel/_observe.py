@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextvars
 import inspect
+import json
 import os
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -26,9 +27,13 @@ from prometheus_client import CollectorRegistry
 from saga_otel import _export
 from saga_otel import semconv as sc
 from saga_otel._errors import ConfigurationError
+from saga_otel._outcome import AsyncMode, Mode, Outcome, SyncMode, _immediate, _pending
 from saga_otel._registry import CallInfo
-from saga_otel._telemetry import Instrumentation, RunTelemetry
-from saga_otel.records import Compensation, StepClass
+from saga_otel._telemetry import Attempt, Instrumentation, RunTelemetry
+from saga_otel.records import Compensation, StepClass, describe_error, is_pivot
+
+#: Bound on one undo's arguments as JSON (as Saga's max_undo_bytes default).
+MAX_UNDO_BYTES = 64 * 1024
 
 CompensationRecipe = Callable[[CallInfo], Compensation | Mapping[str, Any] | None]
 
@@ -42,6 +47,8 @@ class ObservedRun:
     next_index: int = 0
     indexes: dict[str, int] = field(default_factory=dict)
     stack: dict[int, Compensation] = field(default_factory=dict)
+    # Steps whose undo could not be stored, until their own compensate succeeds.
+    unstorable: dict[int, str] = field(default_factory=dict)
     pivot: str | None = None
     failed_step: str | None = None
     unwound: bool = False
@@ -70,8 +77,9 @@ def observed_run(
     """One run span around a user's own saga runner (use a plain ``with``, also in async code).
 
     The run's status is derived: completed without an exception; else stuck
-    past a pivot, compensation_failed if an observed compensate failed, and
-    compensated otherwise. Set ``run.status`` to say otherwise.
+    past a pivot, compensation_failed if an observed compensate failed or a
+    step's undo could not be stored and was not run, and compensated
+    otherwise. Set ``run.status`` to say otherwise.
     """
     instr = Instrumentation(saga, tracer_provider=tracer_provider, registry=registry, logger=logger)
     run = ObservedRun(instr, instr.start_run(run_id))
@@ -84,7 +92,7 @@ def observed_run(
             sc.STATUS_STUCK
             if run.pivot
             else sc.STATUS_COMPENSATION_FAILED
-            if run.compensations_failed
+            if run.compensations_failed or run.unstorable
             else sc.STATUS_COMPENSATED
         )
         _end(run, status)
@@ -103,7 +111,8 @@ def _end(run: ObservedRun, status: str) -> None:
             "run_id": run.run_id,
             "reason": status,
             "failed_step": run.failed_step,
-            "not_undone": [c.to_dict() for c in run.stack.values()],
+            "not_undone": [c.to_dict() for c in run.stack.values()]
+            + [{"step_index": i, "undo_error": why} for i, why in run.unstorable.items()],
         }
         run.instr.escalate(run.tel, status, card)
     run.instr.end_run(run.tel, status, run.failed_step)
@@ -114,7 +123,6 @@ def _adhoc_run(instr: Instrumentation) -> ObservedRun:
     ctx = trace.get_current_span().get_span_context()
     rid = format(ctx.trace_id, "032x") if ctx.is_valid else os.urandom(16).hex()
     tel = RunTelemetry(
-        saga=instr.saga,
         run_id=rid,
         span=trace.get_current_span(),
         context=trace.set_span_in_context(trace.get_current_span()),
@@ -129,7 +137,7 @@ def _adhoc_run(instr: Instrumentation) -> ObservedRun:
 
 
 class _Observer:
-    """Instruments one step's do and compensate calls."""
+    """Instruments one step's do and compensate calls: one policy, run sync or async."""
 
     def __init__(
         self,
@@ -139,12 +147,12 @@ class _Observer:
         pivot: bool,
         index: int | None,
         compensation: CompensationRecipe | None,
-        has_compensate: bool,
     ) -> None:
         self.instr, self.step, self.step_class = instr, step, step_class
         self.pivot, self.fixed_index = pivot, index
-        self.recipe, self.has_compensate = compensation, has_compensate
+        self.recipe = compensation
         self._adhoc: ObservedRun | None = None
+        self.sync_mode, self.async_mode = SyncMode(), AsyncMode()
 
     def run(self) -> ObservedRun:
         current = _current.get()
@@ -162,9 +170,10 @@ class _Observer:
 
     def _compensation(
         self, run: ObservedRun, idx: int, args: Any, result: Any
-    ) -> Compensation | None:
+    ) -> tuple[Compensation | None, str | None]:
+        """The undo to push, or None and why it could not be stored as plain data."""
         if not self.step_class.pushes:
-            return None
+            return None, None
         info = CallInfo(
             self.step, {"args": list(args)} if args else {}, result, None, run.run_id, idx
         )
@@ -174,58 +183,77 @@ class _Observer:
                 made = self.recipe(info)
             except Exception as exc:  # the user's recipe must not break their step
                 self.instr.swallowed("compensation_recipe", exc)
-        if isinstance(made, Compensation):
-            return Compensation(made.tool, made.args, made.description, self.step, idx)
-        args_map = dict(made) if isinstance(made, Mapping) else {}
+                return None, f"the compensation recipe raised {describe_error(exc)}"
         try:
-            return Compensation(
-                f"{self.step}.compensate", args_map, f"undo {self.step}", self.step, idx
-            )
+            if isinstance(made, Compensation):
+                comp = Compensation(made.tool, made.args, made.description, self.step, idx)
+            else:
+                args_map = dict(made) if isinstance(made, Mapping) else {}
+                comp = Compensation(
+                    f"{self.step}.compensate", args_map, f"undo {self.step}", self.step, idx
+                )
         except ConfigurationError as exc:
             self.instr.swallowed("compensation_recipe", exc)
-            return Compensation(f"{self.step}.compensate", {}, f"undo {self.step}", self.step, idx)
+            return None, str(exc)
+        size = len(json.dumps(dict(comp.args), sort_keys=True).encode())
+        if size > MAX_UNDO_BYTES:
+            return None, f"its arguments are {size} bytes of JSON, over {MAX_UNDO_BYTES}"
+        return comp, None
 
     def _after_do(
-        self, run: ObservedRun, obs: Any, idx: int, args: Any, result: Any
-    ) -> Compensation | None:
-        comp = self._compensation(run, idx, args, result)
+        self, run: ObservedRun, obs: Attempt, idx: int, args: Any, result: Any
+    ) -> tuple[Any, bool]:
+        comp, unstorable = self._compensation(run, idx, args, result)
         if comp is not None:
             obs.pushed(comp)
             run.stack[idx] = comp
-        if run.pivot is None and (self.pivot or self.step_class is StepClass.IRREVERSIBLE):
+        if unstorable is not None:
+            obs.extra[sc.SAGA_COMPENSATION_UNSTORABLE] = unstorable[:256]
+            run.unstorable[idx] = unstorable
+        if run.pivot is None and is_pivot(self.step_class, self.pivot):
             run.pivot = self.step
             self.instr.pivot_crossed(run.tel, self.step)
-        return comp
+        return result, comp is not None or unstorable is not None
 
-    def _do_failed(self, run: ObservedRun, exc: BaseException) -> None:
-        run.failed_step = self.step
-
-    def _before_compensate(self, run: ObservedRun) -> tuple[int, Compensation]:
-        idx = run.indexes.get(self.step, self.fixed_index if self.fixed_index is not None else -1)
-        comp = run.stack.get(idx) or Compensation(
-            f"{self.step}.compensate", {}, f"undo {self.step}", self.step, idx
-        )
-        if not run.unwound:
-            # The first compensate of a run is the moment the unwind begins.
-            run.unwound = True
-            pending = sorted(run.stack.values(), key=lambda c: -c.index)
-            span = self.instr.unwind(run.tel, "", run.failed_step, pending)
-            _export.wait_for_ack(span)
-        return idx, comp
+    def _begin_unwind(self, mode: Mode, run: ObservedRun) -> Outcome[Any]:
+        if run.unwound:
+            return mode.pure(None)
+        # The first compensate of a run is the moment the unwind begins.
+        run.unwound = True
+        pending = sorted(run.stack.values(), key=lambda c: -c.index)
+        return mode.ack(self.instr.unwind(run.tel, "", run.failed_step, pending))
 
     def _compensate_ended(self, run: ObservedRun, idx: int, ok: bool) -> None:
         if ok:
             run.stack.pop(idx, None)
+            run.unstorable.pop(idx, None)
         else:
             run.compensations_failed += 1
         self.instr.compensation_finished(run.tel, self.step, ok)
 
-    # -- sync ------------------------------------------------------------------
-    def do_sync(self, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+    # -- the policy, written once ------------------------------------------------
+    def do(self, mode: Mode, fn: Callable[..., Any], args: Any, kwargs: Any) -> Outcome[Any]:
         run = self.run()
         idx = self._index(run)
-        try:
-            with self.instr.attempt(
+        spans: list[Any] = []
+
+        def body(obs: Attempt) -> Outcome[tuple[Any, bool]]:
+            spans.append(obs.span)
+            return mode.call(fn, *args, **kwargs).map(
+                lambda result: self._after_do(run, obs, idx, args, result)
+            )
+
+        def failed(exc: BaseException) -> None:
+            run.failed_step = self.step  # and the exception propagates unchanged
+
+        def settled(done: tuple[Any, bool]) -> Outcome[Any]:
+            result, pushed = done
+            if not pushed:
+                return mode.pure(result)
+            return mode.ack(spans[-1]).map(lambda _: result)
+
+        attempt = mode.within(
+            lambda: self.instr.attempt(
                 run.tel,
                 sc.PHASE_DO,
                 self.step,
@@ -233,92 +261,58 @@ class _Observer:
                 tool=self.step,
                 step_class=self.step_class,
                 pivot=self.pivot,
-            ) as obs:
-                result = fn(*args, **kwargs)
-                comp = self._after_do(run, obs, idx, args, result)
-        except BaseException as exc:
-            self._do_failed(run, exc)
-            raise
-        if comp is not None:
-            _export.wait_for_ack(obs.span)
-        return result
+            ),
+            body,
+        )
+        return attempt.intercept(failed).then(settled)
 
-    def compensate_sync(self, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+    def compensate(
+        self, mode: Mode, fn: Callable[..., Any], args: Any, kwargs: Any
+    ) -> Outcome[Any]:
         run = self.run()
-        idx, comp = self._before_compensate(run)
-        try:
-            with self.instr.attempt(
-                run.tel,
-                sc.PHASE_COMPENSATE,
-                self.step,
-                index=idx,
-                tool=comp.tool,
-                compensation=comp,
-            ):
-                out = fn(*args, **kwargs)
-        except BaseException:
-            self._compensate_ended(run, idx, False)
-            raise
-        self._compensate_ended(run, idx, True)
-        return out
+        idx = run.indexes.get(self.step, self.fixed_index if self.fixed_index is not None else -1)
+        comp = run.stack.get(idx) or Compensation(
+            f"{self.step}.compensate", {}, f"undo {self.step}", self.step, idx
+        )
 
-    # -- async -----------------------------------------------------------------
-    async def do_async(self, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
-        run = self.run()
-        idx = self._index(run)
-        try:
-            with self.instr.attempt(
-                run.tel,
-                sc.PHASE_DO,
-                self.step,
-                index=idx,
-                tool=self.step,
-                step_class=self.step_class,
-                pivot=self.pivot,
-            ) as obs:
-                result = await fn(*args, **kwargs)
-                comp = self._after_do(run, obs, idx, args, result)
-        except BaseException as exc:
-            self._do_failed(run, exc)
-            raise
-        if comp is not None:
-            await _export.wait_for_ack_async(obs.span)
-        return result
+        def failed(exc: BaseException) -> None:
+            self._compensate_ended(run, idx, False)  # and the exception propagates unchanged
 
-    async def compensate_async(self, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
-        run = self.run()
-        idx, comp = self._before_compensate(run)
-        try:
-            with self.instr.attempt(
-                run.tel,
-                sc.PHASE_COMPENSATE,
-                self.step,
-                index=idx,
-                tool=comp.tool,
-                compensation=comp,
-            ):
-                out = await fn(*args, **kwargs)
-        except BaseException:
-            self._compensate_ended(run, idx, False)
-            raise
-        self._compensate_ended(run, idx, True)
-        return out
+        def ok(out: Any) -> Any:
+            self._compensate_ended(run, idx, True)
+            return out
+
+        undo = (
+            mode.call(fn, *args, **kwargs)
+            .also(
+                lambda: self.instr.attempt(
+                    run.tel,
+                    sc.PHASE_COMPENSATE,
+                    self.step,
+                    index=idx,
+                    tool=comp.tool,
+                    compensation=comp,
+                )
+            )
+            .intercept(failed)
+            .map(ok)
+        )
+        return self._begin_unwind(mode, run).then(lambda _: undo)
 
 
 def _wrap(fn: Callable[..., Any], observer: _Observer, phase: str) -> Any:
+    policy = observer.do if phase == sc.PHASE_DO else observer.compensate
     if inspect.iscoroutinefunction(fn):
-        run_async = observer.do_async if phase == sc.PHASE_DO else observer.compensate_async
 
         @wrapt.decorator
-        async def async_wrapper(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
-            return await run_async(wrapped, args, kwargs)
+        async def async_wrapper(wrapped: Any, _instance: Any, args: Any, kwargs: Any) -> Any:
+            return await _pending(policy(observer.async_mode, wrapped, args, kwargs))()
 
         return async_wrapper(fn)
-    run_sync = observer.do_sync if phase == sc.PHASE_DO else observer.compensate_sync
 
     @wrapt.decorator
-    def sync_wrapper(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
-        return run_sync(wrapped, args, kwargs)
+    def sync_wrapper(wrapped: Any, _instance: Any, args: Any, kwargs: Any) -> Any:
+        return _immediate(policy(observer.sync_mode, wrapped, args, kwargs))()
 
     return sync_wrapper(fn)
 
@@ -374,13 +368,13 @@ def observed(
     if step_class is None:
         cls = StepClass.COMPENSABLE if has_do and has_comp else StepClass.CONVERGENT
         if pivot and cls is StepClass.CONVERGENT:
-            cls = StepClass.IRREVERSIBLE
+            cls = StepClass.IRREVERSIBLE  # a declared pivot with no undo cannot be undone
     else:
         cls = StepClass.parse(step_class)
     if phase not in (sc.PHASE_DO, sc.PHASE_COMPENSATE):
         raise ConfigurationError(f"phase={phase!r}: use 'do' or 'compensate'")
     instr = Instrumentation(saga, tracer_provider=tracer_provider, registry=registry, logger=logger)
-    observer = _Observer(instr, name, cls, pivot, index, compensation, has_comp)
+    observer = _Observer(instr, name, cls, pivot, index, compensation)
     if has_do and has_comp:
         return _ObservedStep(target, observer)
     return _wrap(target, observer, phase)

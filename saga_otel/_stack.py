@@ -19,6 +19,7 @@ from saga_otel.records import (
     RunStatus,
     StepClass,
     StepRecord,
+    is_pivot,
 )
 
 
@@ -39,22 +40,18 @@ class Unwind:
 class Escalate:
     """Decision: do not unwind; a person must take over (failure past the pivot)."""
 
-    reason: str
-
 
 Decision = Unwind | Escalate
 
 
 @dataclass(frozen=True, slots=True)
 class StackState:
-    saga: str
     run_id: str
     allow_writes_after_pivot: bool = False
     phase: Phase = Phase.FORWARD
     next_index: int = 0
     # Bottom of the stack first; the top is the last item.
     stack: tuple[Compensation, ...] = ()
-    in_flight: frozenset[int] = frozenset()
     in_flight_writes: frozenset[int] = frozenset()
     pivot: StepRecord | None = None
     steps: tuple[StepRecord, ...] = ()
@@ -83,8 +80,7 @@ def begin_step(
             f"step {name!r} refused: run {state.run_id} is {state.phase.value}, not running "
             "forward; start a new run for new work"
         )
-    irreversible = step_class is StepClass.IRREVERSIBLE or pivot
-    if irreversible and state.in_flight_writes:
+    if is_pivot(step_class, pivot) and state.in_flight_writes:
         raise StepRefusedError(
             f"irreversible step {name!r} refused: {len(state.in_flight_writes)} other write(s) "
             f"of run {state.run_id} are still in flight, and a failure among them could no "
@@ -105,7 +101,6 @@ def begin_step(
         replace(
             state,
             next_index=max(state.next_index, index + 1),
-            in_flight=state.in_flight | {index},
             in_flight_writes=writes,
         ),
         index,
@@ -115,18 +110,24 @@ def begin_step(
 def _settle(state: StackState, record: StepRecord) -> StackState:
     return replace(
         state,
-        in_flight=state.in_flight - {record.index},
         in_flight_writes=state.in_flight_writes - {record.index},
         steps=(*state.steps, record),
     )
 
 
 def step_succeeded(state: StackState, record: StepRecord) -> StackState:
-    """Record a successful do; push its compensation; mark the pivot."""
+    """Record a successful do; push its compensation; mark the pivot.
+
+    A do whose undo could not be stored (``record.undo_error``) is an effect
+    with nothing on the stack: it becomes the run's failure, so an unwind ends
+    ``compensation_failed``.
+    """
     state = _settle(state, record)
     if record.compensation is not None:
         state = replace(state, stack=(*state.stack, record.compensation))
-    if state.pivot is None and (record.pivot or record.step_class is StepClass.IRREVERSIBLE):
+    if record.undo_error is not None:
+        state = replace(state, failed_step=record.name, failure=record.undo_error)
+    if state.pivot is None and is_pivot(record.step_class, record.pivot):
         state = replace(state, pivot=record)
     return state
 
@@ -159,22 +160,13 @@ def abort(
                 failed_step=failed,
                 failure=error,
             ),
-            Escalate(reason=RunStatus.STUCK.value),
+            Escalate(),
         )
     top_first = tuple(reversed(state.stack))
     return (
         replace(state, phase=Phase.UNWINDING, failed_step=failed, failure=error),
         Unwind(top_first),
     )
-
-
-def late_success(state: StackState, record: StepRecord) -> tuple[StackState, Compensation | None]:
-    """A write that was in flight when the run aborted succeeded anyway.
-
-    Its effect is real, so its compensation must join the unwind.
-    """
-    state = step_succeeded(state, record)
-    return state, record.compensation
 
 
 def compensation_ended(state: StackState, outcome: CompensationOutcome) -> StackState:
@@ -198,7 +190,9 @@ def finish(state: StackState) -> StackState:
         return state
     if state.phase is Phase.FORWARD:
         status = RunStatus.COMPLETED
-    elif any(not o.ok for o in state.outcomes):
+    elif any(not o.ok for o in state.outcomes) or any(
+        s.ok and s.undo_error is not None for s in state.steps
+    ):
         status = RunStatus.COMPENSATION_FAILED
     else:
         status = RunStatus.COMPENSATED

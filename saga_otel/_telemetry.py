@@ -65,7 +65,6 @@ def _hex_span(ctx: SpanContext) -> str:
 class RunTelemetry:
     """The live telemetry of one run: its span and the context its steps hang from."""
 
-    saga: str
     run_id: str
     span: Span
     context: Context
@@ -188,7 +187,6 @@ class Instrumentation:
         if rid == "0" * 32:  # no SDK installed: still give the run a unique id
             rid = os.urandom(16).hex()
         run = RunTelemetry(
-            saga=self.saga,
             run_id=rid,
             span=span,
             context=trace.set_span_in_context(span),

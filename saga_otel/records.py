@@ -182,6 +182,9 @@ class StepRecord:
     pivot: bool = False
     compensation: Compensation | None = None
     error: str | None = None
+    # Set when the do succeeded but its undo could not be stored (see max_undo_bytes):
+    # an effect that stands with nothing on the stack to reverse it.
+    undo_error: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -194,6 +197,7 @@ class StepRecord:
             "pivot": self.pivot,
             "compensation": self.compensation.to_dict() if self.compensation else None,
             "error": self.error,
+            "undo_error": self.undo_error,
         }
 
 
@@ -313,10 +317,6 @@ class SagaReport:
     span_id: int = 0
 
     @property
-    def completed_steps(self) -> tuple[str, ...]:
-        return tuple(s.name for s in self.steps if s.ok)
-
-    @property
     def compensations_run(self) -> tuple[Compensation, ...]:
         return tuple(o.compensation for o in self.compensations if o.ok)
 
@@ -326,16 +326,17 @@ class SagaReport:
 
     @property
     def irreversible_steps(self) -> tuple[str, ...]:
-        return tuple(
-            s.name
-            for s in self.steps
-            if s.ok and (s.step_class is StepClass.IRREVERSIBLE or s.pivot)
-        )
+        return tuple(s.name for s in self.steps if s.ok and is_pivot(s.step_class, s.pivot))
 
     @property
     def pivot_step(self) -> str | None:
         irreversible = self.irreversible_steps
         return irreversible[0] if irreversible else None
+
+    @property
+    def unstorable_undos(self) -> tuple[StepRecord, ...]:
+        """Steps whose effect stands with no stored undo (it could not be captured)."""
+        return tuple(s for s in self.steps if s.ok and s.undo_error is not None)
 
     @property
     def needs_person(self) -> bool:
@@ -358,7 +359,7 @@ class SagaReport:
             f"(tool {o.compensation.tool}, args {json.dumps(dict(o.compensation.args))})"
             for o in self.compensations
             if not o.ok
-        )
+        ) + tuple(f"{s.name} (tool {s.tool}): {s.undo_error}" for s in self.unstorable_undos)
         done = tuple(f"{s.name} ({s.step_class.value})" for s in self.steps if s.ok)
         decide: tuple[str, ...]
         if self.status is RunStatus.STUCK:
@@ -372,6 +373,9 @@ class SagaReport:
                 f"Undo by hand or accept: {o.compensation.description or o.compensation.tool}"
                 for o in self.compensations
                 if not o.ok
+            ) + tuple(
+                f"Undo by hand or accept: {s.name} (tool {s.tool}), whose undo was never stored"
+                for s in self.unstorable_undos
             )
         return EscalationCard(
             saga=self.saga,

@@ -1,18 +1,25 @@
-"""The saga engine: refund and release scenarios, pivot rules, recovery, cancellation."""
+"""The saga engine: refund and release scenarios, pivot rules, recovery, cancellation.
+
+Each behaviour is written once and runs through the sync and the async driver
+(the ``mode`` fixture); only what exists in one mode alone (asyncio
+cancellation, concurrent calls within one run, threads) is written for it.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import datetime as _dt
 import threading
 from typing import Any
 
 import pytest
+from saga_modes import Driver, refund_agent, run_refund
 
-from examples.refund_agent import refund_agent, run_refund
 from examples.refund_tools import CloseDown, refund_tools
 from examples.release_saga import RELEASE_STEPS, Release, release
 from examples.world import ServiceDown, World
 from saga_otel import (
+    ConfigurationError,
     EscalationCard,
     RetryPolicy,
     RunStatus,
@@ -25,7 +32,8 @@ from saga_otel import (
     idempotency_key,
     tool,
 )
-from saga_otel.testing import Captured, FailureInjector, InjectedFailure, capture
+from saga_otel import semconv as sc
+from saga_otel.testing import Captured, FailureInjector, InjectedFailure, capture, span_attrs
 
 
 @pytest.fixture
@@ -34,10 +42,12 @@ def cap() -> Captured:
 
 
 # -- refund scenario ------------------------------------------------------------
-async def test_refund_completes_and_pushes_one_undo_per_reversible_write(cap: Captured) -> None:
+async def test_refund_completes_and_pushes_one_undo_per_reversible_write(
+    cap: Captured, mode: Driver
+) -> None:
     world = World()
     saga = cap.saga("refund", tools=refund_tools(world))
-    run = saga.run()
+    run = mode.run(saga)
     async with run:
         order = await run.call("get_order", order_id=4921)
         credit = await run.call("issue_credit", order_id=4921, amount=order["amount"])
@@ -50,9 +60,11 @@ async def test_refund_completes_and_pushes_one_undo_per_reversible_write(cap: Ca
     assert run.report is not None and run.report.status is RunStatus.COMPLETED
 
 
-async def test_mail_down_unwinds_in_reverse_with_a_reversing_ledger_entry(cap: Captured) -> None:
+async def test_mail_down_unwinds_in_reverse_with_a_reversing_ledger_entry(
+    cap: Captured, mode: Driver
+) -> None:
     world = World(mail_down=True)
-    report = await run_refund(cap.saga("refund", tools=refund_tools(world)))
+    report = await run_refund(mode, cap.saga("refund", tools=refund_tools(world)))
     assert report.status is RunStatus.COMPENSATED
     assert report.failed_step == "send_reply"
     assert isinstance(report.error, ServiceDown)
@@ -68,31 +80,24 @@ async def test_mail_down_unwinds_in_reverse_with_a_reversing_ledger_entry(cap: C
     assert report.escalation_card() is None
 
 
-async def test_runtime_api_reraises_the_agents_exception_unchanged(cap: Captured) -> None:
+async def test_runtime_api_reraises_the_agents_exception_unchanged(
+    cap: Captured, mode: Driver
+) -> None:
     world = World(mail_down=True)
     saga = cap.saga("refund", tools=refund_tools(world))
-    run = saga.run()
+    run = mode.run(saga)
     with pytest.raises(ServiceDown) as info:
         async with run:
             await refund_agent(run)
     assert run.report is not None
     assert run.report.error is info.value
-
-
-def test_sync_twin_unwinds_too(cap: Captured) -> None:
-    world = World(mail_down=True)
-    saga = cap.saga("refund", tools=refund_tools(world))
-    run = saga.run_sync()
-    with pytest.raises(ServiceDown), run:
-        order = run.call("get_order", order_id=4921)
-        run.call("issue_credit", order_id=4921, amount=order["amount"])
-        run.call("send_reply", ticket_id="T-9104", body="hi")
-    assert run.report is not None
     assert run.report.status is RunStatus.COMPENSATED
     assert world.balance(4921) == 0
 
 
-async def test_failed_compensation_is_retried_recorded_and_escalated(cap: Captured) -> None:
+async def test_failed_compensation_is_retried_recorded_and_escalated(
+    cap: Captured, mode: Driver
+) -> None:
     world = World(mail_down=True)
     injector = FailureInjector().fail("reverse_credit", phase="compensate")
     escalations: list[EscalationCard] = []
@@ -101,8 +106,9 @@ async def test_failed_compensation_is_retried_recorded_and_escalated(cap: Captur
         tools=injector.wrap(refund_tools(world)),
         retry=RetryPolicy(attempts=3),
         escalation_handlers=[lambda card, report: escalations.append(card)],
+        **mode.sleep_kwargs([]),
     )
-    report = await run_refund(saga)
+    report = await run_refund(mode, saga)
     assert report.status is RunStatus.COMPENSATION_FAILED
     failed = report.compensations_failed
     assert [o.compensation.tool for o in failed] == ["reverse_credit"]
@@ -115,27 +121,65 @@ async def test_failed_compensation_is_retried_recorded_and_escalated(cap: Captur
     assert escalations[0].undone  # what was undone is on the card too
 
 
-async def test_transient_compensation_failure_is_carried_by_retries(cap: Captured) -> None:
+async def test_transient_compensation_failure_is_carried_by_retries(
+    cap: Captured, mode: Driver
+) -> None:
     world = World(mail_down=True)
     slept: list[float] = []
-
-    async def sleep(s: float) -> None:
-        slept.append(s)
-
     injector = FailureInjector().fail("reverse_credit", phase="compensate", times=2)
     saga = cap.saga(
         "refund",
         tools=injector.wrap(refund_tools(world)),
         retry=RetryPolicy(attempts=4, initial=0.5, multiplier=2, jitter=0),
-        async_sleep=sleep,
+        **mode.sleep_kwargs(slept),
     )
-    report = await run_refund(saga)
+    report = await run_refund(mode, saga)
     assert report.status is RunStatus.COMPENSATED
     assert slept == [0.5, 1.0]  # exponential backoff through the injected sleep
     assert world.balance(4921) == 0
 
 
-async def test_per_tool_retry_policy_overrides_the_sagas(cap: Captured) -> None:
+async def test_forward_retries_use_the_same_backoff(cap: Captured, mode: Driver) -> None:
+    slept: list[float] = []
+    calls = {"n": 0}
+
+    @tool("convergent")
+    def flaky() -> str:
+        calls["n"] += 1
+        if calls["n"] < 3:
+            raise ConnectionError("backend blinked")
+        return "ok"
+
+    saga = cap.saga(
+        "x",
+        tools=[flaky],
+        forward_retry=RetryPolicy(attempts=3, initial=0.25, multiplier=3, jitter=0),
+        **mode.sleep_kwargs(slept),
+    )
+    async with mode.run(saga) as run:
+        assert await run.call("flaky") == "ok"
+    assert slept == [0.25, 0.75]
+    assert run.report.steps[0].attempts == 3
+    attempts = [span_attrs(s)[sc.SAGA_STEP_ATTEMPT] for s in cap.spans(phase="do")]
+    assert attempts == [1, 2, 3]
+
+
+async def test_interrupt_is_not_retried(cap: Captured, mode: Driver) -> None:
+    calls = {"n": 0}
+
+    @tool("convergent")
+    def interrupted() -> None:
+        calls["n"] += 1
+        raise KeyboardInterrupt
+
+    saga = cap.saga("x", tools=[interrupted], forward_retry=RetryPolicy(attempts=3))
+    with pytest.raises(KeyboardInterrupt):
+        async with mode.run(saga) as run:
+            await run.call("interrupted")
+    assert calls["n"] == 1
+
+
+async def test_per_tool_retry_policy_overrides_the_sagas(cap: Captured, mode: Driver) -> None:
     world = World(mail_down=True)
     tools = refund_tools(world)
     base = tools.get("reverse_credit")
@@ -146,13 +190,20 @@ async def test_per_tool_retry_policy_overrides_the_sagas(cap: Captured) -> None:
             t = tool("convergent", retry=RetryPolicy(attempts=6, jitter=0))(base.fn)
         custom.register(t, name=name)
     injector = FailureInjector().fail("reverse_credit", phase="compensate", times=5)
-    saga = cap.saga("refund", tools=injector.wrap(custom), retry=RetryPolicy(attempts=2))
-    report = await run_refund(saga)
+    saga = cap.saga(
+        "refund",
+        tools=injector.wrap(custom),
+        retry=RetryPolicy(attempts=2),
+        **mode.sleep_kwargs([]),
+    )
+    report = await run_refund(mode, saga)
     assert report.status is RunStatus.COMPENSATED
     assert report.compensations[-1].attempts == 6
 
 
-async def test_failure_after_the_pivot_is_stuck_and_never_unwinds(cap: Captured) -> None:
+async def test_failure_after_the_pivot_is_stuck_and_never_unwinds(
+    cap: Captured, mode: Driver
+) -> None:
     world = World()
     escalated: list[SagaReport] = []
     saga = cap.saga(
@@ -160,7 +211,7 @@ async def test_failure_after_the_pivot_is_stuck_and_never_unwinds(cap: Captured)
         tools=refund_tools(world, close_fails=True),
         escalation_handlers=[lambda card, report: escalated.append(report)],
     )
-    report = await run_refund(saga)
+    report = await run_refund(mode, saga)
     assert report.status is RunStatus.STUCK
     assert report.compensations == ()
     assert world.balance(4921) == 2500  # nothing was undone
@@ -171,7 +222,9 @@ async def test_failure_after_the_pivot_is_stuck_and_never_unwinds(cap: Captured)
     assert card is not None and "send_reply" in card.render()
 
 
-async def test_forward_recovery_completes_a_stuck_run_idempotently(cap: Captured) -> None:
+async def test_forward_recovery_completes_a_stuck_run_idempotently(
+    cap: Captured, mode: Driver
+) -> None:
     world = World()
     keys: list[str] = []
     attempts = {"n": 0}
@@ -188,10 +241,15 @@ async def test_forward_recovery_completes_a_stuck_run_idempotently(cap: Captured
     tools = ToolRegistry()
     for name in base:
         tools.register(close_ticket if name == "close_ticket" else base.get(name), name=name)
-    saga = cap.saga("refund", tools=tools, recovery_retry=RetryPolicy(attempts=5, jitter=0))
-    report = await run_refund(saga)
+    saga = cap.saga(
+        "refund",
+        tools=tools,
+        recovery_retry=RetryPolicy(attempts=5, jitter=0),
+        **mode.sleep_kwargs([]),
+    )
+    report = await run_refund(mode, saga)
     assert report.status is RunStatus.STUCK
-    resumed = await saga.resume(report)
+    resumed = await mode.resume(saga, report)
     assert resumed.status is RunStatus.COMPLETED
     assert resumed.run_id == report.run_id
     assert world.tickets["T-9104"] == "closed"
@@ -200,16 +258,18 @@ async def test_forward_recovery_completes_a_stuck_run_idempotently(cap: Captured
     assert len(world.outbox) == 1  # the reply was not sent twice
 
 
-async def test_resume_refuses_a_run_that_is_not_stuck(cap: Captured) -> None:
-    report = await run_refund(cap.saga("refund", tools=refund_tools(World(mail_down=True))))
+async def test_resume_refuses_a_run_that_is_not_stuck(cap: Captured, mode: Driver) -> None:
+    saga = cap.saga("refund", tools=refund_tools(World(mail_down=True)))
+    report = await run_refund(mode, saga)
     with pytest.raises(StepRefusedError, match="only a stuck run"):
-        await cap.saga("refund", tools=refund_tools(World())).resume(report)
+        await mode.resume(cap.saga("refund", tools=refund_tools(World())), report)
 
 
 # -- pivot rules -------------------------------------------------------------------
 async def test_irreversible_call_is_refused_while_another_write_is_in_flight(
     cap: Captured,
 ) -> None:
+    # Async only: two calls of one run in flight at once need an event loop.
     world = World()
     gate = asyncio.Event()
     sent: list[str] = []
@@ -240,38 +300,42 @@ async def test_irreversible_call_is_refused_while_another_write_is_in_flight(
     assert world.outbox == []
 
 
-async def test_reversible_write_after_the_pivot_is_refused_unless_allowed(cap: Captured) -> None:
+async def test_reversible_write_after_the_pivot_is_refused_unless_allowed(
+    cap: Captured, mode: Driver
+) -> None:
     world = World()
     saga = cap.saga("refund", tools=refund_tools(world))
     with pytest.raises(StepRefusedError, match="allow_writes_after_pivot"):
-        async with saga.run() as run:
+        async with mode.run(saga) as run:
             await run.call("send_reply", ticket_id="T-9104", body="x")
             await run.call("issue_credit", order_id=4921, amount=1)
     assert world.ledger == []  # refused before any side effect
     lenient = cap.saga("refund", tools=refund_tools(world), allow_writes_after_pivot=True)
-    async with lenient.run() as run:
+    async with mode.run(lenient) as run:
         await run.call("send_reply", ticket_id="T-9104", body="x")
         await run.call("issue_credit", order_id=4921, amount=1)
     assert len(world.ledger) == 1
 
 
 # -- classes, records, registry ---------------------------------------------------
-async def test_reads_and_convergent_writes_push_nothing(cap: Captured) -> None:
+async def test_reads_and_convergent_writes_push_nothing(cap: Captured, mode: Driver) -> None:
     world = World()
     saga = cap.saga("refund", tools=refund_tools(world))
-    async with saga.run() as run:
+    async with mode.run(saga) as run:
         await run.call("get_order", order_id=4921)
         await run.call("close_ticket", ticket_id="T-9104")
         assert run.stack == ()
 
 
-async def test_unknown_compensation_tool_fails_loudly_not_silently(cap: Captured) -> None:
+async def test_unknown_compensation_tool_fails_loudly_not_silently(
+    cap: Captured, mode: Driver
+) -> None:
     @tool("compensable", compensate="gone", compensate_args=lambda i: {})
     def write() -> int:
         return 1
 
     saga = cap.saga("x", tools=[write])
-    run = saga.run()
+    run = mode.run(saga)
     with pytest.raises(RuntimeError):
         async with run:
             await run.call("write")
@@ -281,7 +345,9 @@ async def test_unknown_compensation_tool_fails_loudly_not_silently(cap: Captured
     assert "no tool named 'gone'" in (run.report.compensations_failed[0].error or "")
 
 
-async def test_tools_see_their_call_context_and_idempotency_key(cap: Captured) -> None:
+async def test_tools_see_their_call_context_and_idempotency_key(
+    cap: Captured, mode: Driver
+) -> None:
     seen: list[Any] = []
 
     @tool("convergent")
@@ -289,7 +355,7 @@ async def test_tools_see_their_call_context_and_idempotency_key(cap: Captured) -
         seen.append(current_call())
 
     saga = cap.saga("x", tools=[probe])
-    async with saga.run() as run:
+    async with mode.run(saga) as run:
         await run.call("probe")
     assert seen[0].run_id == run.run_id
     assert seen[0].idempotency_key == f"{run.run_id}:0"
@@ -330,20 +396,36 @@ async def test_release_validation_rejects_before_any_side_effect(cap: Captured) 
     assert cap.spans(phase="do") == []
 
 
-def test_fixed_plan_sync_twin(cap: Captured) -> None:
+async def test_fixed_plan_unwinds_in_reverse(cap: Captured, mode: Driver) -> None:
     log: list[str] = []
     steps = [
         Step("a", do=lambda c: log.append("a"), compensate=lambda c: log.append("undo a")),
         Step("b", do=lambda c: log.append("b"), compensate=lambda c: log.append("undo b")),
         Step("c", do=lambda c: (_ for _ in ()).throw(ValueError("c broke"))),
     ]
-    report = cap.saga("plan").execute_sync(steps)
+    report = await mode.execute(cap.saga("plan"), steps)
     assert report.status is RunStatus.COMPENSATED
     assert log == ["a", "b", "undo b", "undo a"]
     assert isinstance(report.error, ValueError)
 
 
-async def test_runtime_validation_rejects(cap: Captured) -> None:
+async def test_fixed_plan_validation_rejects_before_any_do(cap: Captured, mode: Driver) -> None:
+    log: list[str] = []
+
+    def refuse(ctx: Any) -> None:
+        raise ValueError("bad plan")
+
+    steps = [
+        Step("a", do=lambda c: log.append("a"), compensate=lambda c: log.append("undo a")),
+        Step("b", do=lambda c: log.append("b"), validate=refuse, step_class="convergent"),
+    ]
+    report = await mode.execute(cap.saga("plan"), steps)
+    assert report.status is RunStatus.REJECTED
+    assert report.failed_step == "b"
+    assert log == []
+
+
+async def test_runtime_validation_rejects(cap: Captured, mode: Driver) -> None:
     sent: list[str] = []
 
     def check(body: str) -> None:
@@ -353,16 +435,17 @@ async def test_runtime_validation_rejects(cap: Captured) -> None:
     send = tool("irreversible", name="send", validate=check)(lambda body: sent.append(body))
     saga = cap.saga("x", tools=[send])
     with pytest.raises(ValidationRejectedError, match="empty reply"):
-        async with saga.run(validate=[("send", {"body": ""})]) as run:
+        async with mode.run(saga, validate=[("send", {"body": ""})]) as run:
             await run.call("send", body="")
     assert sent == []
-    async with saga.run(validate=[("send", {"body": "hi"})]) as run:
+    async with mode.run(saga, validate=[("send", {"body": "hi"})]) as run:
         await run.call("send", body="hi")
     assert sent == ["hi"]
 
 
 # -- cancellation, interrupts, concurrency ---------------------------------------------
 async def test_cancelled_task_still_unwinds_with_shielded_compensations(cap: Captured) -> None:
+    # Async only: task cancellation exists only on an event loop.
     world = World()
     started = asyncio.Event()
     undone = asyncio.Event()
@@ -400,18 +483,20 @@ async def test_cancelled_task_still_unwinds_with_shielded_compensations(cap: Cap
     assert holder["run"].report.status is RunStatus.COMPENSATED
 
 
-def test_keyboard_interrupt_unwinds_before_propagating(cap: Captured) -> None:
+async def test_keyboard_interrupt_unwinds_before_propagating(cap: Captured, mode: Driver) -> None:
     world = World()
     saga = cap.saga("refund", tools=refund_tools(world))
-    run = saga.run_sync()
-    with pytest.raises(KeyboardInterrupt), run:
-        run.call("issue_credit", order_id=4921, amount=2500)
-        raise KeyboardInterrupt
+    run = mode.run(saga)
+    with pytest.raises(KeyboardInterrupt):
+        async with run:
+            await run.call("issue_credit", order_id=4921, amount=2500)
+            raise KeyboardInterrupt
     assert world.balance(4921) == 0
     assert run.report is not None and run.report.failed_step == "(agent)"
 
 
 def test_many_runs_in_threads_share_no_state(cap: Captured) -> None:
+    # Sync driver: one run per thread.
     world = World(
         orders={i: {"order_id": i, "amount": i, "ticket_id": "T-9104"} for i in range(40)}
     )
@@ -446,9 +531,10 @@ def test_many_runs_in_threads_share_no_state(cap: Captured) -> None:
 
 
 async def test_many_runs_in_tasks_share_no_state(cap: Captured) -> None:
+    # Async driver: one run per task.
     world = World(mail_down=True)
     saga = cap.saga("refund", tools=refund_tools(world))
-    reports = await asyncio.gather(*(run_refund(saga) for _ in range(25)))
+    reports = await asyncio.gather(*(run_refund(Driver("async"), saga) for _ in range(25)))
     assert {r.status for r in reports} == {RunStatus.COMPENSATED}
     assert len({r.run_id for r in reports}) == 25
     assert world.balance(4921) == 0
@@ -457,3 +543,201 @@ async def test_many_runs_in_tasks_share_no_state(cap: Captured) -> None:
 
 def test_release_steps_are_ordered_pivot_last() -> None:
     assert [s.pivot for s in RELEASE_STEPS] == [False, False, True]
+
+
+# -- a compensation that raises a BaseException (issue 12, point 7) ----------------
+class Meltdown(BaseException):
+    """A custom BaseException, as some libraries raise for fatal conditions."""
+
+
+def _three_writes(log: list[str], undo_b: Any) -> list[Any]:
+    """write_a, write_b, write_c, each undone by undo_<x>; undo_b is the one given."""
+    tools: list[Any] = []
+    for name in "abc":
+
+        def write(name: str = name) -> int:
+            log.append(name)
+            return 1
+
+        tools.append(
+            tool(
+                "compensable",
+                name=f"write_{name}",
+                compensate=f"undo_{name}",
+                compensate_args=lambda i: {"n": 1},
+            )(write)
+        )
+
+        def undo(n: int, name: str = name) -> None:
+            log.append(f"undo {name}")
+
+        tools.append(tool("convergent", name=f"undo_{name}")(undo_b if name == "b" else undo))
+    return tools
+
+
+@pytest.mark.parametrize("raised", [Meltdown, KeyboardInterrupt, SystemExit])
+async def test_a_base_exception_in_a_compensation_still_unwinds_and_pages(
+    cap: Captured, mode: Driver, raised: type[BaseException]
+) -> None:
+    log: list[str] = []
+    escalations: list[EscalationCard] = []
+
+    def undo_b_raises(n: int) -> None:
+        log.append("undo b (raising)")
+        raise raised("compensation blew up")
+
+    saga = cap.saga(
+        "x",
+        tools=_three_writes(log, undo_b_raises),
+        retry=RetryPolicy(attempts=3),
+        escalation_handlers=[lambda card, report: escalations.append(card)],
+    )
+    agent_error = InjectedFailure("the agent failed")
+    run = mode.run(saga)
+    with pytest.raises(raised) as info:
+        async with run:
+            await run.call("write_a")
+            await run.call("write_b")
+            await run.call("write_c")
+            raise agent_error
+    # Every remaining undo ran, top first; the raising one was not retried.
+    assert log == ["a", "b", "c", "undo c", "undo b (raising)", "undo a"]
+    # The run ended with a status that pages, before the exception propagated.
+    report = run.report
+    assert report is not None and report.status is RunStatus.COMPENSATION_FAILED
+    assert [o.compensation.tool for o in report.compensations_failed] == ["undo_b"]
+    assert report.compensations_failed[0].attempts == 1
+    assert report.error is agent_error
+    assert len(escalations) == 1 and "undo_b" in escalations[0].render()
+    run_span = cap.spans(phase="run")
+    assert len(run_span) == 1 and run_span[0].end_time is not None
+    assert span_attrs(run_span[0])[sc.SAGA_RUN_STATUS] == "compensation_failed"
+    # The agent's own error is kept as the cause.
+    assert info.value.__cause__ is agent_error
+
+
+async def test_base_exception_in_a_compensation_of_a_fixed_plan(
+    cap: Captured, mode: Driver
+) -> None:
+    log: list[str] = []
+
+    def boom(ctx: Any) -> None:
+        raise Meltdown("undo b")
+
+    steps = [
+        Step("a", do=lambda c: log.append("a"), compensate=lambda c: log.append("undo a")),
+        Step("b", do=lambda c: log.append("b"), compensate=boom),
+        Step("c", do=lambda c: (_ for _ in ()).throw(ValueError("c broke"))),
+    ]
+    with pytest.raises(Meltdown) as info:
+        await mode.execute(cap.saga("plan", retry=RetryPolicy(attempts=1)), steps)
+    assert log == ["a", "b", "undo a"]
+    assert isinstance(info.value.__cause__, ValueError)
+    assert span_attrs(cap.spans(phase="run")[0])[sc.SAGA_RUN_STATUS] == "compensation_failed"
+
+
+# -- an undo that cannot be stored (issue 12, point 5) -----------------------------
+class _Opaque:
+    """Not JSON: an object a tool might return as its handle."""
+
+
+@pytest.mark.parametrize(
+    ("result", "why"),
+    [
+        ({"credit_id": "cr_1", "at": _dt.datetime(2026, 1, 1)}, "JSON"),
+        ({"credit_id": "cr_1", "handle": _Opaque()}, "JSON"),
+        ({"credit_id": "cr_1", "blob": "x" * 70_000}, "max_undo_bytes"),
+    ],
+    ids=["datetime", "object", "oversized"],
+)
+async def test_an_undo_that_cannot_be_stored_fails_loudly_and_never_reads_compensated(
+    cap: Captured, mode: Driver, result: dict[str, Any], why: str
+) -> None:
+    calls = {"issue": 0, "hold": 0, "release": 0}
+    escalations: list[EscalationCard] = []
+
+    @tool("compensable", compensate="release_hold", compensate_args=lambda i: {"h": 1})
+    def place_hold() -> int:
+        calls["hold"] += 1
+        return 1
+
+    @tool("convergent")
+    def release_hold(h: int) -> None:
+        calls["release"] += 1
+
+    @tool("compensable", compensate="reverse_credit", compensate_args=lambda i: i.result)
+    def issue_credit() -> dict[str, Any]:
+        calls["issue"] += 1
+        return result
+
+    @tool("convergent")
+    def reverse_credit(**kw: Any) -> None:
+        raise AssertionError("never stored, so never run")
+
+    saga = cap.saga(
+        "refund",
+        tools=[place_hold, release_hold, issue_credit, reverse_credit],
+        forward_retry=RetryPolicy(attempts=3, jitter=0, initial=0),
+        escalation_handlers=[lambda card, report: escalations.append(card)],
+    )
+    run = mode.run(saga)
+    with pytest.raises(ConfigurationError, match=why) as info:
+        async with run:
+            await run.call("place_hold")
+            await run.call("issue_credit")
+            raise AssertionError("the push failed loudly: never reached")
+    assert "reverse_credit" in str(info.value) and "issue_credit" in str(info.value)
+    assert calls == {"issue": 1, "hold": 1, "release": 1}  # the do was not retried
+    report = run.report
+    assert report is not None
+    assert report.status is RunStatus.COMPENSATION_FAILED
+    assert report.failed_step == "issue_credit"
+    credit = report.steps[1]
+    assert credit.ok and credit.compensation is None and credit.undo_error is not None
+    assert [o.compensation.tool for o in report.compensations] == ["release_hold"]
+    card = escalations[0]
+    text = card.render()
+    assert "issue_credit" in text and "reverse_credit" in text and why in text
+    dos = cap.spans(phase="do")
+    marked = [span_attrs(s).get(sc.SAGA_COMPENSATION_UNSTORABLE) for s in dos]
+    assert marked[0] is None and why in (marked[1] or "")
+    assert sc.SAGA_COMPENSATION_TOOL not in span_attrs(dos[1])
+    assert len(dos) == 2  # one attempt each
+
+
+async def test_max_undo_bytes_is_a_saga_parameter(cap: Captured, mode: Driver) -> None:
+    @tool("compensable", compensate="undo", compensate_args=lambda i: {"blob": "x" * 100})
+    def write() -> None:
+        pass
+
+    saga = cap.saga("x", tools=[write, tool("convergent", name="undo")(lambda blob: None)])
+    async with mode.run(saga) as run:
+        await run.call("write")  # 64 KiB by default: fine
+    small = cap.saga("x", tools=saga.tools, max_undo_bytes=50)
+    with pytest.raises(ConfigurationError, match="max_undo_bytes=50"):
+        async with mode.run(small) as run:
+            await run.call("write")
+    with pytest.raises(ConfigurationError, match="max_undo_bytes=0"):
+        cap.saga("x", max_undo_bytes=0)
+
+
+async def test_a_long_run_unwinds_without_deep_recursion(cap: Captured, mode: Driver) -> None:
+    undone: list[int] = []
+
+    @tool("compensable", compensate="undo", compensate_args=lambda i: {"n": i.result})
+    def write(n: int) -> int:
+        return n
+
+    @tool("convergent")
+    def undo(n: int) -> None:
+        undone.append(n)
+
+    saga = cap.saga("long", tools=[write, undo])
+    run = mode.run(saga)
+    with pytest.raises(InjectedFailure):
+        async with run:
+            for n in range(1200):  # more steps than Python's default recursion limit
+                await run.call("write", n=n)
+            raise InjectedFailure("late")
+    assert undone == list(reversed(range(1200)))
+    assert run.report is not None and run.report.status is RunStatus.COMPENSATED

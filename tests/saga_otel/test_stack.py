@@ -133,7 +133,7 @@ def _record(i: int, klass: StepClass, comp: bool = True, pivot: bool = False) ->
 
 
 def test_pure_machine_walk() -> None:
-    s = _stack.StackState(saga="x", run_id="r")
+    s = _stack.StackState(run_id="r")
     s, i0 = _stack.begin_step(s, "s0", StepClass.COMPENSABLE)
     s = _stack.step_succeeded(s, _record(i0, StepClass.COMPENSABLE))
     s, i1 = _stack.begin_step(s, "s1", StepClass.REVERSIBLE)
@@ -152,7 +152,7 @@ def test_pure_machine_walk() -> None:
 
 
 def test_pure_machine_pivot_escalates() -> None:
-    s = _stack.StackState(saga="x", run_id="r")
+    s = _stack.StackState(run_id="r")
     s, i = _stack.begin_step(s, "send", StepClass.IRREVERSIBLE)
     s = _stack.step_succeeded(s, _record(i, StepClass.IRREVERSIBLE, comp=False))
     assert s.pivot_crossed
@@ -166,6 +166,6 @@ def test_pure_machine_pivot_escalates() -> None:
 
 
 def test_steps_refused_once_the_run_has_ended() -> None:
-    s = _stack.finish(_stack.StackState(saga="x", run_id="r"))
+    s = _stack.finish(_stack.StackState(run_id="r"))
     with pytest.raises(StepRefusedError, match="not running forward"):
         _stack.begin_step(s, "late", StepClass.READ)

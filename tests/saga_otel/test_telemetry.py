@@ -1,4 +1,7 @@
-"""Spans, log events and metrics of every kind of run, against the span contract."""
+"""Spans, log events and metrics of every kind of run, against the span contract.
+
+Engine and observed() behaviours run in both modes (the ``mode`` fixture).
+"""
 
 from __future__ import annotations
 
@@ -7,12 +10,12 @@ from typing import Any
 
 import pytest
 from opentelemetry.trace import StatusCode
+from saga_modes import Driver, run_refund, settle
 
-from examples.refund_agent import run_refund
 from examples.refund_tools import refund_tools
-from examples.release_saga import Release, release
+from examples.release_saga import Release, release, validate_metadata
 from examples.world import ServiceDown, World
-from saga_otel import RetryPolicy, RunStatus, observed, observed_run
+from saga_otel import RetryPolicy, RunStatus, Step, observed, observed_run
 from saga_otel import semconv as sc
 from saga_otel.testing import Captured, FailureInjector, capture, contract_violations, span_attrs
 
@@ -28,8 +31,8 @@ def _one(cap: Captured, phase: str) -> dict[str, Any]:
     return dict(span_attrs(spans[0]))
 
 
-async def test_completed_run_spans(cap: Captured) -> None:
-    report = await run_refund(cap.saga("refund", tools=refund_tools(World())))
+async def test_completed_run_spans(cap: Captured, mode: Driver) -> None:
+    report = await run_refund(mode, cap.saga("refund", tools=refund_tools(World())))
     assert report.status is RunStatus.COMPLETED
     spans = cap.spans()
     assert contract_violations(spans) == []
@@ -57,8 +60,9 @@ async def test_completed_run_spans(cap: Captured) -> None:
     assert cap.spans(phase="unwind") == []
 
 
-async def test_compensated_run_spans_logs_and_metrics(cap: Captured) -> None:
-    report = await run_refund(cap.saga("refund", tools=refund_tools(World(mail_down=True))))
+async def test_compensated_run_spans_logs_and_metrics(cap: Captured, mode: Driver) -> None:
+    saga = cap.saga("refund", tools=refund_tools(World(mail_down=True)))
+    report = await run_refund(mode, saga)
     assert report.status is RunStatus.COMPENSATED
     assert contract_violations(cap.spans()) == []
     unwind = _one(cap, "unwind")
@@ -100,14 +104,15 @@ async def test_compensated_run_spans_logs_and_metrics(cap: Captured) -> None:
     assert cap.events(sc.EV_UNWIND)[0]["failed_step"] == "send_reply"
 
 
-async def test_compensation_failed_run_spans(cap: Captured) -> None:
+async def test_compensation_failed_run_spans(cap: Captured, mode: Driver) -> None:
     injector = FailureInjector().fail("reverse_credit", phase="compensate")
     saga = cap.saga(
         "refund",
         tools=injector.wrap(refund_tools(World(mail_down=True))),
         retry=RetryPolicy(attempts=2),
+        **mode.sleep_kwargs([]),
     )
-    report = await run_refund(saga)
+    report = await run_refund(mode, saga)
     assert report.status is RunStatus.COMPENSATION_FAILED
     assert contract_violations(cap.spans()) == []
     attempts = [
@@ -134,8 +139,9 @@ async def test_compensation_failed_run_spans(cap: Captured) -> None:
     assert cap.events("saga.escalation")[0]["level"] == "error"
 
 
-async def test_stuck_run_spans(cap: Captured) -> None:
-    report = await run_refund(cap.saga("refund", tools=refund_tools(World(), close_fails=True)))
+async def test_stuck_run_spans(cap: Captured, mode: Driver) -> None:
+    saga = cap.saga("refund", tools=refund_tools(World(), close_fails=True))
+    report = await run_refund(mode, saga)
     assert report.status is RunStatus.STUCK
     assert contract_violations(cap.spans()) == []
     pivot = [s for s in cap.spans(phase="do") if span_attrs(s)[sc.SAGA_STEP_NAME] == "send_reply"]
@@ -147,9 +153,20 @@ async def test_stuck_run_spans(cap: Captured) -> None:
     assert cap.metric("saga_pivots_total", saga="refund", step="send_reply") == 1
 
 
-async def test_rejected_run_spans(cap: Captured) -> None:
+async def test_rejected_run_spans(cap: Captured, mode: Driver) -> None:
     ctx = Release(World(), {"waterfall": []}, "x" * 100)
-    report = await release(cap.saga("release"), ctx)
+    if mode.is_async:
+        report = await release(cap.saga("release"), ctx)
+    else:  # the release plan's own validation, in a sync plan
+
+        def noop(c: Any) -> None:
+            pass
+
+        steps = [
+            Step("admob_mediation", do=noop, compensate=noop),
+            Step("appstore_metadata", do=noop, compensate=noop, validate=validate_metadata),
+        ]
+        report = await mode.execute(cap.saga("release"), steps, ctx)
     assert report.status is RunStatus.REJECTED
     assert contract_violations(cap.spans()) == []
     v = cap.spans(phase="validate")
@@ -160,7 +177,7 @@ async def test_rejected_run_spans(cap: Captured) -> None:
     assert run[sc.SAGA_RUN_FAILED_STEP] == "appstore_metadata"
 
 
-async def test_broken_telemetry_never_changes_the_outcome() -> None:
+async def test_broken_telemetry_never_changes_the_outcome(mode: Driver) -> None:
     class Boom:
         def __getattr__(self, name: str) -> Any:
             def fail(*a: Any, **k: Any) -> None:
@@ -180,7 +197,7 @@ async def test_broken_telemetry_never_changes_the_outcome() -> None:
     saga = cap.saga("refund", tools=refund_tools(world))
     saga.instr.log = Boom()
     saga.instr.tracer = BadProvider()
-    report = await run_refund(saga)
+    report = await run_refund(mode, saga)
     assert report.status is RunStatus.COMPENSATED
     assert isinstance(report.error, ServiceDown)
     assert world.balance(4921) == 0
@@ -189,7 +206,7 @@ async def test_broken_telemetry_never_changes_the_outcome() -> None:
 
 # -- observed() on the user's own runner --------------------------------------------
 class CreditStep:
-    """A user's existing saga step, with do and compensate."""
+    """A user's existing saga step, with do and compensate (sync)."""
 
     name = "issue_credit"
 
@@ -197,19 +214,33 @@ class CreditStep:
         self.world = world
         self.credit: dict[str, Any] | None = None
 
-    async def do(self, order_id: int, amount: int) -> dict[str, Any]:
+    def do(self, order_id: int, amount: int) -> dict[str, Any]:
         self.credit = self.world.issue_credit(order_id, amount)
         return self.credit
 
-    async def compensate(self) -> None:
+    def compensate(self) -> None:
         assert self.credit is not None
         self.world.reverse_credit(self.credit["credit_id"])
 
 
-async def test_observed_step_object_and_function_match_the_engine() -> None:
+class AsyncCreditStep(CreditStep):
+    """The same step written async."""
+
+    async def do(self, order_id: int, amount: int) -> dict[str, Any]:  # type: ignore[override]
+        return CreditStep.do(self, order_id, amount)
+
+    async def compensate(self) -> None:  # type: ignore[override]
+        CreditStep.compensate(self)
+
+
+def credit_step(mode: Driver, world: World) -> CreditStep:
+    return AsyncCreditStep(world) if mode.is_async else CreditStep(world)
+
+
+async def test_observed_step_object_and_function_match_the_engine(mode: Driver) -> None:
     # The engine's telemetry for: issue_credit ok, send_reply fails, unwind.
     engine_cap = capture()
-    await run_refund(engine_cap.saga("refund", tools=refund_tools(World(mail_down=True))))
+    await run_refund(mode, engine_cap.saga("refund", tools=refund_tools(World(mail_down=True))))
 
     cap = capture()
     world = World(mail_down=True)
@@ -220,7 +251,7 @@ async def test_observed_step_object_and_function_match_the_engine() -> None:
         "logger": cap.logger,
     }
     step = observed(
-        CreditStep(world),
+        credit_step(mode, world),
         compensation=lambda i: {"credit_id": i.result["credit_id"]},
         **kw,
     )
@@ -237,11 +268,11 @@ async def test_observed_step_object_and_function_match_the_engine() -> None:
     assert list(inspect.signature(send).parameters) == ["ticket_id", "body"]
 
     with pytest.raises(ServiceDown), observed_run(**kw):  # the user's own runner
-        await step.do(4921, 2500)
+        await settle(step.do(4921, 2500))
         try:
             send("T-9104", "hi")
         except ServiceDown:
-            await step.compensate()
+            await settle(step.compensate())
             raise
 
     assert world.balance(4921) == 0
@@ -277,7 +308,7 @@ async def test_observed_step_object_and_function_match_the_engine() -> None:
     assert {e["event"] for e in cap.logs} >= {sc.EV_STEP_STARTED, sc.EV_STEP_FINISHED, sc.EV_UNWIND}
 
 
-def test_observed_plain_sync_function_propagates_exceptions_unchanged() -> None:
+async def test_observed_plain_function_propagates_exceptions_unchanged(mode: Driver) -> None:
     cap = capture()
     err = ValueError("bad input")
 
@@ -285,10 +316,14 @@ def test_observed_plain_sync_function_propagates_exceptions_unchanged() -> None:
         raise err
 
     wrapped = observed(
-        flaky, saga="s", tracer_provider=cap.provider, registry=cap.registry, logger=cap.logger
+        mode.fn(flaky),
+        saga="s",
+        tracer_provider=cap.provider,
+        registry=cap.registry,
+        logger=cap.logger,
     )
     with pytest.raises(ValueError) as info:
-        wrapped()
+        await settle(wrapped())
     assert info.value is err
     span = cap.spans(phase="do")[0]
     assert span.status.status_code is StatusCode.ERROR
@@ -321,3 +356,59 @@ def test_the_library_never_writes_to_the_agents_stdout() -> None:
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == "compensated\n"  # the sidecar is down: failures went to stderr
     assert "saga.export.failed" in proc.stderr
+
+
+async def test_observed_compensate_failure_ends_compensation_failed(mode: Driver) -> None:
+    cap = capture()
+    world = World(mail_down=True)
+    kw: dict[str, Any] = {
+        "saga": "refund",
+        "tracer_provider": cap.provider,
+        "registry": cap.registry,
+        "logger": cap.logger,
+    }
+
+    def refuse() -> None:
+        raise ConnectionError("ledger down")
+
+    step = observed(credit_step(mode, world), **kw)
+    undo = observed(mode.fn(refuse), step="issue_credit", phase="compensate", **kw)
+    with pytest.raises(ConnectionError), observed_run(**kw):
+        await settle(step.do(4921, 2500))
+        await settle(undo())
+    assert _one(cap, "run")[sc.SAGA_RUN_STATUS] == "compensation_failed"
+    assert _one(cap, "escalate")[sc.SAGA_ESCALATION_REASON] == "compensation_failed"
+    assert len(cap.spans(phase="unwind")) == 1
+
+
+@pytest.mark.parametrize("bad", ["datetime", "oversized", "raises"])
+async def test_observed_undo_that_cannot_be_stored_is_marked(mode: Driver, bad: str) -> None:
+    import datetime as dt
+
+    cap = capture()
+    world = World()
+    kw: dict[str, Any] = {
+        "saga": "refund",
+        "tracer_provider": cap.provider,
+        "registry": cap.registry,
+        "logger": cap.logger,
+    }
+
+    def recipe(info: Any) -> dict[str, Any]:
+        if bad == "raises":
+            raise KeyError("credit_id")
+        if bad == "datetime":
+            return {"at": dt.datetime(2026, 1, 1)}
+        return {"blob": "x" * 70_000}
+
+    step = observed(credit_step(mode, world), compensation=recipe, **kw)
+    with pytest.raises(RuntimeError), observed_run(**kw):
+        result = await settle(step.do(4921, 2500))  # the user's step is never broken
+        assert result["amount"] == 2500
+        raise RuntimeError("the runner gives up without undoing")
+    do = _one(cap, "do")
+    assert do[sc.SAGA_COMPENSATION_UNSTORABLE]
+    assert sc.SAGA_COMPENSATION_TOOL not in do
+    assert len(world.ledger) == 1
+    # The effect stands with no stored undo: never "compensated".
+    assert _one(cap, "run")[sc.SAGA_RUN_STATUS] == "compensation_failed"
