@@ -31,7 +31,6 @@ View = RunView
 
 SEVERITY_WARNING: Final = "warning"
 SEVERITY_CRITICAL: Final = "critical"
-SEVERITIES: Final = (SEVERITY_CRITICAL, SEVERITY_WARNING)
 
 DEFAULT_PUBLIC_URL: Final = "http://127.0.0.1:4320"
 DEFAULT_RUNBOOK_BASE: Final = "https://github.com/saga-otel/saga-otel/blob/main/docs/operations.md"

@@ -83,7 +83,7 @@ class Sidecar:
         """Call ``fn(before, after, now)`` after every committed change to a run view.
 
         With ``facts_only``, intake calls ``fn`` only for runs whose alert-relevant
-        facts changed (``RunState.facts``: status, unwind start, escalation, pivot,
+        facts changed (``_state._facts``: status, unwind start, escalation, pivot,
         compensation failures, resolution; a new run counts as changed when its facts
         differ from a fresh running run's), which saves building two views per run
         and batch. Orphaning and resolution always call it.
@@ -206,11 +206,6 @@ class Sidecar:
         if self.store is not None:
             self.store.close()
             self.store = None
-
-    async def serve_forever(self, stop: asyncio.Event | None = None) -> None:
-        stop = stop or asyncio.Event()
-        async with self:
-            await stop.wait()
 
     def _rebuild(self) -> None:
         """Fold every stored span back into the state (clocks restart now: we were deaf)."""

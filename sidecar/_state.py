@@ -121,25 +121,16 @@ class Transition:
 
 
 @dataclass(frozen=True, slots=True)
-class Heartbeat:
-    instance: str
-    at: float
-    interval: float
-
-
-@dataclass(frozen=True, slots=True)
 class Applied:
     """What one batch of spans changed.
 
-    ``before`` holds views only when asked for (``want_views``). With ``keep_before``,
-    ``facts_changed`` lists the changed runs whose :meth:`RunState.facts` moved, and
-    :meth:`RunState.view_before` builds the view a run had before the batch.
+    With ``keep_before``, ``facts_changed`` lists the changed runs whose facts
+    (``_facts``) moved, and :meth:`RunState.view_before` builds the view a run had
+    before the batch.
     """
 
     changed: tuple[str, ...]
     transitions: tuple[Transition, ...]
-    heartbeats: tuple[Heartbeat, ...]
-    before: Mapping[str, RunView | None]
     facts_changed: tuple[str, ...] = ()
     snapshots: Mapping[str, _Run | None] = field(default_factory=dict)
 
@@ -384,9 +375,6 @@ class RunState:
             1 for r in self._runs.values() if r.status == sc.STATE_ORPHANED and r.resolution is None
         )
 
-    def instances(self) -> dict[str, tuple[float, float]]:
-        return {k: (v.at, v.interval) for k, v in self._instances.items()}
-
     def summaries(
         self,
         *,
@@ -433,11 +421,6 @@ class RunState:
         """The run view of docs/internals.md, or None for an unknown run."""
         run = self._runs.get(run_id)
         return None if run is None else self._view(run)
-
-    def facts(self, run_id: str) -> Facts | None:
-        """The alert-relevant part of a run (see ``_facts``); None for an unknown run."""
-        run = self._runs.get(run_id)
-        return None if run is None else _facts(run)
 
     def view_before(self, applied: Applied, run_id: str) -> RunView | None:
         """The view ``run_id`` had before ``applied`` (which must be ``keep_before``)."""
@@ -530,29 +513,25 @@ class RunState:
         spans: Iterable[SpanRecord],
         now: float,
         *,
-        want_views: bool = False,
         keep_before: bool = False,
     ) -> Applied:
-        """Fold validated spans (see ``_otlp.validate``) into the state.
+        """Fold validated spans (see ``saga_otel.contract``) into the state.
 
-        ``want_views`` puts every changed run's view from before the batch in
-        ``Applied.before``; ``keep_before`` keeps cheap copies instead, so a caller
-        builds the before views only of the runs whose facts changed.
+        ``keep_before`` keeps cheap copies of the changed runs, so a caller builds
+        the before views (:meth:`view_before`) only of the runs whose facts changed.
         """
         changed: dict[str, None] = {}
         touched: dict[str, _Run] = {}
         before_status: dict[str, RunStatus | None] = {}
-        before_views: dict[str, RunView | None] = {}
         snapshots: dict[str, _Run | None] = {}
         before_facts: dict[str, Facts] = {}
-        heartbeats: list[Heartbeat] = []
         runs = self._runs
         fold = self._fold
         for span in spans:
             attrs = span.attributes
             phase = attrs.get(sc.SAGA_PHASE)
             if phase == sc.PHASE_HEARTBEAT:
-                heartbeats.append(self._heartbeat(span, now))
+                self._heartbeat(span, now)
                 continue
             run_id = attrs.get(sc.SAGA_RUN_ID)
             if not isinstance(run_id, str) or not run_id:
@@ -561,8 +540,6 @@ class RunState:
             if run is None:  # first span of this run in the batch
                 found = runs.get(run_id)
                 before_status[run_id] = found.status if found else None
-                if want_views:
-                    before_views[run_id] = self._view(found) if found else None
                 if keep_before:
                     snapshots[run_id] = found.copy() if found else None
                     before_facts[run_id] = _facts(found) if found else _NEW_RUN_FACTS
@@ -593,13 +570,11 @@ class RunState:
         return Applied(
             tuple(changed),
             tuple(transitions),
-            tuple(heartbeats),
-            {k: before_views[k] for k in changed} if want_views else {},
             facts_changed,
             {k: snapshots[k] for k in changed} if keep_before else {},
         )
 
-    def _heartbeat(self, span: SpanRecord, now: float) -> Heartbeat:
+    def _heartbeat(self, span: SpanRecord, now: float) -> None:
         interval = float(span.attributes.get(sc.SAGA_HEARTBEAT_INTERVAL_S, 1.0))
         instance = _intern(span.instance)
         self._instances[instance] = _Watch(now, interval)
@@ -610,7 +585,6 @@ class RunState:
                 if run_id in self._idle:  # still alive: to the young end of the queue
                     del self._idle[run_id]
                     self._idle[run_id] = None
-        return Heartbeat(instance, now, interval)
 
     def _fold(self, run: _Run, span: SpanRecord, phase: object) -> bool:
         """Fold one span; False when it was a duplicate that changed nothing."""
@@ -788,10 +762,6 @@ class RunState:
             return False
         run.resolution = Resolution(note, now)
         return True
-
-    def orphaned_at(self, run_id: str) -> float | None:
-        run = self._runs.get(run_id)
-        return run.orphaned_at if run else None
 
     def prunable(self, now: float, retention: float) -> list[str]:
         """Finished (ended or resolved) runs with no activity for ``retention`` seconds."""
