@@ -56,6 +56,16 @@ SAGA_STEP_PIVOT: Final = "saga.step.pivot"
 SAGA_COMPENSATION_TOOL: Final = "saga.compensation.tool"
 SAGA_COMPENSATION_ARGS: Final = "saga.compensation.args"
 SAGA_COMPENSATION_DESCRIPTION: Final = "saga.compensation.description"
+# On a do span whose effect stands but whose undo could not be stored (not
+# JSON, or over the size bound): the reason. The run cannot end compensated.
+SAGA_COMPENSATION_UNSTORABLE: Final = "saga.compensation.unstorable"
+
+# --- export markers and recovery ------------------------------------------
+# A small span sent in place of one the sidecar refused as too large.
+SAGA_EXPORT_DROPPED: Final = "saga.export.dropped"  # the reason (e.g. "too_large")
+SAGA_EXPORT_DROPPED_SPAN: Final = "saga.export.dropped_span"  # the refused span's name
+# The fencing token of the recovery lease a recoverer holds; on its spans.
+SAGA_RECOVERY_TOKEN: Final = "saga.recovery.token"
 
 # --- unwind / escalate ----------------------------------------------------
 SAGA_UNWIND_REASON: Final = "saga.unwind.reason"
