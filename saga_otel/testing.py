@@ -24,6 +24,7 @@ from prometheus_client import CollectorRegistry
 from saga_otel import semconv as sc
 from saga_otel._engine import Saga, current_call
 from saga_otel._registry import Tool, ToolRegistry
+from saga_otel.contract import check
 
 __all__ = [
     "AlertReceiver",
@@ -224,78 +225,17 @@ def span_attrs(span: ReadableSpan) -> Mapping[str, Any]:
     return dict(span.attributes or {})
 
 
-_REQUIRED: dict[str, dict[str, type | tuple[type, ...]]] = {
-    sc.PHASE_RUN: {sc.SAGA_RUN_STATUS: str},
-    sc.PHASE_VALIDATE: {sc.SAGA_STEP_NAME: str},
-    sc.PHASE_DO: {
-        sc.SAGA_STEP_NAME: str,
-        sc.SAGA_STEP_INDEX: int,
-        sc.SAGA_STEP_CLASS: str,
-        sc.SAGA_STEP_ATTEMPT: int,
-        sc.SAGA_STEP_PIVOT: bool,
-    },
-    sc.PHASE_UNWIND: {sc.SAGA_UNWIND_REASON: str, sc.SAGA_RUN_FAILED_STEP: str, sc.SAGA_STACK: str},
-    sc.PHASE_COMPENSATE: {
-        sc.SAGA_STEP_NAME: str,
-        sc.SAGA_STEP_INDEX: int,
-        sc.SAGA_STEP_ATTEMPT: int,
-        sc.SAGA_COMPENSATION_TOOL: str,
-        sc.SAGA_COMPENSATION_ARGS: str,
-    },
-    sc.PHASE_ESCALATE: {sc.SAGA_ESCALATION_REASON: str, sc.SAGA_ESCALATION_CARD: str},
-    sc.PHASE_HEARTBEAT: {sc.SAGA_HEARTBEAT_OPEN_RUNS: tuple, sc.SAGA_HEARTBEAT_INTERVAL_S: float},
-}
-
-
 def contract_violations(spans: Iterable[ReadableSpan]) -> list[str]:
-    """Every way these spans break the saga span contract (empty when they keep it)."""
-    import json as _json
+    """Every way these spans break the saga span contract (empty when they keep it).
 
-    names = {
-        sc.PHASE_RUN: sc.run_span_name,
-        sc.PHASE_DO: sc.do_span_name,
-        sc.PHASE_VALIDATE: sc.validate_span_name,
-        sc.PHASE_UNWIND: sc.unwind_span_name,
-        sc.PHASE_COMPENSATE: sc.compensate_span_name,
-        sc.PHASE_ESCALATE: sc.escalate_span_name,
-    }
+    The rules are :func:`saga_otel.contract.check` with ``complete=True``: the
+    sidecar's intake rules plus what every span saga-otel emits carries.
+    """
     out: list[str] = []
     for span in spans:
-        a = dict(span.attributes or {})
-        phase = a.get(sc.SAGA_PHASE)
-        where = f"span {span.name!r}"
-        if phase not in _REQUIRED:
-            out.append(f"{where}: saga.phase {phase!r} is not a contract phase")
-            continue
-        if a.get(sc.SAGA_CONTRACT_VERSION) != sc.CONTRACT_VERSION:
-            out.append(f"{where}: saga.contract.version is {a.get(sc.SAGA_CONTRACT_VERSION)!r}")
-        if phase != sc.PHASE_HEARTBEAT:
-            for key in (sc.SAGA_RUN_ID, sc.SAGA_NAME):
-                if not isinstance(a.get(key), str) or not a.get(key):
-                    out.append(f"{where}: {key} missing")
-        for key, typ in _REQUIRED[phase].items():
-            if not isinstance(a.get(key), typ):
-                out.append(f"{where}: {key} is {a.get(key)!r}, expected {typ}")
-        if phase == sc.PHASE_RUN and a.get(sc.SAGA_RUN_STATUS) not in sc.RUN_END_STATUSES:
-            out.append(f"{where}: status {a.get(sc.SAGA_RUN_STATUS)!r} unknown")
-        if phase == sc.PHASE_DO and a.get(sc.SAGA_STEP_CLASS) not in sc.STEP_CLASSES:
-            out.append(f"{where}: class {a.get(sc.SAGA_STEP_CLASS)!r} unknown")
-        for key in (sc.SAGA_COMPENSATION_ARGS, sc.SAGA_STACK, sc.SAGA_ESCALATION_CARD):
-            if key in a:
-                try:
-                    _json.loads(str(a[key]))
-                except ValueError:
-                    out.append(f"{where}: {key} is not JSON")
-        if phase in names:
-            ref = (
-                a.get(sc.SAGA_NAME)
-                if phase in (sc.PHASE_RUN, sc.PHASE_UNWIND, sc.PHASE_ESCALATE)
-                else a.get(sc.SAGA_STEP_NAME)
-            )
-            if span.name != names[phase](str(ref)):
-                out.append(f"{where}: name should be {names[phase](str(ref))!r}")
-        elif span.name != sc.HEARTBEAT_SPAN_NAME:
-            out.append(f"{where}: heartbeat span must be named {sc.HEARTBEAT_SPAN_NAME!r}")
+        attrs = dict(span.attributes or {})
+        for problem in check(attrs, span.name, complete=True):
+            out.append(f"span {span.name!r}: {problem}")
     return out
 
 

@@ -18,16 +18,19 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 from saga_otel import semconv as sc
-from saga_otel.records import EscalationCard
+from saga_otel.records import EscalationCard, is_pivot
 
-View = Mapping[str, Any]
+from ._views import CompensationView, RunView, StepView
+
+# Typed as the run view, read with .get(): the rules also run over views replayed
+# from the outbox and views written by hand, which may lack keys.
+View = RunView
 
 SEVERITY_WARNING: Final = "warning"
 SEVERITY_CRITICAL: Final = "critical"
-SEVERITIES: Final = (SEVERITY_CRITICAL, SEVERITY_WARNING)
 
 DEFAULT_PUBLIC_URL: Final = "http://127.0.0.1:4320"
 DEFAULT_RUNBOOK_BASE: Final = "https://github.com/saga-otel/saga-otel/blob/main/docs/operations.md"
@@ -152,7 +155,7 @@ def _status(view: View) -> str:
     return str(view.get("status") or "")
 
 
-def _steps(view: View) -> list[Mapping[str, Any]]:
+def _steps(view: View) -> list[StepView]:
     steps = view.get("steps") or []
     return [s for s in steps if isinstance(s, Mapping)]
 
@@ -238,7 +241,7 @@ def resolve_stale(
 # --- building the event -----------------------------------------------------------
 
 
-def _num(value: Any) -> float | None:
+def _num(value: object) -> float | None:
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 
 
@@ -267,7 +270,7 @@ def _short(run_id: str) -> str:
     return run_id if len(run_id) <= 12 else run_id[:8] + "…"
 
 
-def _last_error(step: Mapping[str, Any], key: str) -> str | None:
+def _last_error(step: StepView, key: Literal["attempts", "compensations"]) -> str | None:
     attempts = step.get(key) or []
     for attempt in reversed(attempts):
         if isinstance(attempt, Mapping) and attempt.get("error"):
@@ -286,7 +289,7 @@ def _step_label(view: View) -> str:
     return ""
 
 
-def _card(view: View) -> Mapping[str, Any]:
+def _card(view: View) -> Mapping[str, object]:
     escalation = view.get("escalation")
     card = escalation.get("card") if isinstance(escalation, Mapping) else None
     return card if isinstance(card, Mapping) else {}
@@ -309,8 +312,16 @@ def _failure_text(view: View) -> str:
     return str(_card(view).get("error") or "unknown error")
 
 
-def _comp_text(comp: Mapping[str, Any]) -> str:
+def _comp_text(comp: CompensationView | Mapping[str, object]) -> str:
     return str(comp.get("description") or f"{comp.get('tool')}({comp.get('step')})")
+
+
+def _not_undone(step: StepView) -> str:
+    comp: CompensationView | Mapping[str, object] = step.get("compensation") or {}
+    return (
+        f"{_comp_text(comp)}: {_last_error(step, 'compensations')} "
+        f"(tool {comp.get('tool')}, args {json.dumps(comp.get('args', {}), sort_keys=True)})"
+    )
 
 
 def build_card(alertname: str, view: View, run_url: str) -> dict[str, Any]:
@@ -318,9 +329,9 @@ def build_card(alertname: str, view: View, run_url: str) -> dict[str, Any]:
 
     The view's own escalation card (from the agent's escalate span) wins when present.
     """
-    esc = view.get("escalation")
-    if isinstance(esc, Mapping) and isinstance(esc.get("card"), Mapping) and esc["card"]:
-        return dict(esc["card"])
+    card = _card(view)
+    if card:
+        return dict(card)
     steps = _steps(view)
     stack = [c for c in (view.get("stack") or []) if isinstance(c, Mapping)]
     failed = [s for s in steps if s.get("compensation_failed")]
@@ -330,16 +341,11 @@ def build_card(alertname: str, view: View, run_url: str) -> dict[str, Any]:
         for s in steps
         if s.get("compensated")
     ]
-    not_undone = [
-        f"{_comp_text(s.get('compensation') or {})}: {_last_error(s, 'compensations')} "
-        f"(tool {(s.get('compensation') or {}).get('tool')}, "
-        f"args {json.dumps((s.get('compensation') or {}).get('args', {}), sort_keys=True)})"
-        for s in failed
-    ]
+    not_undone = [_not_undone(s) for s in failed]
     irreversible = [
         str(s.get("name"))
         for s in steps
-        if s.get("ok") and (s.get("pivot") or s.get("class") == "irreversible")
+        if s.get("ok") and is_pivot(s.get("class"), s.get("pivot"))
     ]
     pending = [_comp_text(c) for c in stack]
     failed_step = view.get("failed_step")

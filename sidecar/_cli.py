@@ -9,7 +9,7 @@ import logging
 import signal
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import click
 import httpx
@@ -33,6 +33,7 @@ from ._settings import (
     parse_duration,
     parse_size,
 )
+from ._views import RunView
 
 DEFAULT_API = f"http://127.0.0.1:{DEFAULT_API_PORT}"
 
@@ -320,7 +321,8 @@ def show(run_id: str, api: str, token: str | None, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(view, indent=2))
     else:
-        Console().print(render_run(view))
+        # The API serves the run view (docs/internals.md); trust its shape.
+        Console().print(render_run(cast(RunView, view)))
 
 
 @runs.command("stack")

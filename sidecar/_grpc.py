@@ -8,16 +8,13 @@ from __future__ import annotations
 
 import hmac
 import time
-from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc import aio
 
 from ._errors import DecodeError, SidecarError, StoreError
 from ._otlp import extract, parse_protobuf, response
-
-if TYPE_CHECKING:
-    from ._server import Sidecar
+from ._service import Service
 
 SERVICE = "opentelemetry.proto.collector.trace.v1.TraceService"
 PROTOBUF = "application/x-protobuf"
@@ -27,7 +24,7 @@ def _identity(data: bytes) -> bytes:
     return data
 
 
-async def start_grpc(sidecar: Sidecar, host: str, port: int) -> tuple[Any, int]:
+async def start_grpc(sidecar: Service, host: str, port: int) -> tuple[aio.Server, int]:
     limit = sidecar.settings.max_body
     token = sidecar.settings.token
     expected = f"Bearer {token}".encode() if token else b""

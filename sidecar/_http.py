@@ -10,17 +10,15 @@ import time
 import zlib
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST
+from aiohttp.typedefs import Middleware
+from prometheus_client import CONTENT_TYPE_LATEST, Histogram
 
 from ._errors import DecodeError, StoreError
 from ._otlp import extract, parse_json, parse_protobuf, response
+from ._service import SERVICE, Service
 from ._state import ALL_STATES
-
-if TYPE_CHECKING:
-    from ._server import Sidecar
 
 PROTOBUF = "application/x-protobuf"
 JSON = "application/json"
@@ -43,10 +41,10 @@ def error(status: int, message: str, headers: dict[str, str] | None = None) -> w
     return web.json_response({"error": message}, status=status, headers=headers)
 
 
-def _auth_middleware(sidecar: Sidecar, transport: str) -> Any:
+def _auth_middleware(sidecar: Service, transport: str) -> Middleware:
     token = sidecar.settings.token
     expected = f"Bearer {token}".encode() if token else b""
-    durations: dict[str, Any] = {}
+    durations: dict[str, Histogram] = {}
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -127,11 +125,13 @@ def inflate(body: bytes, limit: int) -> bytes:
     return out
 
 
-def build_otlp_app(sidecar: Sidecar) -> web.Application:
-    app = web.Application(middlewares=[_auth_middleware(sidecar, "http")])
-    limit = sidecar.settings.max_body
+def build_otlp_app(service: Service) -> web.Application:
+    app = web.Application(middlewares=[_auth_middleware(service, "http")])
+    app[SERVICE] = service
 
     async def traces(request: web.Request) -> web.Response:
+        sidecar = request.app[SERVICE]
+        limit = sidecar.settings.max_body
         ctype = request.content_type
         as_json = ctype == JSON
         if ctype not in (PROTOBUF, JSON):
@@ -223,10 +223,11 @@ def decode_cursor(text: str) -> tuple[float, str]:
         ) from exc
 
 
-def build_api_app(sidecar: Sidecar) -> web.Application:
+def build_api_app(service: Service) -> web.Application:
     app = web.Application(
-        middlewares=[_auth_middleware(sidecar, "api")], client_max_size=API_MAX_BODY
+        middlewares=[_auth_middleware(service, "api")], client_max_size=API_MAX_BODY
     )
+    app[SERVICE] = service
 
     def unknown(run_id: str) -> web.Response:
         return error(
@@ -236,6 +237,7 @@ def build_api_app(sidecar: Sidecar) -> web.Application:
         )
 
     async def list_runs(request: web.Request) -> web.Response:
+        sidecar = request.app[SERVICE]
         q = request.query
         try:
             status = q.get("status")
@@ -276,11 +278,13 @@ def build_api_app(sidecar: Sidecar) -> web.Application:
         return web.json_response({"runs": page, "next_cursor": next_cursor})
 
     async def get_run(request: web.Request) -> web.Response:
+        sidecar = request.app[SERVICE]
         run_id = request.match_info["run_id"]
         view = sidecar.state.view(run_id)
         return unknown(run_id) if view is None else web.json_response(view)
 
     async def get_stack(request: web.Request) -> web.Response:
+        sidecar = request.app[SERVICE]
         run_id = request.match_info["run_id"]
         stack = sidecar.state.stack(run_id)
         if stack is None:
@@ -290,6 +294,7 @@ def build_api_app(sidecar: Sidecar) -> web.Application:
         )
 
     async def resolve(request: web.Request) -> web.Response:
+        sidecar = request.app[SERVICE]
         run_id = request.match_info["run_id"]
         try:
             data = await request.json()
@@ -307,11 +312,13 @@ def build_api_app(sidecar: Sidecar) -> web.Application:
         return unknown(run_id) if view is None else web.json_response(view)
 
     async def healthz(request: web.Request) -> web.Response:
+        sidecar = request.app[SERVICE]
         return web.json_response(
             {"status": "ok", "runs": len(sidecar.state), "in_flight": sidecar.in_flight}
         )
 
     async def metrics(request: web.Request) -> web.Response:
+        sidecar = request.app[SERVICE]
         body = sidecar.metrics.render(sidecar.state)
         resp = web.Response(body=body)
         resp.headers["Content-Type"] = CONTENT_TYPE_LATEST
@@ -323,5 +330,5 @@ def build_api_app(sidecar: Sidecar) -> web.Application:
     app.router.add_post("/runs/{run_id}/resolve", resolve)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/metrics", metrics)
-    app.router.add_routes(sidecar.api_routes)
+    app.router.add_routes(service.api_routes)
     return app

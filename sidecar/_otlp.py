@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import base64
 import json
-import math
 import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeGuard
+from typing import Any
 
 from google.protobuf import descriptor_pb2, descriptor_pool, json_format, message_factory
 from google.protobuf.message import DecodeError as ProtobufDecodeError
@@ -26,6 +25,7 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as PbSpan
 
 from saga_otel import semconv as sc
+from saga_otel.contract import check
 
 from ._errors import DecodeError
 
@@ -233,88 +233,15 @@ def _value(data: bytes) -> Any:
 
 # --- validation -----------------------------------------------------------------
 
-_STR_ATTRS = (
-    sc.SAGA_RUN_ID,
-    sc.SAGA_NAME,
-    sc.SAGA_RUN_STATUS,
-    sc.SAGA_RUN_FAILED_STEP,
-    sc.SAGA_STEP_NAME,
-    sc.SAGA_STEP_CLASS,
-    sc.SAGA_COMPENSATION_TOOL,
-    sc.SAGA_COMPENSATION_ARGS,
-    sc.SAGA_COMPENSATION_DESCRIPTION,
-    sc.SAGA_UNWIND_REASON,
-    sc.SAGA_STACK,
-    sc.SAGA_ESCALATION_REASON,
-    sc.SAGA_ESCALATION_CARD,
-)
-_INT_ATTRS = (sc.SAGA_STEP_INDEX, sc.SAGA_STEP_ATTEMPT)
-_KINDS: dict[str, type] = {
-    **dict.fromkeys(_STR_ATTRS, str),
-    **dict.fromkeys(_INT_ATTRS, int),
-    sc.SAGA_STEP_PIVOT: bool,
-}
-_KIND_NAMES = {str: "a string", int: "an int", bool: "a bool"}
-
-
-def _is_int(value: Any) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _json_object(text: str) -> bool:
-    try:
-        return isinstance(json.loads(text), dict)
-    except ValueError:
-        return False
-
 
 def validate(attrs: Mapping[str, Any]) -> str | None:
-    """Why a span that carries ``saga.phase`` breaks the contract, or None when it does not."""
-    phase = attrs.get(sc.SAGA_PHASE)
-    # A list is unhashable: check the type before the set lookup, or a hostile span 500s.
-    if not isinstance(phase, str) or phase not in sc.PHASES:
-        return f"{sc.SAGA_PHASE}={phase!r} is not one of {', '.join(sorted(sc.PHASES))}"
-    for key, value in attrs.items():  # one pass over what is there, not over every name
-        kind = _KINDS.get(key)
-        if kind is None or type(value) is kind:
-            continue
-        return f"{key} must be {_KIND_NAMES[kind]}, got {type(value).__name__} {value!r}"
-    if phase == sc.PHASE_HEARTBEAT:
-        runs = attrs.get(sc.SAGA_HEARTBEAT_OPEN_RUNS, [])
-        if not isinstance(runs, list) or not all(isinstance(r, str) for r in runs):
-            return f"{sc.SAGA_HEARTBEAT_OPEN_RUNS} must be a string array, got {runs!r}"
-        interval = attrs.get(sc.SAGA_HEARTBEAT_INTERVAL_S, 1.0)
-        is_number = isinstance(interval, float) or _is_int(interval)
-        if not is_number or not math.isfinite(interval) or interval <= 0:
-            return f"{sc.SAGA_HEARTBEAT_INTERVAL_S} must be a positive double, got {interval!r}"
-        return None
-    if not attrs.get(sc.SAGA_RUN_ID):
-        return f"a saga {phase} span lacks {sc.SAGA_RUN_ID}: every span of a run must carry it"
-    if phase in (sc.PHASE_DO, sc.PHASE_COMPENSATE):
-        index = attrs.get(sc.SAGA_STEP_INDEX)
-        if not _is_int(index) or index < 0:
-            return f"a {phase} span needs {sc.SAGA_STEP_INDEX} >= 0, got {index!r}"
-        attempt = attrs.get(sc.SAGA_STEP_ATTEMPT, 1)
-        if not _is_int(attempt) or attempt < 1:
-            return f"{sc.SAGA_STEP_ATTEMPT} counts from 1, got {attempt!r}"
-        args = attrs.get(sc.SAGA_COMPENSATION_ARGS)
-        if args is not None and not _json_object(args):
-            return f"{sc.SAGA_COMPENSATION_ARGS} must be JSON object text, got {args!r}"
-    if phase == sc.PHASE_DO:
-        cls = attrs.get(sc.SAGA_STEP_CLASS)
-        if cls is not None and cls not in sc.STEP_CLASSES:
-            return f"{sc.SAGA_STEP_CLASS}={cls!r} is not one of {', '.join(sc.STEP_CLASSES)}"
-    if phase == sc.PHASE_RUN and attrs.get(sc.SAGA_RUN_STATUS) not in sc.RUN_END_STATUSES:
-        return (
-            f"{sc.SAGA_RUN_STATUS}={attrs.get(sc.SAGA_RUN_STATUS)!r} is not one of "
-            f"{', '.join(sorted(sc.RUN_END_STATUSES))}"
-        )
-    if phase == sc.PHASE_ESCALATE and sc.SAGA_ESCALATION_CARD in attrs:
-        try:
-            json.loads(attrs[sc.SAGA_ESCALATION_CARD])
-        except ValueError:
-            return f"{sc.SAGA_ESCALATION_CARD} is not JSON text"
-    return None
+    """Why a span that carries ``saga.phase`` breaks the contract, or None when it does not.
+
+    The rules are ``saga_otel.contract`` (shared with ``saga_otel.testing``); a
+    rejected span's partial-success message names its first problem.
+    """
+    problems = check(attrs)
+    return str(problems[0]) if problems else None
 
 
 # --- requests -------------------------------------------------------------------

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 from datetime import UTC, datetime
-from typing import Any
 
 from rich.console import Group, RenderableType
 from rich.rule import Rule
@@ -12,6 +11,9 @@ from rich.table import Table
 from rich.text import Text
 
 from saga_otel import semconv as sc
+from saga_otel.records import is_pivot
+
+from ._views import CompensationView, RunView
 
 _STATUS_STYLE = {
     sc.STATUS_COMPLETED: "green",
@@ -32,118 +34,116 @@ def _when(epoch: float | None) -> str:
     return datetime.fromtimestamp(epoch, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
-def _call(item: dict[str, Any]) -> str:
-    args = ", ".join(f"{k}={json.dumps(v)}" for k, v in (item.get("args") or {}).items())
-    return f"{item.get('tool')}({args})"
+def _call(item: CompensationView) -> str:
+    args = ", ".join(f"{k}={json.dumps(v)}" for k, v in item["args"].items())
+    return f"{item['tool']}({args})"
 
 
 def _mark(ok: bool) -> Text:
     return Text("✓", style="green") if ok else Text("✗", style="bold red")
 
 
-def render_run(view: dict[str, Any]) -> RenderableType:
+def render_run(view: RunView) -> RenderableType:
     """The diagram for one run view (the JSON of GET /runs/{id})."""
-    status = str(view.get("status"))
+    status = view["status"]
     head = Text.assemble(
         ("saga ", "dim"),
-        (str(view.get("saga")), "bold"),
+        (view["saga"], "bold"),
         ("  run ", "dim"),
-        str(view.get("run_id")),
+        view["run_id"],
         ("  status ", "dim"),
         (status.upper(), _STATUS_STYLE.get(status, "")),
     )
     facts = Text(
-        f"service {view.get('service') or '-'}  instance {view.get('instance') or '-'}  "
-        f"started {_when(view.get('started_at'))}  ended {_when(view.get('ended_at'))}",
+        f"service {view['service'] or '-'}  instance {view['instance'] or '-'}  "
+        f"started {_when(view['started_at'])}  ended {_when(view['ended_at'])}",
         style="dim",
     )
     parts: list[RenderableType] = [head, facts]
-    if view.get("failed_step"):
+    if view["failed_step"]:
         parts.append(Text(f"failed step: {view['failed_step']}", style="red"))
-    if view.get("unwind_reason"):
+    if view["unwind_reason"]:
         parts.append(Text(f"unwind reason: {view['unwind_reason']}"))
 
-    steps = list(view.get("steps") or [])
-    pivot = view.get("pivot")
+    steps = view["steps"]
+    pivot = view["pivot"]
     table = Table(show_edge=True, expand=False, pad_edge=True)
     table.add_column("FORWARD", no_wrap=False)
     table.add_column("COMPENSATION STACK", no_wrap=False)
     for step in steps:
-        attempts = step.get("attempts") or []
+        attempts = step["attempts"]
         tries = f" x{len(attempts)}" if len(attempts) > 1 else ""
         left = Text.assemble(
-            _mark(bool(step.get("ok"))),
-            f" #{step['index']} {step.get('name')} ",
-            (f"({step.get('class') or '?'}){tries}", "dim"),
+            _mark(step["ok"]),
+            f" #{step['index']} {step['name']} ",
+            (f"({step['class'] or '?'}){tries}", "dim"),
         )
-        if not step.get("ok") and attempts:
-            left.append(f"\n   {attempts[-1].get('error')}", style="red")
-        comp = step.get("compensation")
+        if not step["ok"] and attempts:
+            left.append(f"\n   {attempts[-1]['error']}", style="red")
+        comp = step["compensation"]
         if comp:
-            if step.get("compensated"):
+            if step["compensated"]:
                 right = Text(f"{_call(comp)}  undone", style="dim strike")
-            elif step.get("compensation_failed"):
+            elif step["compensation_failed"]:
                 right = Text(f"{_call(comp)}  FAILED", style="bold red")
             else:
                 right = Text(f"{_call(comp)}  pending")
-        elif step.get("class") == "read":
+        elif step["class"] == "read":
             right = Text("(nothing to undo)", style="dim")
-        elif step.get("class") == "irreversible" or step.get("pivot"):
+        elif is_pivot(step["class"], step["pivot"]):
             right = Text("(cannot be undone)", style="yellow")
         else:
             right = Text("-", style="dim")
         table.add_row(left, right)
-        if pivot and step["index"] == pivot.get("index"):
+        if pivot and step["index"] == pivot["index"]:
             table.add_row(
-                Text(f"━━ PIVOT: {pivot.get('step')} (#{pivot.get('index')}) ━━", style="yellow"),
+                Text(f"━━ PIVOT: {pivot['step']} (#{pivot['index']}) ━━", style="yellow"),
                 Text("━━ no undo past this line ━━", style="yellow"),
             )
     parts.append(table)
 
     unwound = sorted(
-        (s for s in steps if s.get("compensations")), key=lambda s: s["index"], reverse=True
+        (s for s in steps if s["compensations"]), key=lambda s: s["index"], reverse=True
     )
-    if unwound or view.get("unwind_started_at") is not None:
+    if unwound or view["unwind_started_at"] is not None:
         parts.append(Rule("UNWIND (reverse order)", align="left"))
-        started = view.get("unwind_started_at")
+        started = view["unwind_started_at"]
         parts.append(Text(f"started {_when(started)}", style="dim"))
         for step in unwound:
             comps = step["compensations"]
-            ok = bool(step.get("compensated"))
-            comp = step.get("compensation") or {"tool": "?", "args": {}}
+            ok = step["compensated"]
+            comp_text = _call(step["compensation"]) if step["compensation"] else "?()"
             line = Text.assemble(
                 _mark(ok),
-                f" #{step['index']} {step.get('name')}: {_call(comp)}",
+                f" #{step['index']} {step['name']}: {comp_text}",
                 (f"  {len(comps)} attempt(s)", "dim"),
             )
             if not ok:
-                line.append(f"\n   last error: {comps[-1].get('error')}", style="red")
+                line.append(f"\n   last error: {comps[-1]['error']}", style="red")
             parts.append(line)
         if not unwound:
             parts.append(Text("(no compensation has run yet)", style="dim"))
 
-    stack = view.get("stack") or []
+    stack = view["stack"]
     parts.append(Rule("LEFT ON THE STACK (top first)", align="left"))
-    if stack and view.get("status") == "completed":
+    if stack and status == "completed":
         # A completed run keeps its undo records for the record, not to run them.
         parts.append(Text(f"  {len(stack)} undo record(s) kept; the run completed, none will run"))
     elif stack:
-        if view.get("status") == "stuck":
+        if status == "stuck":
             parts.append(Text("  past the pivot: a person decides about these", style="red"))
         for item in stack:
             parts.append(
-                Text(f"  #{item['index']} {item.get('step')}: {_call(item)}  {item['description']}")
+                Text(f"  #{item['index']} {item['step']}: {_call(item)}  {item['description']}")
             )
     else:
         parts.append(Text("  (empty: nothing left to undo)", style="dim"))
 
-    escalation = view.get("escalation")
+    escalation = view["escalation"]
     if escalation:
-        parts.append(Rule(f"ESCALATED: {escalation.get('reason')}", align="left", style="red"))
-        parts.append(Text(json.dumps(escalation.get("card"), indent=2, sort_keys=True)))
-    resolution = view.get("resolution")
+        parts.append(Rule(f"ESCALATED: {escalation['reason']}", align="left", style="red"))
+        parts.append(Text(json.dumps(escalation["card"], indent=2, sort_keys=True)))
+    resolution = view["resolution"]
     if resolution:
-        parts.append(
-            Text(f"resolved {_when(resolution.get('at'))}: {resolution.get('note')}", "green")
-        )
+        parts.append(Text(f"resolved {_when(resolution['at'])}: {resolution['note']}", "green"))
     return Group(*parts)

@@ -14,24 +14,27 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from types import TracebackType
-from typing import Any
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry
+from grpc import aio
+from prometheus_client import CollectorRegistry, Counter
 
 from saga_otel import semconv as sc
 
 from ._errors import SidecarError, StoreError
 from ._forward import Forwarder, cancel
+from ._grpc import start_grpc
+from ._http import build_api_app, build_otlp_app
 from ._metrics import SidecarMetrics
-from ._otlp import Decoded, span_from_stored
+from ._otlp import Decoded, SpanRecord, span_from_stored
 from ._settings import Settings
 from ._state import RunState, Transition
 from ._store import Store
+from ._views import RunView
 
 log = logging.getLogger("sidecar")
 
-Listener = Callable[[dict[str, Any] | None, dict[str, Any], float], None]
+Listener = Callable[[RunView | None, RunView, float], None]
 """``fn(before, after, now)``: called after each committed change to a run view."""
 BackgroundFactory = Callable[[], Awaitable[None]]
 
@@ -66,9 +69,9 @@ class Sidecar:
         self._api_routes: list[web.AbstractRouteDef] = []
         self._tasks: list[asyncio.Task[None]] = []
         self._runners: list[web.AppRunner] = []
-        self._grpc: Any = None
+        self._grpc: aio.Server | None = None
         self._started = False
-        self._span_counters: dict[tuple[str, str], Any] = {}
+        self._span_counters: dict[tuple[str, str], Counter] = {}
 
     # --- hooks for the alerting side --------------------------------------------
 
@@ -80,7 +83,7 @@ class Sidecar:
         """Call ``fn(before, after, now)`` after every committed change to a run view.
 
         With ``facts_only``, intake calls ``fn`` only for runs whose alert-relevant
-        facts changed (``RunState.facts``: status, unwind start, escalation, pivot,
+        facts changed (``_state._facts``: status, unwind start, escalation, pivot,
         compensation failures, resolution; a new run counts as changed when its facts
         differ from a fresh running run's), which saves building two views per run
         and batch. Orphaning and resolution always call it.
@@ -103,7 +106,7 @@ class Sidecar:
     def api_routes(self) -> list[web.AbstractRouteDef]:
         return list(self._api_routes)
 
-    def listening(self) -> dict[str, Any]:
+    def listening(self) -> dict[str, str | int | None]:
         return {
             "event": "sidecar.listening",
             "host": self.settings.host,
@@ -128,9 +131,6 @@ class Sidecar:
         await self.stop()
 
     async def start(self) -> None:
-        from ._grpc import start_grpc
-        from ._http import build_api_app, build_otlp_app
-
         if self._started:
             return
         self.settings.validate()
@@ -175,9 +175,9 @@ class Sidecar:
             raise SidecarError(
                 f"cannot listen on {host}:{port}: {exc}; pick a free port (or 0 for any)"
             ) from exc
-        server = site._server
-        sockets = getattr(server, "sockets", None) or []
-        return int(sockets[0].getsockname()[1]) if sockets else port
+        # One site per runner: its first address is ours (public API, no private attribute).
+        addresses = runner.addresses
+        return int(addresses[0][1]) if addresses else port
 
     def _spawn(self, factory: BackgroundFactory) -> None:
         async def guarded() -> None:
@@ -207,16 +207,11 @@ class Sidecar:
             self.store.close()
             self.store = None
 
-    async def serve_forever(self, stop: asyncio.Event | None = None) -> None:
-        stop = stop or asyncio.Event()
-        async with self:
-            await stop.wait()
-
     def _rebuild(self) -> None:
         """Fold every stored span back into the state (clocks restart now: we were deaf)."""
         assert self.store is not None
         now = self.clock()
-        batch: list[Any] = []
+        batch: list[SpanRecord] = []
         current = None
         count = 0
         for stored in self.store.spans():
@@ -295,7 +290,7 @@ class Sidecar:
         if self.forwarder is not None and body is not None and decoded.total:
             self.forwarder.offer(body, content_type, decoded.total)
 
-    def _spans_counter(self, transport: str, outcome: str) -> Any:
+    def _spans_counter(self, transport: str, outcome: str) -> Counter:
         # labels() costs more than the increment: keep the children.
         key = (transport, outcome)
         child = self._span_counters.get(key)
@@ -306,8 +301,8 @@ class Sidecar:
 
     def _notify(
         self,
-        before: dict[str, Any] | None,
-        after: dict[str, Any],
+        before: RunView | None,
+        after: RunView,
         now: float,
         facts_changed: bool = True,
     ) -> None:
@@ -318,7 +313,7 @@ class Sidecar:
                 fn(before, after, now)
             except Exception:
                 # A listener bug must never cost intake: the change is already stored.
-                log.exception("run listener %r failed for run %s", fn, after.get("run_id"))
+                log.exception("run listener %r failed for run %s", fn, after["run_id"])
 
     # --- orphans, resolution, retention ---------------------------------------------
 
@@ -335,8 +330,10 @@ class Sidecar:
         if self._listeners:
             for t in transitions:
                 after = self.state.view(t.run_id)
-                if after is not None:
-                    self._notify({**after, "status": t.before}, after, now)
+                if after is not None and t.before is not None:  # orphaning: a known run
+                    before = after.copy()
+                    before["status"] = t.before
+                    self._notify(before, after, now)
         return transitions
 
     async def _tick_loop(self) -> None:
@@ -359,7 +356,7 @@ class Sidecar:
                 if pruned:
                     log.info("pruned %d finished runs past retention", len(pruned))
 
-    def resolve(self, run_id: str, note: str) -> dict[str, Any] | None:
+    def resolve(self, run_id: str, note: str) -> RunView | None:
         """Record a person's resolution; the new view, or None for an unknown run."""
         before = self.state.view(run_id)
         if before is None:

@@ -6,8 +6,8 @@ a resolution), so spans may arrive in any order, more than once, and split
 across requests: every rule below picks by span times and ids, never by arrival.
 
 Memory matters (one sidecar watches every open run of a fleet), so a run keeps
-compact tuples, interned strings and raw JSON text, and builds its view dict
-only when asked.
+compact named tuples, interned strings and raw JSON text, and builds its view
+(``_views.RunView``) only when asked.
 """
 
 from __future__ import annotations
@@ -17,20 +17,85 @@ import json
 import sys
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import NamedTuple, TypeVar
 
 from saga_otel import semconv as sc
+from saga_otel.records import is_pivot
 
 from ._otlp import SpanRecord
+from ._views import (
+    END_STATUSES,
+    AttemptView,
+    CompensationView,
+    EndStatus,
+    EscalationView,
+    PivotView,
+    RunStatus,
+    RunSummary,
+    RunView,
+    StepView,
+)
 
-# Attempt tuples, ordered by their first three fields (unique: span ids are).
-# do:         (attempt, start, span_id, ok, error, end, comp)  comp = (tool, args_text, desc) | None
-# compensate: (attempt, start, span_id, ok, error, end, tool)
-_A_ATTEMPT, _A_START, _A_SPAN, _A_OK, _A_ERROR, _A_END, _A_EXTRA = range(7)
+
+class PendingComp(NamedTuple):
+    """The undo a successful do pushed (args as the JSON text the span carried)."""
+
+    tool: str
+    args_text: str
+    description: str
+
+
+# Attempts sort by (attempt, start, span_id); the span id is unique within a step's
+# list, so a comparison never reaches the later fields.
+class DoAttempt(NamedTuple):
+    attempt: int
+    start: float
+    span_id: int
+    ok: bool
+    error: str | None
+    end: float
+    comp: PendingComp | None
+
+
+class CompAttempt(NamedTuple):
+    attempt: int
+    start: float
+    span_id: int
+    ok: bool
+    error: str | None
+    end: float
+    tool: str | None
+
+
+class RunSpan(NamedTuple):
+    end: float
+    span_id: int
+    instance: str
+    status: EndStatus
+    failed_step: str | None
+
+
+class Unwind(NamedTuple):
+    start: float
+    span_id: int
+    reason: str | None
+    failed_step: str | None
+
+
+class Escalation(NamedTuple):
+    start: float
+    span_id: int
+    reason: str
+    card_text: str | None
+
+
+class Resolution(NamedTuple):
+    note: str
+    at: float
+
 
 NEEDS_PERSON = frozenset({sc.STATUS_COMPENSATION_FAILED, sc.STATUS_STUCK, sc.STATE_ORPHANED})
-OPEN_STATES = frozenset({sc.STATE_RUNNING, sc.STATE_UNWINDING})
-ALL_STATES = (
+ALL_STATES: tuple[RunStatus, ...] = (
     sc.STATE_RUNNING,
     sc.STATE_UNWINDING,
     sc.STATUS_COMPLETED,
@@ -50,31 +115,22 @@ class Transition:
     """A run's status changed (``before`` is None for a run seen the first time)."""
 
     run_id: str
-    before: str | None
-    after: str
+    before: RunStatus | None
+    after: RunStatus
     at: float
-
-
-@dataclass(frozen=True, slots=True)
-class Heartbeat:
-    instance: str
-    at: float
-    interval: float
 
 
 @dataclass(frozen=True, slots=True)
 class Applied:
     """What one batch of spans changed.
 
-    ``before`` holds views only when asked for (``want_views``). With ``keep_before``,
-    ``facts_changed`` lists the changed runs whose :meth:`RunState.facts` moved, and
-    :meth:`RunState.view_before` builds the view a run had before the batch.
+    With ``keep_before``, ``facts_changed`` lists the changed runs whose facts
+    (``_facts``) moved, and :meth:`RunState.view_before` builds the view a run had
+    before the batch.
     """
 
     changed: tuple[str, ...]
     transitions: tuple[Transition, ...]
-    heartbeats: tuple[Heartbeat, ...]
-    before: Mapping[str, dict[str, Any] | None]
     facts_changed: tuple[str, ...] = ()
     snapshots: Mapping[str, _Run | None] = field(default_factory=dict)
 
@@ -88,8 +144,8 @@ class _Step:
         self.cls: str | None = None
         self.pivot_any = False
         self.pivot_ok = False
-        self.dos: tuple[tuple[Any, ...], ...] = ()
-        self.comps: tuple[tuple[Any, ...], ...] = ()
+        self.dos: tuple[DoAttempt, ...] = ()
+        self.comps: tuple[CompAttempt, ...] = ()
 
     def copy(self) -> _Step:
         step = _Step(self.index, self.name)
@@ -98,17 +154,17 @@ class _Step:
         return step
 
     def ok(self) -> bool:
-        return any(a[_A_OK] for a in self.dos)
+        return any(a.ok for a in self.dos)
 
-    def compensation(self) -> tuple[str, str, str] | None:
-        comp: tuple[str, str, str] | None = None
+    def compensation(self) -> PendingComp | None:
+        comp: PendingComp | None = None
         for a in self.dos:  # sorted: the last OK attempt that pushed wins
-            if a[_A_OK] and a[_A_EXTRA] is not None:
-                comp = a[_A_EXTRA]
+            if a.ok and a.comp is not None:
+                comp = a.comp
         return comp
 
     def compensated(self) -> bool:
-        return any(a[_A_OK] for a in self.comps)
+        return any(a.ok for a in self.comps)
 
 
 class _Run:
@@ -145,14 +201,13 @@ class _Run:
         self.updated_at = 0.0
         self.last_seen = 0.0
         self.steps: list[_Step] = []
-        # (end, span_id, instance, status, failed_step)
-        self.run_spans: tuple[tuple[float, int, str, str, str | None], ...] = ()
-        self.unwind: tuple[float, int, str | None, str | None] | None = None
+        self.run_spans: tuple[RunSpan, ...] = ()
+        self.unwind: Unwind | None = None
         self.first_comp_start: float | None = None
-        self.escalation: tuple[float, int, str, str | None] | None = None
+        self.escalation: Escalation | None = None
         self.orphaned_at: float | None = None
-        self.resolution: tuple[str, float] | None = None
-        self.status = sc.STATE_RUNNING
+        self.resolution: Resolution | None = None
+        self.status: RunStatus = sc.STATE_RUNNING
 
     def step(self, index: int, name: str) -> _Step:
         steps = self.steps
@@ -180,25 +235,25 @@ class _Run:
     def recovering(self) -> bool:
         return any(i != self.instance for i in self.instances)
 
-    def final_run_span(self) -> tuple[float, int, str, str, str | None] | None:
+    def final_run_span(self) -> RunSpan | None:
         spans = sorted(self.run_spans)
         if not spans:
             return None
         if self.recovering():
-            later = [r for r in spans if r[2] != self.instance]
+            later = [r for r in spans if r.instance != self.instance]
             return later[-1] if later else None
         return spans[-1]
 
-    def derive(self) -> str:
+    def derive(self) -> RunStatus:
         final = self.final_run_span()
         if self.recovering() or len(self.run_spans) >= 2:
             if final is None:
                 # A second process took the run over and has not finished yet.
                 others = any(a for s in self.steps for a in s.comps) or self.unwind is not None
                 return sc.STATE_UNWINDING if others else sc.STATE_RUNNING
-            return sc.STATE_RECOVERED if final[3] in _RECOVERED_FROM else final[3]
+            return sc.STATE_RECOVERED if final.status in _RECOVERED_FROM else final.status
         if final is not None:
-            return final[3]
+            return final.status
         if self.orphaned_at is not None:
             return sc.STATE_ORPHANED
         if self.unwind is not None or self.first_comp_start is not None:
@@ -218,25 +273,31 @@ def _comp_failed(step: _Step, ended: bool, lowest_comp: int | None) -> bool:
     return (
         bool(step.comps)
         and not step.compensated()
-        and any(not a[_A_OK] for a in step.comps)
+        and any(not a.ok for a in step.comps)
         and (ended or (lowest_comp is not None and lowest_comp < step.index))
     )
 
 
-Facts = tuple[Any, ...]
+class Facts(NamedTuple):
+    """What the alert rules read of a view. Equal facts mean equal alerts."""
+
+    status: RunStatus
+    unwind_started_at: float | None
+    escalation: Escalation | None
+    pivot_index: int | None
+    failed: tuple[int, ...]
+    resolved: bool
 
 
 def _facts(run: _Run) -> Facts:
-    """What the alert rules read of a view: status, unwind start, escalation, pivot,
-    compensation failures and resolution. Equal facts mean equal alerts."""
     failed: tuple[int, ...] = ()
     if run.first_comp_start is not None:  # no compensation span: no step can have failed
         ended = run.has_ended()
         lowest = min((s.index for s in run.steps if s.comps), default=None)
         failed = tuple(s.index for s in run.steps if _comp_failed(s, ended, lowest))
-    return (
+    return Facts(
         run.status,
-        run.unwind[0] if run.unwind else run.first_comp_start,
+        run.unwind.start if run.unwind else run.first_comp_start,
         run.escalation,
         next((s.index for s in run.steps if s.pivot_ok), None),
         failed,
@@ -256,16 +317,18 @@ def _error_text(span: SpanRecord) -> str | None:
     return span.status_message or "error"
 
 
-def _parse_json(text: str | None, default: Any) -> Any:
+def _parse_json(text: str | None) -> object:
+    """The JSON text's value; {} when there is none or it is not JSON."""
     if text is None:
-        return default
+        return {}
     try:
-        return json.loads(text)
+        parsed: object = json.loads(text)
     except ValueError:
-        return default
+        return {}
+    return parsed
 
 
-def _opt_str(value: Any) -> str | None:
+def _opt_str(value: object) -> str | None:
     return _intern(value) if isinstance(value, str) and value else None
 
 
@@ -284,8 +347,7 @@ class RunState:
         self._runs: dict[str, _Run] = {}
         # Open runs (no run span, not orphaned), oldest activity first.
         self._idle: dict[str, None] = {}
-        # instance -> [last heartbeat, interval, dead]
-        self._instances: dict[str, list[Any]] = {}
+        self._instances: dict[str, _Watch] = {}
 
     # --- queries ---------------------------------------------------------------
 
@@ -298,12 +360,12 @@ class RunState:
     def run_ids(self) -> Iterator[str]:
         return iter(self._runs)
 
-    def status(self, run_id: str) -> str | None:
+    def status(self, run_id: str) -> RunStatus | None:
         run = self._runs.get(run_id)
         return run.status if run else None
 
     def counts(self) -> dict[str, int]:
-        counts = dict.fromkeys(ALL_STATES, 0)
+        counts: dict[str, int] = dict.fromkeys(ALL_STATES, 0)
         for run in self._runs.values():
             counts[run.status] = counts.get(run.status, 0) + 1
         return counts
@@ -313,9 +375,6 @@ class RunState:
             1 for r in self._runs.values() if r.status == sc.STATE_ORPHANED and r.resolution is None
         )
 
-    def instances(self) -> dict[str, tuple[float, float]]:
-        return {k: (v[0], v[1]) for k, v in self._instances.items()}
-
     def summaries(
         self,
         *,
@@ -324,7 +383,7 @@ class RunState:
         since: float | None = None,
         until: float | None = None,
         needs_person: bool = False,
-    ) -> list[dict[str, Any]]:
+    ) -> list[RunSummary]:
         """Matching runs, newest start first (ties by run id, descending)."""
         out = []
         for run in self._runs.values():
@@ -339,10 +398,10 @@ class RunState:
             if needs_person and (run.status not in NEEDS_PERSON or run.resolution is not None):
                 continue
             out.append(self._summary(run))
-        out.sort(key=lambda s: (s["started_at"], s["run_id"]), reverse=True)
+        out.sort(key=_summary_key, reverse=True)
         return out
 
-    def _summary(self, run: _Run) -> dict[str, Any]:
+    def _summary(self, run: _Run) -> RunSummary:
         final = run.final_run_span()
         return {
             "run_id": run.run_id,
@@ -352,33 +411,28 @@ class RunState:
             "status": run.status,
             "started_at": _finite(run.started_at),
             "updated_at": run.updated_at,
-            "ended_at": final[0] if final else None,
+            "ended_at": final.end if final else None,
             "failed_step": self._failed_step(run),
             "stack_depth": len(self._stack(run)),
             "resolved": run.resolution is not None,
         }
 
-    def view(self, run_id: str) -> dict[str, Any] | None:
+    def view(self, run_id: str) -> RunView | None:
         """The run view of docs/internals.md, or None for an unknown run."""
         run = self._runs.get(run_id)
         return None if run is None else self._view(run)
 
-    def facts(self, run_id: str) -> Facts | None:
-        """The alert-relevant part of a run (see ``_facts``); None for an unknown run."""
-        run = self._runs.get(run_id)
-        return None if run is None else _facts(run)
-
-    def view_before(self, applied: Applied, run_id: str) -> dict[str, Any] | None:
+    def view_before(self, applied: Applied, run_id: str) -> RunView | None:
         """The view ``run_id`` had before ``applied`` (which must be ``keep_before``)."""
         snapshot = applied.snapshots.get(run_id)
         return None if snapshot is None else self._view(snapshot)
 
-    def _view(self, run: _Run) -> dict[str, Any]:
+    def _view(self, run: _Run) -> RunView:
         final = run.final_run_span()
         ended = run.has_ended()
         lowest_comp = min((s.index for s in run.steps if s.comps), default=None)
-        steps = []
-        pivot = None
+        steps: list[StepView] = []
+        pivot: PivotView | None = None
         for s in run.steps:
             comp = s.compensation()
             compensated = s.compensated()
@@ -399,11 +453,11 @@ class RunState:
                     "compensation_failed": failed,
                 }
             )
-        escalation = None
+        escalation: EscalationView | None = None
         if run.escalation is not None:
             escalation = {
-                "reason": run.escalation[2],
-                "card": _parse_json(run.escalation[3], {}),
+                "reason": run.escalation.reason,
+                "card": _parse_json(run.escalation.card_text),
             }
         return {
             "run_id": run.run_id,
@@ -414,25 +468,25 @@ class RunState:
             "status": run.status,
             "started_at": _finite(run.started_at),
             "updated_at": run.updated_at,
-            "ended_at": final[0] if final else None,
+            "ended_at": final.end if final else None,
             "failed_step": self._failed_step(run),
-            "unwind_reason": run.unwind[2] if run.unwind else None,
-            "unwind_started_at": run.unwind[0] if run.unwind else run.first_comp_start,
+            "unwind_reason": run.unwind.reason if run.unwind else None,
+            "unwind_started_at": run.unwind.start if run.unwind else run.first_comp_start,
             "pivot": pivot,
             "steps": steps,
             "stack": self._stack(run),
             "escalation": escalation,
             "resolution": (
-                {"note": run.resolution[0], "at": run.resolution[1]} if run.resolution else None
+                {"note": run.resolution.note, "at": run.resolution.at} if run.resolution else None
             ),
         }
 
-    def stack(self, run_id: str) -> list[dict[str, Any]] | None:
+    def stack(self, run_id: str) -> list[CompensationView] | None:
         run = self._runs.get(run_id)
         return None if run is None else self._stack(run)
 
     @staticmethod
-    def _stack(run: _Run) -> list[dict[str, Any]]:
+    def _stack(run: _Run) -> list[CompensationView]:
         items = []
         for s in reversed(run.steps):  # top of stack = highest index
             comp = s.compensation()
@@ -443,13 +497,13 @@ class RunState:
     @staticmethod
     def _failed_step(run: _Run) -> str | None:
         final = run.final_run_span()
-        if final is not None and final[4]:
-            return final[4]
-        if run.unwind is not None and run.unwind[3]:
-            return run.unwind[3]
+        if final is not None and final.failed_step:
+            return final.failed_step
+        if run.unwind is not None and run.unwind.failed_step:
+            return run.unwind.failed_step
         for r in sorted(run.run_spans, reverse=True):
-            if r[4]:
-                return r[4]
+            if r.failed_step:
+                return r.failed_step
         return None
 
     # --- changes ---------------------------------------------------------------
@@ -459,29 +513,25 @@ class RunState:
         spans: Iterable[SpanRecord],
         now: float,
         *,
-        want_views: bool = False,
         keep_before: bool = False,
     ) -> Applied:
-        """Fold validated spans (see ``_otlp.validate``) into the state.
+        """Fold validated spans (see ``saga_otel.contract``) into the state.
 
-        ``want_views`` puts every changed run's view from before the batch in
-        ``Applied.before``; ``keep_before`` keeps cheap copies instead, so a caller
-        builds the before views only of the runs whose facts changed.
+        ``keep_before`` keeps cheap copies of the changed runs, so a caller builds
+        the before views (:meth:`view_before`) only of the runs whose facts changed.
         """
         changed: dict[str, None] = {}
         touched: dict[str, _Run] = {}
-        before_status: dict[str, str | None] = {}
-        before_views: dict[str, dict[str, Any] | None] = {}
+        before_status: dict[str, RunStatus | None] = {}
         snapshots: dict[str, _Run | None] = {}
         before_facts: dict[str, Facts] = {}
-        heartbeats: list[Heartbeat] = []
         runs = self._runs
         fold = self._fold
         for span in spans:
             attrs = span.attributes
             phase = attrs.get(sc.SAGA_PHASE)
             if phase == sc.PHASE_HEARTBEAT:
-                heartbeats.append(self._heartbeat(span, now))
+                self._heartbeat(span, now)
                 continue
             run_id = attrs.get(sc.SAGA_RUN_ID)
             if not isinstance(run_id, str) or not run_id:
@@ -490,8 +540,6 @@ class RunState:
             if run is None:  # first span of this run in the batch
                 found = runs.get(run_id)
                 before_status[run_id] = found.status if found else None
-                if want_views:
-                    before_views[run_id] = self._view(found) if found else None
                 if keep_before:
                     snapshots[run_id] = found.copy() if found else None
                     before_facts[run_id] = _facts(found) if found else _NEW_RUN_FACTS
@@ -522,16 +570,14 @@ class RunState:
         return Applied(
             tuple(changed),
             tuple(transitions),
-            tuple(heartbeats),
-            {k: before_views[k] for k in changed} if want_views else {},
             facts_changed,
             {k: snapshots[k] for k in changed} if keep_before else {},
         )
 
-    def _heartbeat(self, span: SpanRecord, now: float) -> Heartbeat:
+    def _heartbeat(self, span: SpanRecord, now: float) -> None:
         interval = float(span.attributes.get(sc.SAGA_HEARTBEAT_INTERVAL_S, 1.0))
         instance = _intern(span.instance)
-        self._instances[instance] = [now, interval, False]
+        self._instances[instance] = _Watch(now, interval)
         for run_id in span.attributes.get(sc.SAGA_HEARTBEAT_OPEN_RUNS, ()):
             run = self._runs.get(run_id)
             if run is not None:
@@ -539,9 +585,8 @@ class RunState:
                 if run_id in self._idle:  # still alive: to the young end of the queue
                     del self._idle[run_id]
                     self._idle[run_id] = None
-        return Heartbeat(instance, now, interval)
 
-    def _fold(self, run: _Run, span: SpanRecord, phase: Any) -> bool:
+    def _fold(self, run: _Run, span: SpanRecord, phase: object) -> bool:
         """Fold one span; False when it was a duplicate that changed nothing."""
         attrs = span.attributes
         span_id = int(span.span_id or "0", 16)
@@ -579,25 +624,25 @@ class RunState:
             if phase == sc.PHASE_DO:
                 dos = step.dos
                 for a in dos:
-                    if a[_A_SPAN] == span_id:
+                    if a.span_id == span_id:
                         return changed
                 if isinstance(name, str):
                     step.name = _intern(name)
                 cls = attrs.get(sc.SAGA_STEP_CLASS)
                 if isinstance(cls, str):
                     step.cls = _intern(cls)
-                is_pivot = attrs.get(sc.SAGA_STEP_PIVOT) is True or cls == "irreversible"
-                step.pivot_any = step.pivot_any or is_pivot
-                step.pivot_ok = step.pivot_ok or (is_pivot and ok)
+                pivot = is_pivot(cls, attrs.get(sc.SAGA_STEP_PIVOT) is True)
+                step.pivot_any = step.pivot_any or pivot
+                step.pivot_ok = step.pivot_ok or (pivot and ok)
                 tool = attrs.get(sc.SAGA_COMPENSATION_TOOL)
                 comp = None
                 if ok and isinstance(tool, str) and tool:
-                    comp = (
+                    comp = PendingComp(
                         _intern(tool),
                         attrs.get(sc.SAGA_COMPENSATION_ARGS) or "{}",
                         attrs.get(sc.SAGA_COMPENSATION_DESCRIPTION) or "",
                     )
-                entry: tuple[Any, ...] = (
+                entry = DoAttempt(
                     attempt,
                     span.start,
                     span_id,
@@ -609,13 +654,13 @@ class RunState:
                 step.dos = _insert(dos, entry)
             else:
                 comps = step.comps
-                for a in comps:
-                    if a[_A_SPAN] == span_id:
+                for c in comps:
+                    if c.span_id == span_id:
                         return changed
                 if not step.dos and isinstance(name, str) and not step.name:
                     step.name = _intern(name)
                 tool = attrs.get(sc.SAGA_COMPENSATION_TOOL)
-                entry_c: tuple[Any, ...] = (
+                entry_c = CompAttempt(
                     attempt,
                     span.start,
                     span_id,
@@ -629,19 +674,19 @@ class RunState:
                     run.first_comp_start = span.start
             return True
         if phase == sc.PHASE_RUN:
-            if any(r[1] == span_id for r in run.run_spans):
+            if any(r.span_id == span_id for r in run.run_spans):
                 return changed
-            entry_run = (
+            entry_run = RunSpan(
                 span.end,
                 span_id,
                 instance,
-                _intern(str(attrs[sc.SAGA_RUN_STATUS])),
+                END_STATUSES[attrs[sc.SAGA_RUN_STATUS]],  # validated at intake
                 _opt_str(attrs.get(sc.SAGA_RUN_FAILED_STEP)),
             )
             run.run_spans = tuple(sorted((*run.run_spans, entry_run)))
             return True
         if phase == sc.PHASE_UNWIND:
-            unwind = (
+            unwind = Unwind(
                 span.start,
                 span_id,
                 attrs.get(sc.SAGA_UNWIND_REASON),
@@ -652,7 +697,7 @@ class RunState:
                 return True
             return changed
         if phase == sc.PHASE_ESCALATE:
-            escalation = (
+            escalation = Escalation(
                 span.start,
                 span_id,
                 str(attrs.get(sc.SAGA_ESCALATION_REASON, "")),
@@ -669,8 +714,8 @@ class RunState:
         transitions: list[Transition] = []
         dead: set[str] = set()
         for instance, hb in self._instances.items():
-            if not hb[2] and now - hb[0] > 3 * hb[1]:
-                hb[2] = True
+            if not hb.dead and now - hb.at > 3 * hb.interval:
+                hb.dead = True
                 dead.add(instance)
         if dead:  # rare: one scan of the open runs per process death
             for run_id in [r for r in self._idle if self._runs[r].instance in dead]:
@@ -681,7 +726,7 @@ class RunState:
             if now - run.last_seen <= self.idle_timeout:
                 break
             watch = self._instances.get(run.instance)
-            if watch is not None and not watch[2]:
+            if watch is not None and not watch.dead:
                 # Watched by heartbeats instead: leave the idle queue; the heartbeat rule
                 # above finds it when its process dies.
                 del self._idle[run_id]
@@ -708,19 +753,15 @@ class RunState:
             self._idle.pop(run_id, None)
 
     def restore_instance(self, instance: str, at: float, interval: float) -> None:
-        self._instances[_intern(instance)] = [at, interval, False]
+        self._instances[_intern(instance)] = _Watch(at, interval)
 
     def resolve(self, run_id: str, note: str, now: float) -> bool:
         """Record that a person settled the run. False for an unknown run."""
         run = self._runs.get(run_id)
         if run is None:
             return False
-        run.resolution = (note, now)
+        run.resolution = Resolution(note, now)
         return True
-
-    def orphaned_at(self, run_id: str) -> float | None:
-        run = self._runs.get(run_id)
-        return run.orphaned_at if run else None
 
     def prunable(self, now: float, retention: float) -> list[str]:
         """Finished (ended or resolved) runs with no activity for ``retention`` seconds."""
@@ -736,36 +777,47 @@ class RunState:
             self._idle.pop(run_id, None)
 
 
-def _insert(attempts: tuple[Any, ...], entry: tuple[Any, ...]) -> tuple[Any, ...]:
+_A = TypeVar("_A", DoAttempt, CompAttempt)
+
+
+def _insert(attempts: tuple[_A, ...], entry: _A) -> tuple[_A, ...]:
     """``attempts`` with ``entry``, kept sorted by (attempt, start, span id).
 
     Whole tuples compare as that key: the span id in the third place is unique
     within a step's list, so a comparison never reaches the later fields.
     """
+    # Concatenation, not (*attempts, entry): mypy cannot type that for a constrained TypeVar.
     if not attempts or attempts[-1] < entry:  # the usual case: later attempt
-        return (*attempts, entry)
-    return tuple(sorted((*attempts, entry)))
+        return attempts + (entry,)  # noqa: RUF005
+    return tuple(sorted(attempts + (entry,)))  # noqa: RUF005
 
 
-def _attempt_dict(a: tuple[Any, ...]) -> dict[str, Any]:
-    return {
-        "attempt": a[_A_ATTEMPT],
-        "ok": a[_A_OK],
-        "error": a[_A_ERROR],
-        "start": a[_A_START],
-        "end": a[_A_END],
-    }
+def _attempt_dict(a: DoAttempt | CompAttempt) -> AttemptView:
+    return {"attempt": a.attempt, "ok": a.ok, "error": a.error, "start": a.start, "end": a.end}
 
 
-def _comp_dict(step: _Step, comp: tuple[str, str, str]) -> dict[str, Any]:
-    args = _parse_json(comp[1], {})
+def _comp_dict(step: _Step, comp: PendingComp) -> CompensationView:
+    args = _parse_json(comp.args_text)
     return {
         "step": step.name,
         "index": step.index,
-        "tool": comp[0],
+        "tool": comp.tool,
         "args": args if isinstance(args, dict) else {},
-        "description": comp[2],
+        "description": comp.description,
     }
+
+
+def _summary_key(summary: RunSummary) -> tuple[float | None, str]:
+    return (summary["started_at"], summary["run_id"])
+
+
+@dataclass(slots=True)
+class _Watch:
+    """An instance that heart-beats: when it last did, how often it should, and if it died."""
+
+    at: float
+    interval: float
+    dead: bool = False
 
 
 def _finite(value: float) -> float | None:

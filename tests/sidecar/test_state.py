@@ -222,11 +222,13 @@ def test_prune_forgets_finished_runs_past_retention_only() -> None:
     assert done.run_id not in state and running.run_id in state
 
 
-def test_want_views_gives_before_views() -> None:
+def test_keep_before_gives_before_views() -> None:
     state = RunState()
     spans = records(stuck_run().spans())
-    first = state.apply(spans[:2], T, want_views=True)
-    assert list(first.before.values()) == [None]
-    second = state.apply(spans[2:], T, want_views=True)
-    (before,) = second.before.values()
+    first = state.apply(spans[:2], T, keep_before=True)
+    assert [state.view_before(first, r) for r in first.changed] == [None]
+    second = state.apply(spans[2:], T, keep_before=True)
+    (run_id,) = second.changed
+    before = state.view_before(second, run_id)
     assert before is not None and before["status"] == sc.STATE_RUNNING
+    assert second.facts_changed == (run_id,)  # running -> stuck moves the facts

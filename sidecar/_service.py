@@ -1,0 +1,55 @@
+"""What the transports need of the service, as a protocol in a leaf module.
+
+The HTTP and gRPC transports reach the :class:`~sidecar._server.Sidecar` only
+through :class:`Service`, and aiohttp apps carry it under :data:`SERVICE`, so
+``_server`` imports the transports and nothing imports ``_server`` back.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from aiohttp import web
+
+from ._metrics import SidecarMetrics
+from ._otlp import Decoded
+from ._settings import Settings
+from ._state import RunState
+from ._views import RunView
+
+
+class Service(Protocol):
+    """The intake and API side of the sidecar, as its transports see it."""
+
+    @property
+    def settings(self) -> Settings: ...
+
+    @property
+    def metrics(self) -> SidecarMetrics: ...
+
+    @property
+    def state(self) -> RunState: ...
+
+    @property
+    def in_flight(self) -> int: ...
+
+    @property
+    def api_routes(self) -> list[web.AbstractRouteDef]: ...
+
+    def enter(self) -> bool:
+        """Take an in-flight slot; False when the service is at its bound (answer 429)."""
+        ...
+
+    def leave(self) -> None: ...
+
+    def ingest(
+        self, decoded: Decoded, transport: str, body: bytes | None = None, content_type: str = ""
+    ) -> None:
+        """Store, fold and announce one request's spans. Raises StoreError (answer 503)."""
+        ...
+
+    def resolve(self, run_id: str, note: str) -> RunView | None: ...
+
+
+SERVICE = web.AppKey("service", Service)
+"""Where an aiohttp app of the sidecar keeps its :class:`Service`."""
