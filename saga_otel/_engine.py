@@ -333,6 +333,7 @@ class Saga:
     def resume_sync(
         self, report: SagaReport, steps: Sequence[Step] = (), ctx: Any = None
     ) -> SagaReport:
+        """`resume` for agents without an event loop: the same policy, run by the sync driver."""
         core = self._resume_core(report, steps, ctx)
         mode = SyncMode(self.sleep)
         return _immediate(core.whole(mode, lambda: self._resume_body(core, mode, report)))()

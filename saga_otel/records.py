@@ -127,6 +127,29 @@ class Compensation:
         return cls.from_dict(json.loads(text))
 
 
+def backoff_seconds(
+    failures: int,
+    *,
+    initial: float,
+    maximum: float,
+    multiplier: float = 2.0,
+    jitter: float = 0.0,
+    jitter_ratio: float = 0.0,
+    rng: random.Random | None = None,
+) -> float:
+    """The one backoff formula of both packages: seconds to wait after ``failures`` (from 1).
+
+    Exponential from ``initial`` by ``multiplier``, capped at ``maximum``, plus a
+    random spread of up to ``jitter`` seconds and up to ``jitter_ratio`` times the
+    capped delay, so many clients that lost the same peer do not retry in step.
+    Used by `RetryPolicy`, the export sender and the sidecar's alert outbox.
+    """
+    # The exponent is capped so a long outage cannot overflow a float.
+    base = min(maximum, initial * multiplier ** min(max(failures - 1, 0), 64))
+    spread = jitter + base * jitter_ratio
+    return base + ((rng or random).uniform(0.0, spread) if spread > 0 else 0.0)
+
+
 @dataclass(frozen=True, slots=True)
 class RetryPolicy:
     """How often, and how far apart, an activity is tried.
@@ -155,9 +178,14 @@ class RetryPolicy:
 
     def delay(self, failed_attempt: int, rng: random.Random | None = None) -> float:
         """Seconds to wait after attempt number ``failed_attempt`` (from 1) failed."""
-        base = min(self.maximum, self.initial * self.multiplier ** (failed_attempt - 1))
-        spread = (rng or random).uniform(0, self.jitter) if self.jitter else 0.0
-        return base + spread
+        return backoff_seconds(
+            failed_attempt,
+            initial=self.initial,
+            multiplier=self.multiplier,
+            maximum=self.maximum,
+            jitter=self.jitter,
+            rng=rng,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {

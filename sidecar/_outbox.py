@@ -32,6 +32,7 @@ from typing import Final
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from saga_otel import semconv as sc
+from saga_otel.records import backoff_seconds
 
 from ._alerting import Action, AlertEvent
 from ._errors import ConfigError, StoreError
@@ -100,8 +101,14 @@ class Backoff:
     def delay(self, failures: int, rng: random.Random, retry_after: float | None = None) -> float:
         if retry_after is not None:
             return min(max(retry_after, 0.0), self.max_retry_after)
-        base = min(self.maximum, self.initial * self.multiplier ** max(failures - 1, 0))
-        return base + rng.uniform(0.0, base * self.jitter)
+        return backoff_seconds(
+            failures,
+            initial=self.initial,
+            multiplier=self.multiplier,
+            maximum=self.maximum,
+            jitter_ratio=self.jitter,
+            rng=rng,
+        )
 
 
 @dataclass(frozen=True, slots=True)

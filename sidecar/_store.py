@@ -46,7 +46,6 @@ CREATE TABLE IF NOT EXISTS instances (
 class StoredSpan:
     run_id: str
     span_id: str
-    received_at: float
     service: str
     instance: str
     data: bytes
@@ -173,7 +172,7 @@ class Store:
     def spans(self) -> Iterator[StoredSpan]:
         """Every stored span, grouped by run."""
         cur = self._db.execute(
-            "SELECT run_id, span_id, received_at, service, instance, data FROM spans "
+            "SELECT run_id, span_id, service, instance, data FROM spans "
             "ORDER BY run_id"
         )
         for row in cur:

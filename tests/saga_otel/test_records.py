@@ -67,3 +67,19 @@ def test_escalation_card_round_trips_and_renders_every_section() -> None:
     text = card.render()
     for part in ("needs a person", "Done:", "Undone:", "Could NOT be undone:", "You must decide:"):
         assert part in text
+
+
+def test_backoff_seconds_grows_caps_and_spreads() -> None:
+    import random
+
+    from saga_otel.records import backoff_seconds
+
+    plain = [backoff_seconds(n, initial=0.5, maximum=3.0) for n in (1, 2, 3, 4, 500)]
+    assert plain == [0.5, 1.0, 2.0, 3.0, 3.0]  # a long outage neither overflows nor exceeds the cap
+    rng = random.Random(7)
+    spread = [
+        backoff_seconds(3, initial=0.5, maximum=3.0, jitter=0.2, jitter_ratio=0.5, rng=rng)
+        for _ in range(200)
+    ]
+    assert all(2.0 <= d <= 2.0 + 0.2 + 1.0 for d in spread)
+    assert max(spread) - min(spread) > 0.5  # the spread is really random, not a constant offset

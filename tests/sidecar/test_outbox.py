@@ -420,3 +420,21 @@ def test_pending_state_names(tmp_path: Path) -> None:
     box = Outbox(tmp_path / "db", [FakeSink()])
     box.add([fire("r1")])
     assert [r.state for r in box.rows()] == [PENDING]
+
+
+def test_retry_policy_and_outbox_share_the_backoff_formula() -> None:
+    import random
+
+    from saga_otel.records import backoff_seconds
+
+    box = Backoff(initial=0.5, maximum=60.0, jitter=0.5)
+    for n in range(1, 12):
+        a, b = random.Random(n), random.Random(n)
+        assert box.delay(n, a) == backoff_seconds(
+            n, initial=0.5, maximum=60.0, jitter_ratio=0.5, rng=b
+        )
+    from saga_otel import RetryPolicy
+
+    policy = RetryPolicy(attempts=5, initial=0.1, maximum=5.0, jitter=0.1)
+    a, b = random.Random(1), random.Random(1)
+    assert policy.delay(4, a) == backoff_seconds(4, initial=0.1, maximum=5.0, jitter=0.1, rng=b)
