@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -92,6 +93,36 @@ def show_alert(alert: dict[str, Any], since: float, what: str) -> None:
     console.print(f"    {ann.get('description') or ann.get('summary')}")
 
 
+def call_text(tool: str, args: dict[str, Any]) -> str:
+    inner = ", ".join(f"{k}={json.dumps(v)}" for k, v in sorted(args.items()))
+    return f"{tool}({inner})"
+
+
+def show_stack(stack: list[dict[str, Any]]) -> None:
+    """The stack as a person reads it: top first, each undo with the step it reverses."""
+    console.print(
+        f"  the sidecar rebuilt the stack from the spans ({len(stack)} undo(s), top first):"
+    )
+    for n, comp in enumerate(reversed(stack), 1):
+        console.print(
+            f"    {n}. {call_text(comp['tool'], comp['args'])}  "
+            f"undoes #{comp['index']} {comp['step']}"
+        )
+
+
+def show_ledger(world: World, since: int, act: str) -> None:
+    """Only this act's ledger entries, so one act's credit is never read as another's."""
+    entries = world.ledger[since:]
+    console.print(
+        f"  ledger, {act} only ({len(entries)} entr{'y' if len(entries) == 1 else 'ies'}):"
+    )
+    for e in entries:
+        what = f"reverses {e['reverses']}" if "reverses" in e else "credit issued"
+        console.print(f"    {e['amount']:+6d}  {e['credit_id']}  {what}")
+    net = sum(e["amount"] for e in entries)
+    console.print(f"    net {net:+d} for order 4921 in {act}")
+
+
 def main() -> None:
     started = time.monotonic()
     tmp = Path(tempfile.mkdtemp(prefix="saga-demo-"))
@@ -101,16 +132,19 @@ def main() -> None:
     try:
         with sidecar(tmp, hook.url) as sc:
             console.rule("[bold]Act 1: a refund that succeeds")
+            mark = len(world.ledger)
             first = run_agent(world_url, sc["otlp"])
             wait_for(
                 "the run to complete",
                 lambda: view(sc["api"], first["run_id"]).get("status") == "completed",
             )
             show(sc["api"], first["run_id"])
+            show_ledger(world, mark, "Act 1")
 
             console.rule("[bold]Act 2: the mail service is down")
             world.tickets["T-9104"] = "open"
             world.mail_down = True
+            mark = len(world.ledger)
             t0 = time.time()
             second = run_agent(world_url, sc["otlp"])
             alert = wait_for(
@@ -118,6 +152,7 @@ def main() -> None:
                 lambda: hook.find("SagaCompensationStarted", second["run_id"]),
             )
             unwind_at = view(sc["api"], second["run_id"]).get("unwind_started_at") or t0
+            console.print(f"  run {second['run_id']}")
             show_alert(alert, unwind_at, "the unwind began in the agent")
             wait_for(
                 "the alert to resolve",
@@ -125,11 +160,12 @@ def main() -> None:
             )
             console.print("  resolved when the run ended compensated")
             show(sc["api"], second["run_id"])
-            console.print(f"  ledger for order 4921: {[e['amount'] for e in world.ledger]}")
+            show_ledger(world, mark, "Act 2")
 
             console.rule("[bold]Act 3: the agent is killed right after issue_credit")
             world.mail_down = False
             world.tickets["T-9104"] = "open"
+            mark = len(world.ledger)
             proc = agent(world_url, sc["otlp"], "--pause-after", "issue_credit")
             assert proc.stdout is not None
             paused = json.loads(proc.stdout.readline())
@@ -137,30 +173,42 @@ def main() -> None:
             os.kill(proc.pid, signal.SIGKILL)
             killed_at = time.time()
             proc.wait()
-            console.print(f"  SIGKILL sent to agent pid {proc.pid} (run {run_id})")
+            console.print(f"  SIGKILL sent to agent pid {proc.pid}")
+            console.print(f"  run {run_id}")
             orphan = wait_for(
                 "SagaRunOrphaned", lambda: hook.find("SagaRunOrphaned", run_id), timeout=30
             )
             show_alert(orphan, killed_at, "the SIGKILL")
-            stack = view(sc["api"], run_id).get("stack", [])
-            console.print(f"  the sidecar's stack: {[(c['tool'], c['args']) for c in stack]}")
-            console.print(f"  $ saga-otel recover {run_id} --tools examples.demo_tools:registry")
+            show_stack(view(sc["api"], run_id).get("stack", []))
+            # The exact command the demo runs; pasted into another shell while the
+            # demo waits, it finishes the unwind itself (the demo's own call then
+            # finds nothing left to do).
+            env = {"SAGA_DEMO_WORLD": world_url}
+            argv = [
+                os.path.relpath(BIN / "saga-otel"),
+                "recover",
+                run_id,
+                "--tools",
+                "examples.demo_tools:registry",
+                "--sidecar",
+                sc["api"],
+                "--otlp",
+                sc["otlp"],
+            ]
+            console.print(
+                "  $ "
+                + " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
+                + " "
+                + shlex.join(argv),
+                soft_wrap=True,
+            )
+            recovered_at = time.time()
             subprocess.run(
-                [
-                    str(BIN / "saga-otel"),
-                    "recover",
-                    run_id,
-                    "--tools",
-                    "examples.demo_tools:registry",
-                    "--sidecar",
-                    sc["api"],
-                    "--otlp",
-                    sc["otlp"],
-                ],
-                check=True,
+                argv,
+                check=False,
                 env={
                     **os.environ,
-                    "SAGA_DEMO_WORLD": world_url,
+                    **env,
                     "SAGA_OTEL_LOG_LEVEL": "ERROR",
                     "OTEL_SERVICE_NAME": "refund-recovery",
                 },
@@ -169,11 +217,19 @@ def main() -> None:
                 "the run to be recovered",
                 lambda: view(sc["api"], run_id).get("status") == "recovered",
             )
-            show(sc["api"], run_id)
-            console.print(
-                f"  ledger: {[e['amount'] for e in world.ledger]}  "
-                f"(balance {world.balance(4921)}), ticket {world.tickets['T-9104']}"
+            resolved = wait_for(
+                "SagaRunOrphaned to resolve",
+                lambda: hook.find("SagaRunOrphaned", run_id, "resolved"),
+                timeout=30,
             )
+            delay = (resolved["_received"] - recovered_at) * 1000
+            console.print(
+                f"  [bold]SagaRunOrphaned[/] resolved at the webhook {delay:.0f} ms after "
+                "recover started: the run is recovered, nobody needs to act"
+            )
+            show(sc["api"], run_id)
+            show_ledger(world, mark, "Act 3")
+            console.print(f"  ticket T-9104 is {world.tickets['T-9104']}")
     finally:
         world_server.shutdown()
         hook.stop()

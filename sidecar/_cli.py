@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -14,7 +15,7 @@ from typing import Any, cast
 import click
 import httpx
 from rich.console import Console
-from rich.table import Table
+from rich.table import Column, Table
 
 from ._alert_service import install_alerting
 from ._alert_settings import alert_options, settings_from_options
@@ -294,7 +295,15 @@ def list_runs(
     if as_json:
         click.echo(json.dumps(body, indent=2))
         return
-    table = Table("run", "saga", "status", "started", "failed step", "stack")
+    # Ids are never cut: the other columns fold instead.
+    table = Table(
+        Column("run", no_wrap=True),
+        Column("saga", overflow="fold"),
+        Column("status", overflow="fold"),
+        Column("started", overflow="fold"),
+        Column("failed step", overflow="fold"),
+        "stack",
+    )
     for r in body["runs"]:
         table.add_row(
             r["run_id"],
@@ -304,7 +313,14 @@ def list_runs(
             r["failed_step"] or "",
             str(r["stack_depth"]),
         )
-    Console().print(table)
+    _console().print(table)
+
+
+def _console() -> Console:
+    """A terminal's width on a terminal; piped or redirected, wide enough that no id is cut."""
+    if sys.stdout.isatty() or "COLUMNS" in os.environ:
+        return Console()
+    return Console(width=200)
 
 
 @runs.command("show")
@@ -322,7 +338,7 @@ def show(run_id: str, api: str, token: str | None, as_json: bool) -> None:
         click.echo(json.dumps(view, indent=2))
     else:
         # The API serves the run view (docs/internals.md); trust its shape.
-        Console().print(render_run(cast(RunView, view)))
+        _console().print(render_run(cast(RunView, view)))
 
 
 @runs.command("stack")

@@ -68,8 +68,8 @@ def render_run(view: RunView) -> RenderableType:
     steps = view["steps"]
     pivot = view["pivot"]
     table = Table(show_edge=True, expand=False, pad_edge=True)
-    table.add_column("FORWARD", no_wrap=False)
-    table.add_column("COMPENSATION STACK", no_wrap=False)
+    table.add_column("FORWARD", no_wrap=False, overflow="fold")
+    table.add_column("COMPENSATION STACK", no_wrap=False, overflow="fold")
     for step in steps:
         attempts = step["attempts"]
         tries = f" x{len(attempts)}" if len(attempts) > 1 else ""

@@ -59,3 +59,21 @@ async def test_cli_errors_are_messages(sidecar: Sidecar) -> None:
     result = await cli(sidecar, "runs", "list", SAGA_SIDECAR_API="http://127.0.0.1:9")
     assert result.exit_code == 1
     assert "cannot reach the sidecar API" in result.output
+
+
+async def test_ids_and_undo_args_are_never_cut(sidecar: Sidecar) -> None:
+    """At 80 columns the list keeps whole run ids; piped, `show` keeps whole undo arguments."""
+    runs = [compensation_failed_run(), stuck_run(), completed_run()]
+    await export_http(sidecar, [s for r in runs for s in r.spans()])
+    result = await cli(sidecar, "runs", "list", COLUMNS="80")
+    assert result.exit_code == 0, result.output
+    assert max(len(line) for line in result.output.splitlines()) <= 80
+    for r in runs:
+        assert r.run_id in result.output
+    # CliRunner's stdout is not a terminal: the piped case.
+    result = await cli(sidecar, "runs", "show", runs[0].run_id)
+    assert result.exit_code == 0
+    stack = json.loads((await cli(sidecar, "runs", "stack", runs[0].run_id, "--json")).output)
+    for comp in stack["stack"]:
+        for value in comp["args"].values():
+            assert json.dumps(value) in result.output
