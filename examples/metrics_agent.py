@@ -68,7 +68,9 @@ async def run_round() -> dict[str, SagaReport]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--metrics-port", type=int, default=0, help="0 picks a free port")
-    parser.add_argument("--sidecar", help="the sidecar's OTLP/HTTP base URL")
+    parser.add_argument(
+        "--sidecar", help="the sidecar's OTLP/HTTP base URL (default: $SAGA_OTEL_SIDECAR_ENDPOINT)"
+    )
     parser.add_argument("--scenarios", type=int, default=1, help="rounds to run; 0 = forever")
     parser.add_argument("--interval", type=float, default=0.5, help="seconds between rounds")
     ns = parser.parse_args(argv)
@@ -77,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     os.environ.setdefault("OTEL_SERVICE_NAME", "refund-agent")
-    export = configure(ns.sidecar) if ns.sidecar else None
+    export = configure(ns.sidecar)  # None: SAGA_OTEL_SIDECAR_ENDPOINT, if set
     port = start_metrics_server(ns.metrics_port)
     print(f"metrics on http://127.0.0.1:{port}/metrics", flush=True)
     rounds = itertools.count(1) if ns.scenarios == 0 else range(1, ns.scenarios + 1)
@@ -91,8 +93,7 @@ def main(argv: list[str] | None = None) -> None:
             stop.wait(ns.interval)
         stop.wait()
     finally:
-        if export is not None:
-            export.shutdown()
+        export.shutdown()
 
 
 if __name__ == "__main__":

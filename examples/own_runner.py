@@ -68,5 +68,11 @@ async def instrumented(world: World) -> str:
 
 
 if __name__ == "__main__":
+    from saga_otel import configure
+
+    export = configure()  # SAGA_OTEL_SIDECAR_ENDPOINT, when set, names the sidecar
     w = World(mail_down=True)
-    print(asyncio.run(instrumented(w)), w.ledger)  # the mail outage made it unwind
+    try:
+        print(asyncio.run(instrumented(w)), w.ledger)  # the mail outage made it unwind
+    finally:
+        export.shutdown()

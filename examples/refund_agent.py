@@ -1,6 +1,7 @@
 """The refund agent: the model picks tools at runtime; the saga pushes one undo per write.
 
-Run it: ``python -m examples.refund_agent [--mail-down] [--close-fails]``.
+Run it: ``python -m examples.refund_agent [--mail-down] [--close-fails]``; set
+``SAGA_OTEL_SIDECAR_ENDPOINT`` (e.g. ``http://127.0.0.1:4318``) to send its spans to a sidecar.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Any
 
 from examples.refund_tools import refund_tools
 from examples.world import World
-from saga_otel import Run, Saga, SagaReport
+from saga_otel import Run, Saga, SagaReport, configure
 
 
 async def refund_agent(run: Run, order_id: int = 4921) -> dict[str, Any]:
@@ -45,9 +46,14 @@ def main() -> None:
     parser.add_argument("--mail-down", action="store_true", help="the mail service is down")
     parser.add_argument("--close-fails", action="store_true", help="fail after the pivot")
     ns = parser.parse_args()
+    # With SAGA_OTEL_SIDECAR_ENDPOINT set, the spans go to that sidecar; without, nowhere.
+    export = configure()
     world = World(mail_down=ns.mail_down)
     saga = Saga("refund", tools=refund_tools(world, close_fails=ns.close_fails))
-    report = asyncio.run(run_refund(saga))
+    try:
+        report = asyncio.run(run_refund(saga))
+    finally:
+        export.shutdown()
     print(f"run {report.run_id}: {report.status.value}")
     print("ledger:", world.ledger)
     print("ticket:", world.tickets)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from examples.world import ServiceDown, World
-from saga_otel import Saga, SagaReport, Step
+from saga_otel import Saga, SagaReport, Step, configure
 
 BANNED = ("free money",)
 TITLE_LIMIT = 30
@@ -95,7 +95,11 @@ def main() -> None:
     world = World(flag_down=ns.flag_down)
     title = "FREE MONEY inside" if ns.bad_metadata else "New title"
     ctx = Release(world, {"waterfall": ["c"]}, title)
-    report = asyncio.run(release(Saga("release"), ctx))
+    export = configure()  # SAGA_OTEL_SIDECAR_ENDPOINT, when set, names the sidecar
+    try:
+        report = asyncio.run(release(Saga("release"), ctx))
+    finally:
+        export.shutdown()
     print(f"release {report.run_id}: {report.status.value}")
     print("mediation:", world.mediation, "metadata:", world.metadata, "flags:", world.flags)
 

@@ -34,6 +34,16 @@ def _when(epoch: float | None) -> str:
     return datetime.fromtimestamp(epoch, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
+def _cell_call(item: CompensationView) -> str:
+    """An undo call for a table cell: one argument per line once it is long, so the
+    references a person copies (credit ids, ticket ids) are not split mid-value."""
+    one_line = _call(item)
+    if len(one_line) <= 32 or not item["args"]:
+        return one_line
+    args = ",\n".join(f"  {k}={json.dumps(v)}" for k, v in item["args"].items())
+    return f"{item['tool']}(\n{args})"
+
+
 def _call(item: CompensationView) -> str:
     args = ", ".join(f"{k}={json.dumps(v)}" for k, v in item["args"].items())
     return f"{item['tool']}({args})"
@@ -83,11 +93,11 @@ def render_run(view: RunView) -> RenderableType:
         comp = step["compensation"]
         if comp:
             if step["compensated"]:
-                right = Text(f"{_call(comp)}  undone", style="dim strike")
+                right = Text(f"{_cell_call(comp)}\n  undone", style="dim strike")
             elif step["compensation_failed"]:
-                right = Text(f"{_call(comp)}  FAILED", style="bold red")
+                right = Text(f"{_cell_call(comp)}\n  FAILED", style="bold red")
             else:
-                right = Text(f"{_call(comp)}  pending")
+                right = Text(f"{_cell_call(comp)}\n  pending")
         elif step["class"] == "read":
             right = Text("(nothing to undo)", style="dim")
         elif is_pivot(step["class"], step["pivot"]):

@@ -50,3 +50,54 @@ def test_own_runner_example_is_instrumented_in_under_ten_lines() -> None:
     body = body.split('\n\nif __name__ == "__main__":', 1)[0]
     code = [line for line in body.splitlines()[1:] if line.strip()]
     assert len(code) < 10 + 1, code  # the def line plus under ten lines of body
+
+
+def test_every_example_reaches_a_sidecar_through_the_environment(tmp_path: Path) -> None:
+    """SAGA_OTEL_SIDECAR_ENDPOINT alone points each example at a real sidecar."""
+    import json
+    import urllib.request
+
+    from saga_otel.testing import start_sidecar
+
+    examples = {
+        "examples.refund_agent": ("refund", ["--mail-down"]),
+        "examples.release_saga": ("release", []),
+        "examples.own_runner": ("refund", []),
+        "examples.metrics_agent": ("refund", ["--scenarios", "1", "--interval", "0"]),
+    }
+    with start_sidecar(tmp_path) as sc:
+        for module, (saga, extra) in examples.items():
+            env = {
+                "PATH": "/usr/bin:/bin",
+                "SAGA_OTEL_LOG_LEVEL": "ERROR",
+                "SAGA_OTEL_SIDECAR_ENDPOINT": sc.otlp,
+                "OTEL_SERVICE_NAME": module,
+            }
+            if module == "examples.metrics_agent":
+                # It serves metrics until stopped: one round, then SIGTERM.
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", module, *extra],
+                    cwd=ROOT,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    env=env,
+                )
+                assert proc.stdout is not None
+                while "round 1" not in (proc.stdout.readline() or "round 1"):
+                    pass
+                proc.terminate()
+                assert proc.wait(timeout=30) == 0, proc.stderr.read() if proc.stderr else ""
+            else:
+                subprocess.run(
+                    [sys.executable, "-m", module, *extra],
+                    cwd=ROOT,
+                    check=True,
+                    timeout=120,
+                    env=env,
+                    capture_output=True,
+                )
+            with urllib.request.urlopen(f"{sc.api}/runs?limit=500", timeout=5) as resp:
+                runs = json.load(resp)["runs"]
+            services = {r.get("service") for r in runs if r["saga"] == saga}
+            assert module in services, (module, runs)
