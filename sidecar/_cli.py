@@ -9,19 +9,19 @@ import logging
 import os
 import signal
 import sys
+import time
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
+from urllib.parse import quote, urlsplit
 
 import click
 import httpx
 from rich.console import Console
 from rich.table import Column, Table
 
-from ._alert_service import install_alerting
 from ._alert_settings import alert_options, settings_from_options
 from ._errors import ApiError, SidecarError
-from ._render import render_run
-from ._server import Sidecar
+from ._render import render_run, when
 from ._settings import (
     DEFAULT_API_PORT,
     DEFAULT_FORWARD_QUEUE,
@@ -36,6 +36,9 @@ from ._settings import (
 )
 from ._views import RunView
 
+if TYPE_CHECKING:
+    from ._server import Sidecar
+
 DEFAULT_API = f"http://127.0.0.1:{DEFAULT_API_PORT}"
 
 
@@ -44,6 +47,7 @@ def _env(name: str) -> str:
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(None, "--version", package_name="saga-otel", prog_name="saga-sidecar")
 def main() -> None:
     """saga-sidecar: watches saga runs over OTLP and keeps their compensation stacks."""
 
@@ -155,7 +159,7 @@ def main() -> None:
     show_default=True,
     envvar=_env("LOG_LEVEL"),
     show_envvar=True,
-    type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]),
+    type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
 )
 @alert_options
 def serve(
@@ -178,8 +182,16 @@ def serve(
 
     Prints one JSON line {"event": "sidecar.listening", ...} with the bound ports.
     """
+    # grpc's C core prints its own bind errors to stderr; ours say the same in one line.
+    os.environ.setdefault("GRPC_VERBOSITY", "NONE")
+    # Imported here, after the variable: grpc reads it when it is first loaded.
+    from ._alert_service import install_alerting
+    from ._server import Sidecar
+
     logging.basicConfig(
-        level=log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s %(message)s"
+        level=log_level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
     )
     try:
         settings = Settings(
@@ -235,6 +247,12 @@ _token_option = click.option(
 
 
 def _request(api: str, token: str | None, method: str, path: str, **kw: Any) -> dict[str, Any]:
+    parts = urlsplit(api)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ApiError(
+            f"--api {api!r} is not a URL: give the scheme and address, e.g. "
+            f"--api http://127.0.0.1:{DEFAULT_API_PORT} (or set SAGA_SIDECAR_API)"
+        )
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
         resp = httpx.request(method, api.rstrip("/") + path, headers=headers, timeout=10, **kw)
@@ -252,6 +270,30 @@ def _request(api: str, token: str | None, method: str, path: str, **kw: Any) -> 
     if not isinstance(body, dict):
         raise ApiError(f"{api}{path} answered with {type(body).__name__}, expected an object")
     return body
+
+
+def _segment(run_id: str) -> str:
+    """A run id as one URL path segment: ids are data, never paths."""
+    return quote(run_id, safe="")
+
+
+def _full_id(api: str, token: str | None, given: str) -> str:
+    """The run id ``given`` names: itself when known, else the one run it is a prefix of."""
+    body = _request(api, token, "GET", "/runs", params={"id_prefix": given, "limit": 1000})
+    ids = [r["run_id"] for r in body["runs"]]
+    if given in ids:
+        return given
+    if len(ids) == 1:
+        return str(ids[0])
+    if not ids:
+        raise ApiError(
+            f"no run {given!r}, and no run id starts with it: list runs with "
+            "`saga-sidecar runs list` (finished runs are pruned after the retention)"
+        )
+    shown = ", ".join(sorted(ids)[:10]) + (f" and {len(ids) - 10} more" if len(ids) > 10 else "")
+    raise ApiError(
+        f"run id prefix {given!r} matches {len(ids)} runs ({shown}): give more characters"
+    )
 
 
 @main.group()
@@ -295,6 +337,7 @@ def list_runs(
     if as_json:
         click.echo(json.dumps(body, indent=2))
         return
+    now = time.time()
     # Ids are never cut: the other columns fold instead.
     table = Table(
         Column("run", no_wrap=True),
@@ -309,7 +352,7 @@ def list_runs(
             r["run_id"],
             r["saga"],
             r["status"] + (" (resolved)" if r["resolved"] else ""),
-            str(r["started_at"]),
+            when(r["started_at"], now),
             r["failed_step"] or "",
             str(r["stack_depth"]),
         )
@@ -331,7 +374,8 @@ def _console() -> Console:
 def show(run_id: str, api: str, token: str | None, as_json: bool) -> None:
     """Draw one run: forward steps, pivot, unwind, what is left on the stack."""
     try:
-        view = _request(api, token, "GET", f"/runs/{run_id}")
+        run_id = _full_id(api, token, run_id)
+        view = _request(api, token, "GET", f"/runs/{_segment(run_id)}")
     except SidecarError as exc:
         raise _fail(exc) from exc
     if as_json:
@@ -349,7 +393,8 @@ def show(run_id: str, api: str, token: str | None, as_json: bool) -> None:
 def stack(run_id: str, api: str, token: str | None, as_json: bool) -> None:
     """The compensations still owed, top first (what saga_otel.recover() takes)."""
     try:
-        body = _request(api, token, "GET", f"/runs/{run_id}/stack")
+        run_id = _full_id(api, token, run_id)
+        body = _request(api, token, "GET", f"/runs/{_segment(run_id)}/stack")
     except SidecarError as exc:
         raise _fail(exc) from exc
     if as_json:
@@ -368,7 +413,10 @@ def stack(run_id: str, api: str, token: str | None, as_json: bool) -> None:
 def resolve(run_id: str, note: str, api: str, token: str | None) -> None:
     """Record that a person settled the run."""
     try:
-        view = _request(api, token, "POST", f"/runs/{run_id}/resolve", json={"note": note})
+        run_id = _full_id(api, token, run_id)
+        view = _request(
+            api, token, "POST", f"/runs/{_segment(run_id)}/resolve", json={"note": note}
+        )
     except SidecarError as exc:
         raise _fail(exc) from exc
     click.echo(f"resolved {view['run_id']} ({view['status']}): {view['resolution']['note']}")

@@ -83,10 +83,15 @@ async def start_grpc(sidecar: Service, host: str, port: int) -> tuple[aio.Server
         maximum_concurrent_rpcs=sidecar.settings.max_in_flight * 2,
     )
     server.add_generic_rpc_handlers((handler,))
-    bound = server.add_insecure_port(f"{host}:{port}")
+    try:
+        # grpcio returns 0 on some versions and raises RuntimeError on others.
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:
+        bound = 0
     if bound == 0:
         raise SidecarError(
-            f"cannot listen for OTLP/gRPC on {host}:{port}: pick a free port (or 0 for any)"
+            f"cannot listen for OTLP/gRPC on {host}:{port} (address in use or not "
+            "bindable): pick a free --otlp-grpc-port (or 0 for any)"
         )
     await server.start()
     return server, bound

@@ -263,6 +263,7 @@ def build_api_app(service: Service) -> web.Application:
             since=since,
             until=until,
             needs_person=needs == "person",
+            id_prefix=q.get("id_prefix") or None,
         )
         if cursor is not None:
             runs = [

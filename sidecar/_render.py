@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-from datetime import UTC, datetime
+import time
+from datetime import datetime, tzinfo
 
 from rich.console import Group, RenderableType
 from rich.rule import Rule
@@ -11,7 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from saga_otel import semconv as sc
-from saga_otel.records import is_pivot
+from saga_otel.records import EscalationCard, is_pivot
 
 from ._views import CompensationView, RunView
 
@@ -28,10 +29,27 @@ _STATUS_STYLE = {
 }
 
 
-def _when(epoch: float | None) -> str:
+def age(seconds: float) -> str:
+    """How long ago, as a person says it: ``42s``, ``5m``, ``3h 07m``, ``2d 4h``."""
+    if seconds < 0:
+        return "in the future (clock skew?)"
+    sec = int(seconds)
+    if sec < 60:
+        return f"{sec}s ago"
+    if sec < 3600:
+        return f"{sec // 60}m ago"
+    if sec < 86400:
+        return f"{sec // 3600}h {sec % 3600 // 60:02d}m ago"
+    return f"{sec // 86400}d {sec % 86400 // 3600}h ago"
+
+
+def when(epoch: float | None, now: float | None = None, tz: tzinfo | None = None) -> str:
+    """Local ISO-8601 time (``tz`` for tests), and its age when ``now`` is given."""
     if epoch is None:
         return "-"
-    return datetime.fromtimestamp(epoch, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    at = datetime.fromtimestamp(epoch, tz) if tz else datetime.fromtimestamp(epoch).astimezone()
+    text = at.isoformat(timespec="seconds")
+    return text if now is None else f"{text} ({age(now - epoch)})"
 
 
 def _cell_call(item: CompensationView) -> str:
@@ -53,8 +71,19 @@ def _mark(ok: bool) -> Text:
     return Text("✓", style="green") if ok else Text("✗", style="bold red")
 
 
-def render_run(view: RunView) -> RenderableType:
-    """The diagram for one run view (the JSON of GET /runs/{id})."""
+def render_run(
+    view: RunView, *, now: float | None = None, tz: tzinfo | None = None
+) -> RenderableType:
+    """The diagram for one run view (the JSON of GET /runs/{id}).
+
+    Times are local ISO-8601 with their age against ``now`` (default: the clock);
+    ``tz`` fixes the zone (tests, the README drawing).
+    """
+    now = time.time() if now is None else now
+
+    def _when(epoch: float | None) -> str:
+        return when(epoch, now, tz)
+
     status = view["status"]
     head = Text.assemble(
         ("saga ", "dim"),
@@ -65,8 +94,9 @@ def render_run(view: RunView) -> RenderableType:
         (status.upper(), _STATUS_STYLE.get(status, "")),
     )
     facts = Text(
-        f"service {view['service'] or '-'}  instance {view['instance'] or '-'}  "
-        f"started {_when(view['started_at'])}  ended {_when(view['ended_at'])}",
+        f"service {view['service'] or '-'}  instance {view['instance'] or '-'}\n"
+        f"started {_when(view['started_at'])}\n"
+        f"ended   {_when(view['ended_at'])}",
         style="dim",
     )
     parts: list[RenderableType] = [head, facts]
@@ -152,7 +182,12 @@ def render_run(view: RunView) -> RenderableType:
     escalation = view["escalation"]
     if escalation:
         parts.append(Rule(f"ESCALATED: {escalation['reason']}", align="left", style="red"))
-        parts.append(Text(json.dumps(escalation["card"], indent=2, sort_keys=True)))
+        card = escalation["card"]
+        if isinstance(card, dict) and card:
+            # The card as the agent's own escalation prints it: one text rule for both.
+            parts.append(Text(EscalationCard.from_dict(card).render()))
+        else:
+            parts.append(Text(f"(the agent's card was not an object: {json.dumps(card)})"))
     resolution = view["resolution"]
     if resolution:
         parts.append(Text(f"resolved {_when(resolution['at'])}: {resolution['note']}", "green"))

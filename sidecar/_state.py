@@ -383,10 +383,13 @@ class RunState:
         since: float | None = None,
         until: float | None = None,
         needs_person: bool = False,
+        id_prefix: str | None = None,
     ) -> list[RunSummary]:
         """Matching runs, newest start first (ties by run id, descending)."""
         out = []
         for run in self._runs.values():
+            if id_prefix is not None and not run.run_id.startswith(id_prefix):
+                continue
             if status is not None and run.status != status:
                 continue
             if saga is not None and run.saga != saga:

@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
+import pytest
 from click.testing import CliRunner, Result
 from sidecar_testkit import compensation_failed_run, completed_run, export_http, stuck_run
 
@@ -77,3 +83,76 @@ async def test_ids_and_undo_args_are_never_cut(sidecar: Sidecar) -> None:
     for comp in stack["stack"]:
         for value in comp["args"].values():
             assert json.dumps(value) in result.output
+
+
+async def test_any_unique_prefix_names_a_run_and_an_ambiguous_one_lists_candidates(
+    sidecar: Sidecar,
+) -> None:
+    a = stuck_run(run_id="abc123" + "0" * 26)
+    b = stuck_run(run_id="abc124" + "0" * 26)
+    await export_http(sidecar, a.spans() + b.spans())
+    for command in (["show"], ["stack"], ["resolve", "--note", "seen"]):
+        result = await cli(sidecar, "runs", command[0], "abc123", *command[1:])
+        assert result.exit_code == 0, result.output
+        assert a.run_id in result.output
+    result = await cli(sidecar, "runs", "show", "abc12")
+    assert result.exit_code == 1
+    assert "matches 2 runs" in result.output and a.run_id in result.output
+    assert b.run_id in result.output and "give more characters" in result.output
+    result = await cli(sidecar, "runs", "stack", "zzz")
+    assert result.exit_code == 1 and "no run id starts with it" in result.output
+
+
+async def test_show_prints_local_times_with_age_and_the_card_as_text(sidecar: Sidecar) -> None:
+    failed = compensation_failed_run()
+    await export_http(sidecar, failed.spans())
+    result = await cli(sidecar, "runs", "show", failed.run_id[:10])
+    assert result.exit_code == 0, result.output
+    # ISO-8601 with the machine's offset, then how long ago.
+    assert re.search(
+        r"started \d{4}-\d\d-\d\dT\d\d:\d\d:\d\d[+-]\d\d:\d\d \(\d+d \d+h ago\)", result.output
+    )
+    view = sidecar.state.view(failed.run_id)
+    assert view is not None and view["escalation"] is not None
+    assert "needs a person" in result.output and "You must decide:" in result.output
+    assert '"decide"' not in result.output  # text for a person, not the JSON
+    as_json = await cli(sidecar, "runs", "show", failed.run_id, "--json")
+    assert json.loads(as_json.output)["escalation"]["card"] == view["escalation"]["card"]
+
+
+async def test_version_help_and_log_level_spelling(sidecar: Sidecar) -> None:
+    result = await cli(sidecar, "--version")
+    assert result.exit_code == 0 and result.output.startswith("saga-sidecar, version ")
+    for args in (["-h"], ["runs", "-h"], ["runs", "show", "-h"], ["serve", "-h"]):
+        result = await cli(sidecar, *args)
+        assert result.exit_code == 0 and "Usage:" in result.output, args
+    result = await cli(sidecar, "serve", "--log-level", "warp")
+    assert result.exit_code == 2 and "'warp' is not one of" in result.output
+
+
+async def test_api_address_mistakes_are_one_line(sidecar: Sidecar) -> None:
+    for api, expect in (
+        ("127.0.0.1:4320", "is not a URL: give the scheme and address"),
+        ("http://127.0.0.1:9", "cannot reach the sidecar API at http://127.0.0.1:9"),
+    ):
+        result = await cli(sidecar, "runs", "list", "--api", api)
+        assert result.exit_code == 1
+        assert len(result.output.strip().splitlines()) == 1 and expect in result.output
+        assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("flag", ["--otlp-http-port", "--otlp-grpc-port", "--api-port"])
+def test_a_busy_port_on_any_transport_is_one_line(flag: str, tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        ports = {"--otlp-http-port": "0", "--otlp-grpc-port": "0", "--api-port": "0"}
+        ports[flag] = str(busy.getsockname()[1])
+        saga_sidecar = str(Path(sys.executable).parent / "saga-sidecar")
+        argv = [saga_sidecar, "serve", "--db", str(tmp_path / "db")]
+        argv += [x for kv in ports.items() for x in kv] + ["--log-level", "error"]
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "cannot listen" in lines[0] and "free" in lines[0]

@@ -9,6 +9,7 @@ changing the renderer on purpose.
 from __future__ import annotations
 
 import os
+from datetime import UTC
 from pathlib import Path
 
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
@@ -53,8 +54,10 @@ def drawing() -> str:
     state.apply(extract(encode_spans(r.spans())).spans, r.t + 1)
     view = state.view(r.run_id)
     assert view is not None
-    console = Console(record=True, width=80, color_system=None, file=open(os.devnull, "w"))
-    console.print(render_run(view))
+    with open(os.devnull, "w") as sink:
+        console = Console(record=True, width=80, color_system=None, file=sink)
+        # A fixed clock and zone: the drawing must not change with the machine or the hour.
+        console.print(render_run(view, now=r.t + 90, tz=UTC))
     return "\n".join(line.rstrip() for line in console.export_text().splitlines()) + "\n"
 
 
