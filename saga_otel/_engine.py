@@ -27,7 +27,7 @@ from typing import Any, Literal, NamedTuple, TypeVar
 from opentelemetry.trace import TracerProvider
 from prometheus_client import CollectorRegistry
 
-from saga_otel import _export
+from saga_otel import _heartbeat
 from saga_otel import _stack as st
 from saga_otel import semconv as sc
 from saga_otel._errors import ConfigurationError, StepRefusedError, ValidationRejectedError
@@ -451,7 +451,7 @@ class _Core:
                 run_id=self.tel.run_id,
                 allow_writes_after_pivot=self.saga.allow_writes_after_pivot,
             )
-        _export.register_open_run(self.tel.run_id)
+        _heartbeat.register_open_run(self.tel.run_id)
 
     def enter(self, mode: Mode) -> Outcome[None]:
         """Open the run and run the pre-flight validations; a rejection closes it."""
@@ -712,7 +712,7 @@ class _Core:
                 except Exception as exc:  # a broken pager must not hide the escalation
                     self.instr.swallowed("escalation_handler", exc)
         self.instr.end_run(self.tel, s.status.value, report.failed_step)
-        _export.unregister_open_run(self.run_id)
+        _heartbeat.unregister_open_run(self.run_id)
         self.report = report
         return report
 
