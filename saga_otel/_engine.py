@@ -146,7 +146,8 @@ def _jsonable_result(info: CallInfo) -> Mapping[str, Any]:
 def log_escalation(instr: Instrumentation) -> EscalationHandler:
     """The default handler: one error-level log event with the card, structured and as text."""
 
-    def handle(card: EscalationCard, report: SagaReport) -> None:
+    # The report is part of the EscalationHandler signature; the log line needs only the card.
+    def handle(card: EscalationCard, _report: SagaReport) -> None:
         instr.log.error(
             "saga.escalation",
             saga=card.saga,
@@ -684,7 +685,7 @@ class _Core:
             self.state,
             CompensationOutcome(comp, ok, attempts, None if exc is None else describe_error(exc)),
         )
-        self.instr.compensation_finished(self.tel, comp.step or comp.tool, ok)
+        self.instr.compensation_finished(comp.step or comp.tool, ok)
 
     def close(self) -> SagaReport:
         assert self.state is not None and self.tel is not None

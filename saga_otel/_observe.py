@@ -229,7 +229,7 @@ class _Observer:
             run.unstorable.pop(idx, None)
         else:
             run.compensations_failed += 1
-        self.instr.compensation_finished(run.tel, self.step, ok)
+        self.instr.compensation_finished(self.step, ok)
 
     # -- the policy, written once ------------------------------------------------
     def do(self, mode: Mode, fn: Callable[..., Any], args: Any, kwargs: Any) -> Outcome[Any]:
@@ -243,7 +243,7 @@ class _Observer:
                 lambda result: self._after_do(run, obs, idx, args, result)
             )
 
-        def failed(exc: BaseException) -> None:
+        def failed(_exc: BaseException) -> None:  # intercept's handler signature
             run.failed_step = self.step  # and the exception propagates unchanged
 
         def settled(done: tuple[Any, bool]) -> Outcome[Any]:
@@ -275,7 +275,7 @@ class _Observer:
             f"{self.step}.compensate", {}, f"undo {self.step}", self.step, idx
         )
 
-        def failed(exc: BaseException) -> None:
+        def failed(_exc: BaseException) -> None:  # intercept's handler signature
             self._compensate_ended(run, idx, False)  # and the exception propagates unchanged
 
         def ok(out: Any) -> Any:
