@@ -192,7 +192,8 @@ _AGENT = r"""
 import sys, time
 from opentelemetry import trace
 from saga_otel import semconv as sc
-from saga_otel._export import configure, register_open_run
+from saga_otel import configure
+from saga_otel._heartbeat import register_open_run
 
 endpoint, run_id = sys.argv[1], sys.argv[2]
 configure(endpoint, heartbeat_interval=1.0)

@@ -23,11 +23,15 @@ from prometheus_client import CollectorRegistry
 
 from bench._figures import Figure
 from saga_otel import semconv as sc
-from saga_otel._export import configure, wait_for_ack, wait_for_ack_async
+from saga_otel._acks import wait_for_ack, wait_for_ack_async
+from saga_otel._config import configure
 
 AREA = "export"
 GOAL_P99_MS = 2.0
 WARMUP = 200
+REFUND_RUNS = 4
+REFUND_ROUNDS = 5
+GOAL_DOWN_RATIO = 2.0  # issue 15: a down sidecar costs at most 2x
 SAMPLES = 3000
 
 
@@ -186,8 +190,21 @@ def run(progress: Callable[[str], None]) -> list[Figure]:
             progress(f"export: durable async, {SAMPLES} spans")
             _measure_async(durable, WARMUP)
             asy = _measure_async(durable, SAMPLES)
+            progress(f"export: {REFUND_RUNS} refund runs, sidecar up")
+            up = _refund_runs(durable)
         finally:
             export.shutdown()
+        progress(f"export: {REFUND_RUNS} refund runs, sidecar down")
+        down_export = configure(
+            f"http://127.0.0.1:{_free_port()}",  # nothing listens there
+            tracer_provider=durable,
+            registry=CollectorRegistry(),
+            ack_timeout=1.0,
+        )
+        try:
+            down = _refund_runs(durable)
+        finally:
+            down_export.shutdown(timeout=0.5)
             durable.shutdown()
     plain.shutdown()
 
@@ -215,7 +232,51 @@ def run(progress: Callable[[str], None]) -> list[Figure]:
                     notes=note + (f"; mean {statistics.fmean(xs):.3f} ms" if name == "p50" else ""),
                 )
             )
+    figures.append(
+        Figure(
+            area=AREA,
+            name=f"{REFUND_RUNS} refund runs with the sidecar down",
+            value=round(down * 1000.0, 2),
+            unit="ms",
+            reference_name=f"the same {REFUND_RUNS} runs with the sidecar up",
+            reference_value=round(up * 1000.0, 2),
+            ratio=round(down / up, 2),
+            goal=f"<= {GOAL_DOWN_RATIO}",
+            met=down / up <= GOAL_DOWN_RATIO,
+            notes=(
+                f"examples/refund_agent.py runs (two completed, two compensated), ack_timeout=1 s; "
+                f"up: against {kind}; down: nothing listens, the export circuit opens at the "
+                f"first refused connection; median of {REFUND_ROUNDS} rounds"
+            ),
+        )
+    )
     return figures
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _refund_runs(provider: TracerProvider) -> float:
+    """Seconds for REFUND_RUNS refund runs (median of REFUND_ROUNDS rounds)."""
+    from examples.refund_agent import run_refund
+    from examples.refund_tools import refund_tools
+    from examples.world import World
+    from saga_otel import Saga
+
+    async def one_round() -> float:
+        t0 = time.perf_counter()
+        for i in range(REFUND_RUNS):
+            tools = refund_tools(World(mail_down=i % 2 == 1))
+            saga = Saga(
+                "refund", tools=tools, tracer_provider=provider, registry=CollectorRegistry()
+            )
+            await run_refund(saga)
+        return time.perf_counter() - t0
+
+    return statistics.median(asyncio.run(one_round()) for _ in range(REFUND_ROUNDS))
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ pivot, loudly where an undo fails. Every step becomes OpenTelemetry spans,
 structlog events and Prometheus metrics that a sidecar process can watch.
 """
 
+from saga_otel._config import SidecarExport, configure
 from saga_otel._engine import CallContext, Run, Saga, Step, SyncRun, current_call, idempotency_key
 from saga_otel._errors import (
     ConfigurationError,
@@ -15,7 +16,6 @@ from saga_otel._errors import (
     UnknownToolError,
     ValidationRejectedError,
 )
-from saga_otel._export import SidecarExport, configure
 from saga_otel._metrics import start_metrics_server
 from saga_otel._observe import ObservedRun, observed, observed_run
 from saga_otel._recovery import fetch_run, recover

@@ -15,8 +15,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from saga_otel import __version__
+from saga_otel._config import configure
 from saga_otel._errors import SagaError
-from saga_otel._export import configure
 from saga_otel._recovery import DEFAULT_SIDECAR_API, ENV_SIDECAR_API, recover
 from saga_otel._registry import ToolRegistry
 from saga_otel.records import RetryPolicy, RunStatus

@@ -27,7 +27,7 @@ from typing import Any, Literal, NamedTuple, TypeVar
 from opentelemetry.trace import TracerProvider
 from prometheus_client import CollectorRegistry
 
-from saga_otel import _export
+from saga_otel import _heartbeat
 from saga_otel import _stack as st
 from saga_otel import semconv as sc
 from saga_otel._errors import ConfigurationError, StepRefusedError, ValidationRejectedError
@@ -146,7 +146,8 @@ def _jsonable_result(info: CallInfo) -> Mapping[str, Any]:
 def log_escalation(instr: Instrumentation) -> EscalationHandler:
     """The default handler: one error-level log event with the card, structured and as text."""
 
-    def handle(card: EscalationCard, report: SagaReport) -> None:
+    # The report is part of the EscalationHandler signature; the log line needs only the card.
+    def handle(card: EscalationCard, _report: SagaReport) -> None:
         instr.log.error(
             "saga.escalation",
             saga=card.saga,
@@ -451,7 +452,7 @@ class _Core:
                 run_id=self.tel.run_id,
                 allow_writes_after_pivot=self.saga.allow_writes_after_pivot,
             )
-        _export.register_open_run(self.tel.run_id)
+        _heartbeat.register_open_run(self.tel.run_id)
 
     def enter(self, mode: Mode) -> Outcome[None]:
         """Open the run and run the pre-flight validations; a rejection closes it."""
@@ -684,7 +685,7 @@ class _Core:
             self.state,
             CompensationOutcome(comp, ok, attempts, None if exc is None else describe_error(exc)),
         )
-        self.instr.compensation_finished(self.tel, comp.step or comp.tool, ok)
+        self.instr.compensation_finished(comp.step or comp.tool, ok)
 
     def close(self) -> SagaReport:
         assert self.state is not None and self.tel is not None
@@ -712,7 +713,7 @@ class _Core:
                 except Exception as exc:  # a broken pager must not hide the escalation
                     self.instr.swallowed("escalation_handler", exc)
         self.instr.end_run(self.tel, s.status.value, report.failed_step)
-        _export.unregister_open_run(self.run_id)
+        _heartbeat.unregister_open_run(self.run_id)
         self.report = report
         return report
 

@@ -9,6 +9,8 @@ from typing import Any
 
 import structlog
 
+Logger = Any  # structlog's BoundLogger protocol is loose; anything with .error/.warning/.info
+
 
 def default_logger() -> Any:
     """The library's own logger: the user's structlog pipeline if they set one up,

@@ -24,7 +24,7 @@ from opentelemetry import trace
 from opentelemetry.trace import TracerProvider
 from prometheus_client import CollectorRegistry
 
-from saga_otel import _export
+from saga_otel import _heartbeat
 from saga_otel import semconv as sc
 from saga_otel._errors import ConfigurationError
 from saga_otel._outcome import AsyncMode, Mode, Outcome, SyncMode, _immediate, _pending
@@ -84,7 +84,7 @@ def observed_run(
     instr = Instrumentation(saga, tracer_provider=tracer_provider, registry=registry, logger=logger)
     run = ObservedRun(instr, instr.start_run(run_id))
     token = _current.set(run)
-    _export.register_open_run(run.run_id)
+    _heartbeat.register_open_run(run.run_id)
     try:
         yield run
     except BaseException:
@@ -101,7 +101,7 @@ def observed_run(
         _end(run, run.status or sc.STATUS_COMPLETED)
     finally:
         _current.reset(token)
-        _export.unregister_open_run(run.run_id)
+        _heartbeat.unregister_open_run(run.run_id)
 
 
 def _end(run: ObservedRun, status: str) -> None:
@@ -229,7 +229,7 @@ class _Observer:
             run.unstorable.pop(idx, None)
         else:
             run.compensations_failed += 1
-        self.instr.compensation_finished(run.tel, self.step, ok)
+        self.instr.compensation_finished(self.step, ok)
 
     # -- the policy, written once ------------------------------------------------
     def do(self, mode: Mode, fn: Callable[..., Any], args: Any, kwargs: Any) -> Outcome[Any]:
@@ -243,7 +243,7 @@ class _Observer:
                 lambda result: self._after_do(run, obs, idx, args, result)
             )
 
-        def failed(exc: BaseException) -> None:
+        def failed(_exc: BaseException) -> None:  # intercept's handler signature
             run.failed_step = self.step  # and the exception propagates unchanged
 
         def settled(done: tuple[Any, bool]) -> Outcome[Any]:
@@ -275,7 +275,7 @@ class _Observer:
             f"{self.step}.compensate", {}, f"undo {self.step}", self.step, idx
         )
 
-        def failed(exc: BaseException) -> None:
+        def failed(_exc: BaseException) -> None:  # intercept's handler signature
             self._compensate_ended(run, idx, False)  # and the exception propagates unchanged
 
         def ok(out: Any) -> Any:

@@ -25,7 +25,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from contextlib import AbstractContextManager
 from typing import Any, Generic, TypeVar
 
-from saga_otel import _export
+from saga_otel import _acks
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -262,7 +262,7 @@ class SyncMode(Mode):
         return Immediate(lambda: self._sleep(seconds))
 
     def ack(self, span: Any) -> Immediate[bool]:
-        return Immediate(lambda: _export.wait_for_ack(span))
+        return Immediate(lambda: _acks.wait_for_ack(span))
 
     def shield(self, o: Outcome[T]) -> Immediate[T]:
         return _immediate(o)  # nothing cancels a thread from outside
@@ -319,7 +319,7 @@ class AsyncMode(Mode):
 
     def ack(self, span: Any) -> Pending[bool]:
         async def run() -> bool:
-            return await _export.wait_for_ack_async(span)
+            return await _acks.wait_for_ack_async(span)
 
         return Pending(run)
 

@@ -342,7 +342,7 @@ class Instrumentation:
         self._guard("metric", lambda: self.metrics.pivots.labels(saga=self.saga, step=step).inc())
         self._event("info", sc.EV_PIVOT, run.span, saga=self.saga, run_id=run.run_id, step=step)
 
-    def compensation_finished(self, run: RunTelemetry, step: str, ok: bool) -> None:
+    def compensation_finished(self, step: str, ok: bool) -> None:
         outcome = "ok" if ok else "failed"
         self._guard(
             "metric",

@@ -64,6 +64,11 @@ SAGA_COMPENSATION_UNSTORABLE: Final = "saga.compensation.unstorable"
 # A small span sent in place of one the sidecar refused as too large.
 SAGA_EXPORT_DROPPED: Final = "saga.export.dropped"  # the reason (e.g. "too_large")
 SAGA_EXPORT_DROPPED_SPAN: Final = "saga.export.dropped_span"  # the refused span's name
+# ... and, on the same marker (see docs/semantic-conventions.md):
+SAGA_EXPORT_DROPPED_SPAN_ID: Final = "saga.export.dropped_span_id"  # 16 hex digits
+SAGA_EXPORT_DROPPED_SIZE: Final = "saga.export.dropped_size_bytes"  # its encoded size
+SAGA_EXPORT_DROPPED_ATTRIBUTES: Final = "saga.export.dropped_attributes"  # keys left out
+DROPPED_TOO_LARGE: Final = "too_large"  # the one reason so far
 # The fencing token of the recovery lease a recoverer holds; on its spans.
 SAGA_RECOVERY_TOKEN: Final = "saga.recovery.token"
 

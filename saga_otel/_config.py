@@ -1,0 +1,374 @@
+"""configure(): settings from arguments and the environment, and the active setup.
+
+:func:`configure` resolves the endpoint and headers, picks or makes the tracer
+provider, adds a :class:`~saga_otel._processor.SagaSpanProcessor` and a
+:class:`~saga_otel._heartbeat.Heartbeat`, records the result as the process's
+active :class:`SidecarExport` (in :data:`saga_otel._state.STATE`) and shuts it
+down at interpreter exit within ``shutdown_timeout``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import ssl
+import threading
+from collections.abc import Mapping
+from typing import Final
+from urllib.parse import urlsplit, urlunsplit
+
+from opentelemetry import trace
+from opentelemetry.attributes import BoundedAttributes
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.util.re import parse_env_headers
+from prometheus_client import CollectorRegistry
+
+from saga_otel import semconv as sc
+from saga_otel._errors import ConfigurationError
+from saga_otel._heartbeat import Heartbeat, open_run_ids
+from saga_otel._logging import Logger, default_logger
+from saga_otel._processor import DEFAULT_MAX_SPAN_BYTES, SagaSpanProcessor
+from saga_otel._state import STATE
+from saga_otel._transport import Compression, TransportSettings
+
+__all__ = ["ENV_SIDECAR_ENDPOINT", "SidecarExport", "configure", "instance_id"]
+
+ENV_SIDECAR_ENDPOINT: Final = "SAGA_OTEL_SIDECAR_ENDPOINT"
+# The standard exporter variables (the traces-specific one wins over the
+# generic one, an argument of configure() over both). Timeouts are seconds, as
+# in the Python SDK's own OTLP exporters.
+_ENV_OTLP: Final = "OTEL_EXPORTER_OTLP_"
+_ENV_OTLP_TRACES: Final = "OTEL_EXPORTER_OTLP_TRACES_"
+_DEFAULT_REQUEST_TIMEOUT: Final = 5.0
+_TRACES_PATH: Final = "/v1/traces"
+
+
+def instance_id() -> str:
+    """The ``service.instance.id`` this process's saga spans carry.
+
+    The active tracer provider's, when its resource has one (SDKs since 1.3x
+    detect a random one, and renew it in a forked child); otherwise the id
+    saga_otel puts on a resource it makes, renewed in a forked child by
+    ``ProcessState.after_fork_in_child``.
+    """
+    active = STATE.active
+    if isinstance(active, SidecarExport):
+        found = active.tracer_provider.resource.attributes.get(sc.SERVICE_INSTANCE_ID)
+        if isinstance(found, str) and found:
+            return found
+    return STATE.instance_id
+
+
+def _resolve_endpoint(value: str) -> str:
+    raw = value.strip()
+    parts = urlsplit(raw)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ConfigurationError(
+            f"sidecar endpoint {value!r} is not an http(s) URL; pass sidecar_endpoint= or set "
+            f"{ENV_SIDECAR_ENDPOINT} to the sidecar's OTLP/HTTP base URL, "
+            "e.g. http://127.0.0.1:4318"
+        )
+    path = parts.path if parts.path not in ("", "/") else _TRACES_PATH
+    return urlunsplit((parts.scheme, parts.netloc, path, parts.query, ""))
+
+
+def _env(name: str) -> tuple[str, str] | None:
+    """(variable, value) of ``OTEL_EXPORTER_OTLP_TRACES_<name>``, else of ``..._OTLP_<name>``."""
+    for prefix in (_ENV_OTLP_TRACES, _ENV_OTLP):
+        value = os.environ.get(prefix + name, "").strip()
+        if value:
+            return prefix + name, value
+    return None
+
+
+def _resolve_headers(headers: Mapping[str, str] | None) -> dict[str, str]:
+    out: dict[str, str] = {}
+    # Both variables apply: generic first, the traces-specific one overrides it.
+    for prefix in (_ENV_OTLP, _ENV_OTLP_TRACES):
+        raw = os.environ.get(prefix + "HEADERS")
+        if raw:
+            out.update(parse_env_headers(raw, liberal=True))
+    if headers:
+        out.update({k.lower(): v for k, v in headers.items()})
+    return out
+
+
+def _resolve_timeout(request_timeout: float | None) -> float:
+    if request_timeout is not None:
+        where, raw = "request_timeout", str(request_timeout)
+    else:
+        found = _env("TIMEOUT")
+        if found is None:
+            return _DEFAULT_REQUEST_TIMEOUT
+        where, raw = found
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ConfigurationError(
+            f"{where}={raw!r} is not a positive number of seconds; "
+            f"use e.g. 5 (default {_DEFAULT_REQUEST_TIMEOUT})"
+        )
+    return value
+
+
+def _resolve_compression(compression: str | None) -> Compression:
+    where, raw = (
+        ("compression", compression)
+        if compression is not None
+        else (_env("COMPRESSION") or ("", "none"))
+    )
+    value = raw.strip().lower()
+    if value == "gzip":
+        return "gzip"
+    if value == "none":
+        return "none"
+    raise ConfigurationError(f"{where}={raw!r} is not a supported compression; use gzip or none")
+
+
+def _resolve_tls() -> ssl.SSLContext | None:
+    """A context from the CERTIFICATE / CLIENT_CERTIFICATE / CLIENT_KEY variables, if any set."""
+    ca = _env("CERTIFICATE")
+    cert = _env("CLIENT_CERTIFICATE")
+    key = _env("CLIENT_KEY")
+    if ca is None and cert is None and key is None:
+        return None
+    try:
+        context = ssl.create_default_context(cafile=ca[1] if ca else None)
+        if cert is not None:
+            context.load_cert_chain(cert[1], keyfile=key[1] if key else None)
+        elif key is not None:
+            raise ConfigurationError(
+                f"{key[0]} is set without a client certificate; set "
+                f"{_ENV_OTLP_TRACES}CLIENT_CERTIFICATE too, or unset it"
+            )
+    except (OSError, ssl.SSLError) as exc:
+        names = ", ".join(f"{n}={v!r}" for n, v in (x for x in (ca, cert, key) if x))
+        raise ConfigurationError(
+            f"cannot load the TLS files named by {names}: {exc}; point them at PEM files"
+        ) from exc
+    return context
+
+
+def _transport(
+    headers: Mapping[str, str] | None, request_timeout: float | None, compression: str | None
+) -> TransportSettings:
+    return TransportSettings(
+        headers=_resolve_headers(headers),
+        timeout=_resolve_timeout(request_timeout),
+        compression=_resolve_compression(compression),
+        ssl_context=_resolve_tls(),
+    )
+
+
+def _own_provider() -> TracerProvider:
+    resource = Resource.create()
+    if sc.SERVICE_INSTANCE_ID not in resource.attributes:
+        resource = resource.merge(Resource({sc.SERVICE_INSTANCE_ID: STATE.instance_id}))
+    return TracerProvider(resource=resource)
+
+
+def _rebrand(resource: Resource, parent_id: str) -> None:
+    """In a forked child, give the resource the child's instance id if it had the parent's.
+
+    Only for a resource that carries saga_otel's own id (an SDK without the
+    process-dependent instance id detector, which renews the id itself after a
+    fork). Every tracer of the provider holds this one Resource object, so
+    changing it in place is the only way the child's spans (the engine's
+    tracers were made before the fork) stop claiming to come from the parent.
+    Resources are immutable by API, hence the private field; a resource with
+    an instance id the user chose is left alone.
+    """
+    attrs = dict(resource.attributes)
+    if attrs.get(sc.SERVICE_INSTANCE_ID) != parent_id:
+        return
+    attrs[sc.SERVICE_INSTANCE_ID] = STATE.instance_id
+    resource._attributes = BoundedAttributes(attributes=attrs, immutable=True)
+
+
+class SidecarExport:
+    """What :func:`configure` set up; ``shutdown()`` stops it."""
+
+    __slots__ = (
+        "_heartbeat",
+        "_shutdown_lock",
+        "_stopped",
+        "processor",
+        "shutdown_timeout",
+        "tracer_provider",
+    )
+
+    def __init__(
+        self,
+        tracer_provider: TracerProvider,
+        processor: SagaSpanProcessor | None,
+        heartbeat: Heartbeat,
+        shutdown_timeout: float = 2.0,
+    ) -> None:
+        self.tracer_provider = tracer_provider
+        self.processor = processor
+        self.shutdown_timeout = shutdown_timeout
+        self._heartbeat = heartbeat
+        self._stopped = False
+        self._shutdown_lock = threading.Lock()
+
+    @property
+    def endpoint(self) -> str | None:
+        return None if self.processor is None else self.processor.endpoint
+
+    @property
+    def durable(self) -> bool:
+        return self.processor is not None and self.processor.durable
+
+    def ensure_heartbeat(self) -> None:
+        if not self._stopped:
+            self._heartbeat.ensure_started()
+
+    def after_fork_in_child(self, parent_instance_id: str) -> None:
+        """Restart the sender and heartbeat threads in a forked child, under its own id."""
+        self._shutdown_lock = threading.Lock()
+        if self._stopped:
+            return
+        _rebrand(self.tracer_provider.resource, parent_instance_id)
+        self._heartbeat.after_fork_in_child()
+        if self.processor is not None:
+            self.processor.after_fork_in_child()
+
+    def force_flush(self, timeout: float = 2.0) -> bool:
+        return True if self.processor is None else self.processor.force_flush(int(timeout * 1000))
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stop heartbeats and the sender, flushing pending spans, all within ``timeout``.
+
+        ``timeout`` (seconds) defaults to ``shutdown_timeout`` (configure's,
+        2 s unless set); the bound holds whatever the sidecar does.
+        """
+        with self._shutdown_lock:
+            if self._stopped:
+                return
+            self._stopped = True
+        budget = self.shutdown_timeout if timeout is None else max(0.0, float(timeout))
+        # The heartbeat thread only ever blocks briefly (it queues a span); a
+        # tenth of the budget is plenty, the rest goes to delivering spans.
+        self._heartbeat.stop(timeout=budget / 10)
+        if self.processor is not None:
+            self.processor.shutdown(budget * 0.9)
+        if STATE.active is self:
+            STATE.active = None
+
+
+def _at_exit() -> None:
+    active = STATE.active
+    if isinstance(active, SidecarExport):
+        active.shutdown()
+
+
+def configure(
+    sidecar_endpoint: str | None = None,
+    *,
+    tracer_provider: TracerProvider | None = None,
+    durable: bool | None = None,
+    ack_timeout: float = 0.5,
+    heartbeat_interval: float = 1.0,
+    headers: Mapping[str, str] | None = None,
+    registry: CollectorRegistry | None = None,
+    logger: Logger | None = None,
+    max_queue_size: int = 10_000,
+    max_span_bytes: int = DEFAULT_MAX_SPAN_BYTES,
+    request_timeout: float | None = None,
+    compression: str | None = None,
+    retry_initial: float = 0.1,
+    retry_max: float = 5.0,
+    shutdown_timeout: float = 2.0,
+) -> SidecarExport:
+    """Send this process's saga spans to the sidecar and emit heartbeats.
+
+    The endpoint is ``sidecar_endpoint`` or ``$SAGA_OTEL_SIDECAR_ENDPOINT`` (a
+    base URL gets ``/v1/traces``). Without one no processor is added (spans
+    reach the sidecar through the user's own pipeline, if any) and durable
+    waits return at once. Calling again replaces the previous setup.
+
+    ``shutdown_timeout`` bounds what process exit (or ``shutdown()``) spends
+    delivering the last spans, whatever the sidecar does. A saga span larger
+    than ``max_span_bytes`` once encoded is replaced by a small marker span.
+
+    The standard ``OTEL_EXPORTER_OTLP_TRACES_*`` / ``OTEL_EXPORTER_OTLP_*``
+    variables apply to this export too: ``HEADERS``, ``COMPRESSION`` (``gzip``
+    or ``none``), ``TIMEOUT`` (seconds for a whole request, as in the Python
+    SDK; default 5) and ``CERTIFICATE`` / ``CLIENT_CERTIFICATE`` /
+    ``CLIENT_KEY`` (PEM files, for https). ``headers``, ``request_timeout`` and
+    ``compression`` override them.
+    """
+    log = logger if logger is not None else default_logger()
+    raw = sidecar_endpoint if sidecar_endpoint is not None else os.environ.get(ENV_SIDECAR_ENDPOINT)
+    endpoint = _resolve_endpoint(raw) if raw else None
+    if durable is None:
+        durable = endpoint is not None
+    if durable and endpoint is None:
+        raise ConfigurationError(
+            "durable=True needs a sidecar endpoint: pass sidecar_endpoint= or set "
+            f"{ENV_SIDECAR_ENDPOINT} (e.g. http://127.0.0.1:4318), or leave durable unset"
+        )
+    if heartbeat_interval <= 0:
+        raise ConfigurationError(
+            f"heartbeat_interval={heartbeat_interval!r} must be > 0 seconds (default 1.0)"
+        )
+    if shutdown_timeout <= 0:
+        raise ConfigurationError(
+            f"shutdown_timeout={shutdown_timeout!r} must be > 0 seconds (default 2.0)"
+        )
+
+    if tracer_provider is not None:
+        if not isinstance(tracer_provider, TracerProvider):
+            raise ConfigurationError(
+                f"tracer_provider {tracer_provider!r} is not an OpenTelemetry SDK "
+                "TracerProvider; pass opentelemetry.sdk.trace.TracerProvider or None"
+            )
+        provider = tracer_provider
+    else:
+        current = trace.get_tracer_provider()
+        if isinstance(current, TracerProvider):
+            provider = current  # the user's: we only add our processor to it
+        else:
+            provider = _own_provider()
+            trace.set_tracer_provider(provider)
+
+    processor: SagaSpanProcessor | None = None
+    if endpoint is not None:
+        processor = SagaSpanProcessor(
+            endpoint,
+            durable=durable,
+            ack_timeout=ack_timeout,
+            transport=_transport(headers, request_timeout, compression),
+            registry=registry,
+            logger=log,
+            max_queue_size=max_queue_size,
+            max_span_bytes=max_span_bytes,
+            retry_initial=retry_initial,
+            retry_max=retry_max,
+            shutdown_timeout=shutdown_timeout,
+        )
+
+    with STATE.configure_lock:
+        previous = STATE.active
+        if isinstance(previous, SidecarExport):
+            previous.shutdown()
+        if processor is not None:
+            provider.add_span_processor(processor)
+        export = SidecarExport(
+            provider,
+            processor,
+            Heartbeat(provider, heartbeat_interval, log),
+            shutdown_timeout=shutdown_timeout,
+        )
+        STATE.active = export
+        if not STATE.atexit_registered:
+            # Registered after the provider's own exit hook, so it runs first
+            # (atexit is last-in, first-out) and the bound is ours.
+            atexit.register(_at_exit)
+            STATE.atexit_registered = True
+    if open_run_ids():
+        export.ensure_heartbeat()
+    return export
