@@ -8,18 +8,22 @@ import json
 import logging
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any, cast
+from urllib.parse import quote
 
 import click
 import httpx
+from rich import box
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from ._alert_service import install_alerting
 from ._alert_settings import alert_options, settings_from_options
 from ._errors import ApiError, SidecarError
-from ._render import render_run
+from ._render import age, local_time, render_run
 from ._server import Sidecar
 from ._settings import (
     DEFAULT_API_PORT,
@@ -36,6 +40,7 @@ from ._settings import (
 from ._views import RunView
 
 DEFAULT_API = f"http://127.0.0.1:{DEFAULT_API_PORT}"
+PREFIX_CANDIDATES = 10  # an ambiguous run id prefix lists at most this many runs
 
 
 def _env(name: str) -> str:
@@ -247,10 +252,42 @@ def _request(api: str, token: str | None, method: str, path: str, **kw: Any) -> 
     except ValueError as exc:
         raise ApiError(f"{api}{path} answered {resp.status_code} with non-JSON") from exc
     if resp.status_code >= 400:
-        raise ApiError(str(body.get("error") if isinstance(body, dict) else body))
+        message = str(body.get("error") if isinstance(body, dict) else body)
+        raise (_NotFoundError if resp.status_code == 404 else ApiError)(message)
     if not isinstance(body, dict):
         raise ApiError(f"{api}{path} answered with {type(body).__name__}, expected an object")
     return body
+
+
+class _NotFoundError(ApiError):
+    """The API answered 404."""
+
+
+def _run_id(api: str, token: str | None, given: str) -> str:
+    """The run id ``given`` names: itself when the sidecar knows it, else the one it starts.
+
+    ``runs list`` prints whole ids, but a person types the first few characters.
+    """
+    try:
+        _request(api, token, "GET", f"/runs/{quote(given, safe='')}/stack")
+        return given
+    except _NotFoundError as exc:
+        unknown = exc
+    matches: list[str] = []
+    params: dict[str, Any] = {"limit": 1000}
+    while given and len(matches) <= PREFIX_CANDIDATES:
+        body = _request(api, token, "GET", "/runs", params=params)
+        matches += [r["run_id"] for r in body["runs"] if r["run_id"].startswith(given)]
+        if not body.get("next_cursor"):
+            break
+        params["cursor"] = body["next_cursor"]
+    if len(matches) == 1:
+        return matches[0]
+    if not matches:
+        raise unknown
+    shown = ", ".join(matches[:PREFIX_CANDIDATES])
+    more = ", ..." if len(matches) > PREFIX_CANDIDATES else ""
+    raise ApiError(f"{given!r} starts more than one run id ({shown}{more}): give more of the id")
 
 
 @main.group()
@@ -294,13 +331,20 @@ def list_runs(
     if as_json:
         click.echo(json.dumps(body, indent=2))
         return
-    table = Table("run", "saga", "status", "started", "failed step", "stack")
+    # Run ids are never cut (they are what the other commands take): at 80 columns the
+    # start time goes under the id and the other columns wrap.
+    now = time.time()
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    table.add_column("run, started", no_wrap=True)
+    table.add_column("saga, status", overflow="fold")
+    table.add_column("failed step", overflow="fold")
+    table.add_column("left", justify="right", no_wrap=True)
     for r in body["runs"]:
+        started = r["started_at"]
+        when = "-" if started is None else f"{local_time(started)}\n{age(now - started)} ago"
         table.add_row(
-            r["run_id"],
-            r["saga"],
-            r["status"] + (" (resolved)" if r["resolved"] else ""),
-            str(r["started_at"]),
+            Text.assemble(r["run_id"], "\n", (when, "dim")),
+            f"{r['saga']}\n{r['status']}" + ("\n(resolved)" if r["resolved"] else ""),
             r["failed_step"] or "",
             str(r["stack_depth"]),
         )
@@ -313,9 +357,13 @@ def list_runs(
 @_token_option
 @click.option("--json", "as_json", is_flag=True, help="Print the run view JSON.")
 def show(run_id: str, api: str, token: str | None, as_json: bool) -> None:
-    """Draw one run: forward steps, pivot, unwind, what is left on the stack."""
+    """Draw one run: forward steps, pivot, unwind, what is left on the stack.
+
+    RUN_ID may be any prefix of the id that no other run shares.
+    """
     try:
-        view = _request(api, token, "GET", f"/runs/{run_id}")
+        run_id = _run_id(api, token, run_id)
+        view = _request(api, token, "GET", f"/runs/{quote(run_id, safe='')}")
     except SidecarError as exc:
         raise _fail(exc) from exc
     if as_json:
@@ -331,9 +379,13 @@ def show(run_id: str, api: str, token: str | None, as_json: bool) -> None:
 @_token_option
 @click.option("--json", "as_json", is_flag=True, help="Print {run_id, status, stack} JSON.")
 def stack(run_id: str, api: str, token: str | None, as_json: bool) -> None:
-    """The compensations still owed, top first (what saga_otel.recover() takes)."""
+    """The compensations still owed, top first (what saga_otel.recover() takes).
+
+    RUN_ID may be any prefix of the id that no other run shares.
+    """
     try:
-        body = _request(api, token, "GET", f"/runs/{run_id}/stack")
+        run_id = _run_id(api, token, run_id)
+        body = _request(api, token, "GET", f"/runs/{quote(run_id, safe='')}/stack")
     except SidecarError as exc:
         raise _fail(exc) from exc
     if as_json:
@@ -350,9 +402,14 @@ def stack(run_id: str, api: str, token: str | None, as_json: bool) -> None:
 @_api_option
 @_token_option
 def resolve(run_id: str, note: str, api: str, token: str | None) -> None:
-    """Record that a person settled the run."""
+    """Record that a person settled the run.
+
+    RUN_ID may be any prefix of the id that no other run shares.
+    """
     try:
-        view = _request(api, token, "POST", f"/runs/{run_id}/resolve", json={"note": note})
+        run_id = _run_id(api, token, run_id)
+        path = f"/runs/{quote(run_id, safe='')}/resolve"
+        view = _request(api, token, "POST", path, json={"note": note})
     except SidecarError as exc:
         raise _fail(exc) from exc
     click.echo(f"resolved {view['run_id']} ({view['status']}): {view['resolution']['note']}")

@@ -44,7 +44,7 @@ from ._alerting import (
 )
 from ._errors import StoreError
 from ._outbox import AlertHistoryRow, alert_history
-from ._render import render_run
+from ._render import age, render_run
 from ._service import SERVICE, Service
 from ._views import RunView
 
@@ -121,21 +121,6 @@ def when(epoch: float | None) -> str:
     if epoch is None:
         return "-"
     return datetime.fromtimestamp(epoch, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def age(seconds: float) -> str:
-    """``2d 3h``, ``3h 12m``, ``12m 5s``, ``40s``: two units are enough to sort by eye."""
-    s = max(int(seconds), 0)
-    days, s = divmod(s, 86400)
-    hours, s = divmod(s, 3600)
-    minutes, s = divmod(s, 60)
-    if days:
-        return f"{days}d {hours}h"
-    if hours:
-        return f"{hours}h {minutes}m"
-    if minutes:
-        return f"{minutes}m {s}s"
-    return f"{s}s"
 
 
 def run_path(run_id: str) -> str:

@@ -34,6 +34,26 @@ def _when(epoch: float | None) -> str:
     return datetime.fromtimestamp(epoch, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
+def local_time(epoch: float) -> str:
+    """Local ISO-8601 with the offset, to the second: ``2026-03-01T14:02:09+01:00``."""
+    return datetime.fromtimestamp(epoch).astimezone().isoformat(timespec="seconds")
+
+
+def age(seconds: float) -> str:
+    """``2d 3h``, ``3h 12m``, ``12m 5s``, ``40s``: two units are enough to sort by eye."""
+    s = max(int(seconds), 0)
+    days, s = divmod(s, 86400)
+    hours, s = divmod(s, 3600)
+    minutes, s = divmod(s, 60)
+    if days:
+        return f"{days}d {hours}h"
+    if hours:
+        return f"{hours}h {minutes}m"
+    if minutes:
+        return f"{minutes}m {s}s"
+    return f"{s}s"
+
+
 def _call(item: CompensationView) -> str:
     args = ", ".join(f"{k}={json.dumps(v)}" for k, v in item["args"].items())
     return f"{item['tool']}({args})"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from datetime import datetime
 from typing import Any
 
 from click.testing import CliRunner, Result
@@ -59,3 +60,41 @@ async def test_cli_errors_are_messages(sidecar: Sidecar) -> None:
     result = await cli(sidecar, "runs", "list", SAGA_SIDECAR_API="http://127.0.0.1:9")
     assert result.exit_code == 1
     assert "cannot reach the sidecar API" in result.output
+
+
+async def test_runs_list_never_cuts_ids_and_times_are_local_iso_with_age(sidecar: Sidecar) -> None:
+    failed, stuck = compensation_failed_run(), stuck_run()
+    await export_http(sidecar, failed.spans() + stuck.spans())
+    # 80 columns, as a pipe or a small terminal gets.
+    result = await cli(sidecar, "runs", "list", COLUMNS="80")
+    assert result.exit_code == 0, result.output
+    assert max(len(line) for line in result.output.splitlines()) <= 80, result.output
+    assert failed.run_id in result.output and stuck.run_id in result.output
+    assert sc.STATUS_COMPENSATION_FAILED in result.output and "…" not in result.output
+    view = sidecar.state.view(failed.run_id)
+    assert view is not None and view["started_at"] is not None
+    local = datetime.fromtimestamp(view["started_at"]).astimezone().isoformat(timespec="seconds")
+    assert local in result.output and " ago" in result.output, result.output
+
+
+async def test_a_unique_prefix_names_a_run_and_an_ambiguous_one_lists_candidates(
+    sidecar: Sidecar,
+) -> None:
+    one, two = stuck_run(run_id="abc123-one"), stuck_run(run_id="abc123-two")
+    await export_http(sidecar, one.spans() + two.spans())
+
+    result = await cli(sidecar, "runs", "show", "abc123-o")
+    assert result.exit_code == 0, result.output
+    assert "abc123-one" in result.output
+    result = await cli(sidecar, "runs", "stack", "abc123-t", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["run_id"] == "abc123-two"
+
+    result = await cli(sidecar, "runs", "resolve", "abc", "--note", "which one?")
+    assert result.exit_code == 1
+    assert "'abc' starts more than one run id" in result.output
+    assert "abc123-one" in result.output and "abc123-two" in result.output
+    result = await cli(sidecar, "runs", "resolve", "abc123-t", "--note", "settled")
+    assert result.exit_code == 0 and "resolved abc123-two" in result.output
+    result = await cli(sidecar, "runs", "show", "zzz")
+    assert result.exit_code == 1 and "no run 'zzz'" in result.output
