@@ -5,7 +5,7 @@ and OTLP/gRPC, keeps every run's state and compensation stack in SQLite, and
 serves them on a JSON API. See ``docs/sidecar.md``.
 
 The names below load on first use: the package ships in the ``saga-otel`` wheel,
-but its server stack (aiohttp, grpcio, click, rich) comes only with the
+but its server stack (aiohttp, grpcio, click, rich, jinja2) comes only with the
 ``saga-otel[sidecar]`` extra, so importing ``sidecar`` alone must not need it.
 """
 

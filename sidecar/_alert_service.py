@@ -22,6 +22,7 @@ from ._alert_settings import AlertSettings
 from ._alerting import AlertEvent, View, evaluate, resolve_stale
 from ._errors import SidecarError
 from ._outbox import AlertMetrics, Outbox, describe_routing
+from ._settings import http_url
 from ._sinks import Sink
 
 if TYPE_CHECKING:
@@ -117,6 +118,20 @@ def install_alerting(
     """
     kwargs.setdefault("registry", sidecar.metrics.registry)
     service = AlertService(sidecar.db_path, settings, **kwargs)
+    settings = service.settings
+    if settings.public_url is None:
+        # Links follow the API as bound: the port is known once it listens (0 = any);
+        # until then (a span racing startup) the configured one.
+        host, configured = sidecar.settings.host, sidecar.settings.api_port
+        service.rules = (
+            settings.rule_config(http_url(host, configured)) if configured else service.rules
+        )
+
+        async def follow_bound_api() -> None:
+            if sidecar.api_port is not None:
+                service.rules = settings.rule_config(http_url(host, sidecar.api_port))
+
+        sidecar.add_background(follow_bound_api)
     # The rules read only a run's facts: equal facts before and after fire nothing.
     sidecar.add_listener(service.listener, facts_only=True)
 

@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 
 import click
 
-from ._alerting import DEFAULT_PUBLIC_URL, DEFAULT_RUNBOOK_BASE, RuleConfig
+from ._alerting import DEFAULT_RUNBOOK_BASE, RuleConfig
 from ._errors import ConfigError
 from ._outbox import Backoff, Routing
 from ._redact import Redactor
@@ -31,7 +31,9 @@ DEFAULT_RESEND = 60.0
 
 @dataclass(frozen=True, slots=True)
 class AlertSettings:
-    public_url: str = DEFAULT_PUBLIC_URL
+    """``public_url`` None: links use the API address the sidecar actually bound."""
+
+    public_url: str | None = None
     runbook_base: str = DEFAULT_RUNBOOK_BASE
     alertmanager_urls: tuple[str, ...] = ()
     alertmanager_resend: float = DEFAULT_RESEND
@@ -47,8 +49,8 @@ class AlertSettings:
     backoff_max: float = 15.0  # alerts are urgent: probe a recovering sink often
 
     def __post_init__(self) -> None:
-        for url in (self.public_url, *self.alertmanager_urls, self.pagerduty_url,
-                    *self.webhook_urls):  # fmt: skip
+        for url in (*([self.public_url] if self.public_url else []), *self.alertmanager_urls,
+                    self.pagerduty_url, *self.webhook_urls):  # fmt: skip
             if not url.startswith(("http://", "https://")):
                 raise ConfigError(
                     f"{url!r} is not an http(s) URL: write e.g. http://127.0.0.1:9093"
@@ -63,8 +65,12 @@ class AlertSettings:
         self.redactor()
         self.backoff()
 
-    def rule_config(self) -> RuleConfig:
-        return RuleConfig(public_url=self.public_url, runbook_base=self.runbook_base)
+    def rule_config(self, api_url: str | None = None) -> RuleConfig:
+        """Links to ``public_url``, else to ``api_url`` (the bound API), else the default."""
+        public = self.public_url or api_url
+        if public is None:
+            return RuleConfig(runbook_base=self.runbook_base)
+        return RuleConfig(public_url=public, runbook_base=self.runbook_base)
 
     def routing(self) -> Routing:
         return Routing.parse(self.routes)
@@ -116,9 +122,10 @@ _OPTIONS: Sequence[Callable[[F], F]] = (
         "--public-url",
         envvar=ENV_PREFIX + "PUBLIC_URL",
         show_envvar=True,
-        default=DEFAULT_PUBLIC_URL,
-        show_default=True,
-        help="The sidecar API as people reach it; alerts link runs to {url}/runs/{id}.",
+        default=None,
+        help="The sidecar API as people reach it; alerts link runs to {url}/runs/{id}, the "
+        "run's page in a browser.  [default: the API address actually bound, e.g. "
+        "http://127.0.0.1:4320]",
     ),
     click.option(
         "--runbook-base",
@@ -255,7 +262,7 @@ def settings_from_options(options: dict[str, Any]) -> AlertSettings:
     """Pop the alerting options out of a command's kwargs into :class:`AlertSettings`."""
     values = {name: options.pop(name) for name in ALERT_OPTION_NAMES if name in options}
     return AlertSettings(
-        public_url=values.get("public_url", DEFAULT_PUBLIC_URL),
+        public_url=values.get("public_url") or None,
         runbook_base=values.get("runbook_base", DEFAULT_RUNBOOK_BASE),
         alertmanager_urls=tuple(values.get("alertmanager_urls", ())),
         alertmanager_resend=float(values.get("alertmanager_resend", DEFAULT_RESEND)),

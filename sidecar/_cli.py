@@ -16,12 +16,14 @@ from urllib.parse import quote, urlsplit
 
 import click
 import httpx
+from rich import box
 from rich.console import Console
-from rich.table import Column, Table
+from rich.table import Table
+from rich.text import Text
 
 from ._alert_settings import alert_options, settings_from_options
 from ._errors import ApiError, SidecarError
-from ._render import render_run, when
+from ._render import age, local_time, render_run
 from ._settings import (
     DEFAULT_API_PORT,
     DEFAULT_FORWARD_QUEUE,
@@ -266,7 +268,8 @@ def _request(api: str, token: str | None, method: str, path: str, **kw: Any) -> 
     except ValueError as exc:
         raise ApiError(f"{api}{path} answered {resp.status_code} with non-JSON") from exc
     if resp.status_code >= 400:
-        raise ApiError(str(body.get("error") if isinstance(body, dict) else body))
+        message = str(body.get("error") if isinstance(body, dict) else body)
+        raise ApiError(message)
     if not isinstance(body, dict):
         raise ApiError(f"{api}{path} answered with {type(body).__name__}, expected an object")
     return body
@@ -337,22 +340,20 @@ def list_runs(
     if as_json:
         click.echo(json.dumps(body, indent=2))
         return
+    # Run ids are never cut (they are what the other commands take): at 80 columns the
+    # start time goes under the id and the other columns wrap.
     now = time.time()
-    # Ids are never cut: the other columns fold instead.
-    table = Table(
-        Column("run", no_wrap=True),
-        Column("saga", overflow="fold"),
-        Column("status", overflow="fold"),
-        Column("started", overflow="fold"),
-        Column("failed step", overflow="fold"),
-        "stack",
-    )
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    table.add_column("run, started", no_wrap=True)
+    table.add_column("saga, status", overflow="fold")
+    table.add_column("failed step", overflow="fold")
+    table.add_column("left", justify="right", no_wrap=True)
     for r in body["runs"]:
+        started = r["started_at"]
+        at = "-" if started is None else f"{local_time(started)}\n{age(now - started)} ago"
         table.add_row(
-            r["run_id"],
-            r["saga"],
-            r["status"] + (" (resolved)" if r["resolved"] else ""),
-            when(r["started_at"], now),
+            Text.assemble(r["run_id"], "\n", (at, "dim")),
+            f"{r['saga']}\n{r['status']}" + ("\n(resolved)" if r["resolved"] else ""),
             r["failed_step"] or "",
             str(r["stack_depth"]),
         )
@@ -372,7 +373,10 @@ def _console() -> Console:
 @_token_option
 @click.option("--json", "as_json", is_flag=True, help="Print the run view JSON.")
 def show(run_id: str, api: str, token: str | None, as_json: bool) -> None:
-    """Draw one run: forward steps, pivot, unwind, what is left on the stack."""
+    """Draw one run: forward steps, pivot, unwind, what is left on the stack.
+
+    RUN_ID may be any prefix of the id that no other run shares.
+    """
     try:
         run_id = _full_id(api, token, run_id)
         view = _request(api, token, "GET", f"/runs/{_segment(run_id)}")
@@ -391,7 +395,10 @@ def show(run_id: str, api: str, token: str | None, as_json: bool) -> None:
 @_token_option
 @click.option("--json", "as_json", is_flag=True, help="Print {run_id, status, stack} JSON.")
 def stack(run_id: str, api: str, token: str | None, as_json: bool) -> None:
-    """The compensations still owed, top first (what saga_otel.recover() takes)."""
+    """The compensations still owed, top first (what saga_otel.recover() takes).
+
+    RUN_ID may be any prefix of the id that no other run shares.
+    """
     try:
         run_id = _full_id(api, token, run_id)
         body = _request(api, token, "GET", f"/runs/{_segment(run_id)}/stack")
@@ -411,7 +418,10 @@ def stack(run_id: str, api: str, token: str | None, as_json: bool) -> None:
 @_api_option
 @_token_option
 def resolve(run_id: str, note: str, api: str, token: str | None) -> None:
-    """Record that a person settled the run."""
+    """Record that a person settled the run.
+
+    RUN_ID may be any prefix of the id that no other run shares.
+    """
     try:
         run_id = _full_id(api, token, run_id)
         view = _request(

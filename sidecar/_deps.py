@@ -15,7 +15,13 @@ from typing import Final
 from ._errors import SidecarError
 
 # Import name -> distribution name, for the modules the sidecar imports at load time.
-SERVER_STACK: Final = {"aiohttp": "aiohttp", "grpc": "grpcio", "click": "click", "rich": "rich"}
+SERVER_STACK: Final = {
+    "aiohttp": "aiohttp",
+    "grpc": "grpcio",
+    "click": "click",
+    "rich": "rich",
+    "jinja2": "jinja2",  # the run page and review queue (sidecar/templates)
+}
 INSTALL_HINT: Final = "pip install 'saga-otel[sidecar]'"
 
 

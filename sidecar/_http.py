@@ -17,6 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, Histogram
 
 from ._errors import DecodeError, StoreError
 from ._otlp import extract, parse_json, parse_protobuf, response
+from ._pages import browser_auth, page_routes, run_page, wants_html
 from ._service import SERVICE, Service
 from ._state import ALL_STATES
 
@@ -225,7 +226,9 @@ def decode_cursor(text: str) -> tuple[float, str]:
 
 def build_api_app(service: Service) -> web.Application:
     app = web.Application(
-        middlewares=[_auth_middleware(service, "api")], client_max_size=API_MAX_BODY
+        # browser_auth (outer): HTML for people, sidecar/_pages.py.
+        middlewares=[browser_auth(service), _auth_middleware(service, "api")],
+        client_max_size=API_MAX_BODY,
     )
     app[SERVICE] = service
 
@@ -279,6 +282,8 @@ def build_api_app(service: Service) -> web.Application:
         return web.json_response({"runs": page, "next_cursor": next_cursor})
 
     async def get_run(request: web.Request) -> web.Response:
+        if wants_html(request.headers.get("Accept", "")):
+            return await run_page(request)  # a browser following an alert's run_url
         sidecar = request.app[SERVICE]
         run_id = request.match_info["run_id"]
         view = sidecar.state.view(run_id)
@@ -331,5 +336,6 @@ def build_api_app(service: Service) -> web.Application:
     app.router.add_post("/runs/{run_id}/resolve", resolve)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/metrics", metrics)
+    app.router.add_routes(page_routes())
     app.router.add_routes(service.api_routes)
     return app

@@ -27,7 +27,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
+from typing import Final, NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -533,3 +533,59 @@ def describe_routing(routing: Routing, sinks: Sequence[Sink]) -> list[str]:
                 "from the route"
             )
     return problems
+
+
+class AlertHistoryRow(NamedTuple):
+    """One outbox row as a run page shows it: an alert event on one sink."""
+
+    created_at: float
+    alertname: str
+    action: str
+    sink: str
+    state: str
+    attempts: int
+    last_error: str | None
+    summary: str
+
+
+def alert_history(db_path: Path | str, run_id: str) -> list[AlertHistoryRow]:
+    """The alert rows of one run, oldest first, read on a connection of their own.
+
+    Empty when alerting never wrote to this database (no outbox table yet).
+    """
+    try:
+        db = sqlite3.connect(f"{Path(db_path).resolve().as_uri()}?mode=ro", uri=True)
+    except sqlite3.Error as exc:
+        raise StoreError(f"cannot read the alert outbox in {db_path}: {exc}") from exc
+    try:
+        db.execute("PRAGMA busy_timeout = 10000")
+        rows = db.execute(
+            "SELECT created_at, alertname, action, sink, state, attempts, last_error, event "
+            "FROM alert_outbox WHERE run_id = ? ORDER BY id",
+            (run_id,),
+        ).fetchall()
+    except sqlite3.OperationalError as exc:
+        if "no such table" in str(exc):
+            return []
+        raise StoreError(f"cannot read the alert outbox in {db_path}: {exc}") from exc
+    finally:
+        db.close()
+    out = []
+    for created, alertname, action, sink, state, attempts, error, event in rows:
+        try:
+            summary = str(json.loads(event)["annotations"].get("summary", ""))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            summary = ""
+        out.append(
+            AlertHistoryRow(
+                float(created),
+                str(alertname),
+                str(action),
+                str(sink),
+                str(state),
+                int(attempts),
+                error,
+                summary,
+            )
+        )
+    return out

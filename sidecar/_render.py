@@ -29,27 +29,14 @@ _STATUS_STYLE = {
 }
 
 
-def age(seconds: float) -> str:
-    """How long ago, as a person says it: ``42s``, ``5m``, ``3h 07m``, ``2d 4h``."""
-    if seconds < 0:
-        return "in the future (clock skew?)"
-    sec = int(seconds)
-    if sec < 60:
-        return f"{sec}s ago"
-    if sec < 3600:
-        return f"{sec // 60}m ago"
-    if sec < 86400:
-        return f"{sec // 3600}h {sec % 3600 // 60:02d}m ago"
-    return f"{sec // 86400}d {sec % 86400 // 3600}h ago"
-
-
 def when(epoch: float | None, now: float | None = None, tz: tzinfo | None = None) -> str:
     """Local ISO-8601 time (``tz`` for tests), and its age when ``now`` is given."""
     if epoch is None:
         return "-"
-    at = datetime.fromtimestamp(epoch, tz) if tz else datetime.fromtimestamp(epoch).astimezone()
-    text = at.isoformat(timespec="seconds")
-    return text if now is None else f"{text} ({age(now - epoch)})"
+    text = (
+        datetime.fromtimestamp(epoch, tz).isoformat(timespec="seconds") if tz else local_time(epoch)
+    )
+    return text if now is None else f"{text} ({age(now - epoch)} ago)"
 
 
 def _cell_call(item: CompensationView) -> str:
@@ -60,6 +47,26 @@ def _cell_call(item: CompensationView) -> str:
         return one_line
     args = ",\n".join(f"  {k}={json.dumps(v)}" for k, v in item["args"].items())
     return f"{item['tool']}(\n{args})"
+
+
+def local_time(epoch: float) -> str:
+    """Local ISO-8601 with the offset, to the second: ``2026-03-01T14:02:09+01:00``."""
+    return datetime.fromtimestamp(epoch).astimezone().isoformat(timespec="seconds")
+
+
+def age(seconds: float) -> str:
+    """``2d 3h``, ``3h 12m``, ``12m 5s``, ``40s``: two units are enough to sort by eye."""
+    s = max(int(seconds), 0)
+    days, s = divmod(s, 86400)
+    hours, s = divmod(s, 3600)
+    minutes, s = divmod(s, 60)
+    if days:
+        return f"{days}d {hours}h"
+    if hours:
+        return f"{hours}h {minutes}m"
+    if minutes:
+        return f"{minutes}m {s}s"
+    return f"{s}s"
 
 
 def _call(item: CompensationView) -> str:

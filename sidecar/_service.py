@@ -7,6 +7,8 @@ through :class:`Service`, and aiohttp apps carry it under :data:`SERVICE`, so
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
 from typing import Protocol
 
 from aiohttp import web
@@ -35,6 +37,18 @@ class Service(Protocol):
 
     @property
     def api_routes(self) -> list[web.AbstractRouteDef]: ...
+
+    # What the run page and review queue (_pages.py) show and link to.
+    @property
+    def clock(self) -> Callable[[], float]: ...
+
+    @property
+    def db_path(self) -> Path: ...
+
+    @property
+    def otlp_http_port(self) -> int | None:
+        """The OTLP/HTTP port actually bound; None before start()."""
+        ...
 
     def enter(self) -> bool:
         """Take an in-flight slot; False when the service is at its bound (answer 429)."""

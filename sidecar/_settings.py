@@ -5,6 +5,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,6 +78,15 @@ def parse_size(text: str | int, what: str) -> int:
     if value <= 0:
         raise ConfigError(f"{what} {text!r} must be positive: use e.g. 16MiB")
     return value
+
+
+def http_url(host: str, port: int) -> str:
+    """``http://host:port`` for a bound address; a wildcard bind names this machine."""
+    if host in ("", "0.0.0.0", "::"):
+        host = socket.getfqdn()  # links leave this machine: a name people can reach
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
 
 
 def is_loopback(host: str) -> bool:

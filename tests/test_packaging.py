@@ -1,7 +1,7 @@
 """An agent that installs the library alone gets none of the sidecar's server stack.
 
 One slow test (a real ``pip install`` of this repository into a fresh virtualenv,
-no extras): the installed distributions hold no aiohttp, grpcio, click or rich;
+no extras): the installed distributions hold no aiohttp, grpcio, click, rich or jinja2;
 ``examples/refund_agent.py`` runs there, from a folder that holds only the
 examples, so ``saga_otel`` comes from the install; the same install exports a
 run to a real sidecar (started from the dev environment); and the ``saga-sidecar``
@@ -24,7 +24,14 @@ from support import SidecarProcess, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 # The sidecar's server stack, as distribution names (PEP 503 normalized).
-SERVER_STACK = {"aiohttp", "grpcio", "click", "rich", "opentelemetry-exporter-otlp-proto-grpc"}
+SERVER_STACK = {
+    "aiohttp",
+    "grpcio",
+    "click",
+    "rich",
+    "jinja2",
+    "opentelemetry-exporter-otlp-proto-grpc",
+}
 
 LIST_DISTRIBUTIONS = """
 import importlib.metadata, json
@@ -80,6 +87,9 @@ def test_library_only_install_has_no_server_stack_and_runs_an_agent(
 
     where = _run([py, "-c", "import saga_otel; print(saga_otel.__file__)"], agent_dir, env)
     assert where.stdout.startswith(str(venv)), where.stdout + where.stderr
+    # The wheel carries the sidecar's page templates (package data, not modules).
+    templates = Path(where.stdout.strip()).parent.parent / "sidecar" / "templates"
+    assert {p.name for p in templates.glob("*.html")} >= {"base.html", "run.html", "review.html"}
 
     # The example as its docstring runs it.
     out = _run([py, "-m", "examples.refund_agent", "--mail-down"], agent_dir, env)

@@ -128,7 +128,10 @@ async def test_the_unwind_span_pages_and_the_compensated_end_resolves(
         f"refund run {run.run_id[:8]}… unwinding after notify_billing failed: "
         "TimeoutError: upstream timed out; 2 compensations pending"
     )
-    assert fired["annotations"]["run_url"] == f"http://127.0.0.1:4320/runs/{run.run_id}"
+    # The API's bound port (0 = any), not the default one: the link must open.
+    assert fired["annotations"]["run_url"] == (
+        f"http://127.0.0.1:{sidecar.api_port}/runs/{run.run_id}"
+    )
     await export_http(sidecar, tail)
     await hook.wait(sc.ALERT_COMPENSATION_STARTED, "resolved")
     assert hook.seen() == [

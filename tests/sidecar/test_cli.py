@@ -8,6 +8,7 @@ import re
 import socket
 import subprocess
 import sys
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -156,3 +157,18 @@ def test_a_busy_port_on_any_transport_is_one_line(flag: str, tmp_path: Path) -> 
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert "cannot listen" in lines[0] and "free" in lines[0]
+
+
+async def test_runs_list_never_cuts_ids_and_times_are_local_iso_with_age(sidecar: Sidecar) -> None:
+    failed, stuck = compensation_failed_run(), stuck_run()
+    await export_http(sidecar, failed.spans() + stuck.spans())
+    # 80 columns, as a pipe or a small terminal gets.
+    result = await cli(sidecar, "runs", "list", COLUMNS="80")
+    assert result.exit_code == 0, result.output
+    assert max(len(line) for line in result.output.splitlines()) <= 80, result.output
+    assert failed.run_id in result.output and stuck.run_id in result.output
+    assert sc.STATUS_COMPENSATION_FAILED in result.output and "…" not in result.output
+    view = sidecar.state.view(failed.run_id)
+    assert view is not None and view["started_at"] is not None
+    local = datetime.fromtimestamp(view["started_at"]).astimezone().isoformat(timespec="seconds")
+    assert local in result.output and " ago" in result.output, result.output

@@ -1,0 +1,421 @@
+"""The on-call person's pages: a run page at the link every alert carries, and ``/review``.
+
+Server-rendered HTML (Jinja2, autoescaped, templates in ``sidecar/templates``):
+no scripts, no build step, nothing fetched from elsewhere, so a page works
+offline and on a locked-down laptop at 3 a.m. The JSON API is unchanged: a
+``GET /runs/{id}`` that prefers ``text/html`` (a browser following ``run_url``)
+gets the page, every other client keeps getting JSON.
+
+Auth is the API's: with ``--token``, a browser sends the token as the password
+of HTTP Basic auth (it prompts once per origin), which :func:`browser_auth`
+hands to the API's bearer check unchanged. The resolve form is a POST that a
+page of another origin cannot forge (Origin / Sec-Fetch-Site are checked),
+since a browser's Basic credentials travel with cross-site requests too.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import shlex
+from collections.abc import Awaitable, Callable, Mapping
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Final, NamedTuple
+from urllib.parse import quote
+
+import jinja2
+from aiohttp import web
+from aiohttp.typedefs import Middleware
+from markupsafe import Markup
+from multidict import CIMultiDict
+from rich.console import Console
+from yarl import URL
+
+from saga_otel import semconv as sc
+
+from ._alerting import (
+    CLEARING_STATUSES,
+    RuleConfig,
+    build_card,
+    open_alerts,
+    render_card,
+)
+from ._errors import StoreError
+from ._outbox import AlertHistoryRow, alert_history
+from ._render import age, render_run
+from ._service import SERVICE, Service
+from ._views import RunView
+
+TEMPLATES: Final = Path(__file__).with_name("templates")
+HTML: Final = "text/html"
+DIAGRAM_WIDTH: Final = 110
+NOTE_MAX: Final = 4000
+
+# The alert whose card a run page shows when the agent sent none: the most pressing first.
+_CARD_PRIORITY: Final = (
+    sc.ALERT_RUN_ORPHANED,
+    sc.ALERT_COMPENSATION_FAILED,
+    sc.ALERT_RUN_STUCK,
+    sc.ALERT_COMPENSATION_STARTED,
+)
+_STATUS_ALERT: Final[Mapping[str, str]] = {
+    sc.STATE_ORPHANED: sc.ALERT_RUN_ORPHANED,
+    sc.STATUS_COMPENSATION_FAILED: sc.ALERT_COMPENSATION_FAILED,
+    sc.STATUS_STUCK: sc.ALERT_RUN_STUCK,
+}
+
+_env = jinja2.Environment(
+    loader=jinja2.FileSystemLoader(TEMPLATES),
+    autoescape=True,  # every template, whatever its name: all of it is user data
+    undefined=jinja2.StrictUndefined,
+    trim_blocks=True,
+    lstrip_blocks=True,
+)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class HistoryEntry(NamedTuple):
+    """One alert event of a run and how each sink took it."""
+
+    at: str
+    alertname: str
+    action: str
+    summary: str
+    sinks: tuple[str, ...]
+
+
+# --- helpers shared by both pages ---------------------------------------------------
+
+
+def wants_html(accept: str) -> bool:
+    """True when an Accept header prefers HTML to JSON (a browser, not an API client).
+
+    ``*/*`` alone (curl, httpx, aiohttp) means JSON: the API's answer is unchanged.
+    """
+    html = json_q = star = 0.0
+    for part in accept.split(","):
+        media, *params = (p.strip() for p in part.split(";"))
+        q = 1.0
+        for param in params:
+            name, _, value = param.partition("=")
+            if name.strip().lower() == "q":
+                try:
+                    q = float(value)
+                except ValueError:
+                    q = 0.0
+        media = media.lower()
+        if media in ("text/html", "application/xhtml+xml"):
+            html = max(html, q)
+        elif media == "application/json":
+            json_q = max(json_q, q)
+        elif media == "*/*":
+            star = max(star, q)
+    # JSON's weight is its own q when listed, else what */* gives it; a tie keeps JSON.
+    return html > (json_q or star)
+
+
+def when(epoch: float | None) -> str:
+    if epoch is None:
+        return "-"
+    return datetime.fromtimestamp(epoch, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def run_path(run_id: str) -> str:
+    return f"/runs/{quote(run_id, safe='')}"
+
+
+def diagram(view: RunView) -> Markup:
+    """The run as ``saga-sidecar runs show`` draws it, as HTML (rich escapes the text).
+
+    The card and the resolution have their own sections on the page, so they are
+    left out of the drawing.
+    """
+    body = view.copy()
+    body["escalation"] = body["resolution"] = None
+    console = Console(
+        record=True,
+        width=DIAGRAM_WIDTH,
+        file=io.StringIO(),
+        force_terminal=True,
+        color_system="truecolor",
+    )
+    console.print(render_run(body))
+    return Markup(console.export_html(inline_styles=True, code_format="{code}"))
+
+
+def card_text(view: RunView, run_url: str) -> str | None:
+    """The escalation card as the text alerts carry; None when no person is asked anything.
+
+    The agent's own card wins field by field; the sidecar's (built from the view, as
+    alerts build it) fills what the agent left out, e.g. an orphaned run's.
+    """
+    esc = view["escalation"]
+    card = esc["card"] if esc is not None else None
+    sent = {str(k): v for k, v in card.items() if v} if isinstance(card, Mapping) else {}
+    pressing = open_alerts(view)
+    name: str | None = next((a for a in _CARD_PRIORITY if a in pressing), None)
+    name = name or _STATUS_ALERT.get(view["status"])
+    if name is None and not sent:
+        return None
+    own = view.copy()
+    own["escalation"] = None
+    base = build_card(name, own, run_url) if name is not None else {}
+    if sent:
+        # The agent's card says what will happen; a stuck run's stack will not be undone.
+        base.pop("will_undo", None)
+    return render_card({**base, **sent})
+
+
+def recover_command(run_id: str, api: str, otlp: str) -> str:
+    """The ``saga-otel recover`` line for this run, safe to paste into a POSIX shell."""
+    return shlex.join(["saga-otel", "recover", run_id, "--sidecar", api, "--otlp", otlp])
+
+
+def history(rows: list[AlertHistoryRow]) -> list[HistoryEntry]:
+    """Outbox rows (one per sink) folded into one entry per alert event, oldest first."""
+    entries: dict[tuple[str, str], HistoryEntry] = {}
+    for row in rows:
+        key = (row.alertname, row.action)
+        sink = f"{row.sink}: {row.state}"
+        if row.state != "delivered" and row.attempts:
+            sink += f" after {row.attempts} attempt(s)"
+        if row.last_error and row.state != "delivered":
+            sink += f" ({row.last_error})"
+        found = entries.get(key)
+        if found is None:
+            entries[key] = HistoryEntry(
+                when(row.created_at), row.alertname, row.action, row.summary, (sink,)
+            )
+        else:
+            entries[key] = found._replace(sinks=(*found.sinks, sink))
+    return list(entries.values())
+
+
+def _origin_ok(request: web.Request) -> bool:
+    """A state-changing POST must come from a page of this origin (or from no browser)."""
+    site = request.headers.get("Sec-Fetch-Site")
+    if site is not None and site not in ("same-origin", "none"):
+        return False
+    origin = request.headers.get("Origin")
+    if origin is None:
+        return True  # not a browser form: the bearer check already ran
+    return origin != "null" and origin.partition("://")[2] == request.host
+
+
+def _basic_password(header: str) -> str | None:
+    scheme, _, value = header.partition(" ")
+    if scheme.lower() != "basic":
+        return None
+    try:
+        decoded = base64.b64decode(value.strip(), validate=True).decode()
+    except (binascii.Error, UnicodeDecodeError):
+        return None
+    return decoded.partition(":")[2]
+
+
+def browser_auth(service: Service) -> Middleware:
+    """Outer API middleware: a browser's Basic credentials become the API's bearer token.
+
+    The bearer check itself stays the API's (inner) middleware. A 401 to a browser
+    is a small page with a Basic challenge, so the browser asks for the token.
+    """
+    token = service.settings.token
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if not token:
+            return await handler(request)
+        password = _basic_password(request.headers.get("Authorization", ""))
+        if password is not None:
+            headers = CIMultiDict(request.headers)
+            headers["Authorization"] = f"Bearer {password}"
+            request = request.clone(headers=headers)
+        resp = await handler(request)
+        if resp.status == 401 and wants_html(request.headers.get("Accept", "")):
+            return _page(
+                "error.html",
+                status=401,
+                headers={"WWW-Authenticate": 'Basic realm="saga-sidecar", charset="UTF-8"'},
+                title="The sidecar needs its token",
+                message="This sidecar runs with --token. Sign in with any user name and the "
+                "token (SAGA_SIDECAR_TOKEN) as the password.",
+            )
+        return resp
+
+    return middleware
+
+
+def _page(
+    template: str, *, status: int = 200, headers: Mapping[str, str] | None = None, **context: object
+) -> web.Response:
+    body = _env.get_template(template).render(**context)
+    resp = web.Response(text=body, status=status, content_type=HTML, charset="utf-8")
+    resp.headers.update(headers or {})
+    # Nothing on these pages comes from elsewhere, and nothing runs: say so to the browser.
+    resp.headers["Content-Security-Policy"] = (
+        "default-src 'none'; style-src 'unsafe-inline'; img-src 'self'; form-action 'self'; "
+        "frame-ancestors 'none'; base-uri 'none'"
+    )
+    resp.headers["X-Content-Type-Options"] = "nosniff"
+    # same-origin, not no-referrer: with no-referrer a form POST says Origin: null.
+    resp.headers["Referrer-Policy"] = "same-origin"
+    resp.headers["Cache-Control"] = "no-store"
+    return resp
+
+
+# --- the pages (handlers of the API app; the service is request.app[SERVICE]) ---------
+
+
+def page_routes() -> list[web.RouteDef]:
+    """The pages' routes, added to the API app by ``_http.build_api_app``."""
+    return [
+        web.get("/ui/runs/{run_id}", run_page),
+        web.post("/ui/runs/{run_id}/resolve", resolve),
+        web.get("/review", review),
+    ]
+
+
+def _bases(service: Service, request: web.Request) -> tuple[str, str]:
+    """The API and OTLP/HTTP base URLs as the person reached this sidecar."""
+    api = URL.build(scheme=request.scheme, host=request.url.host or "127.0.0.1",
+                    port=request.url.port)  # fmt: skip
+    otlp = api.with_scheme("http").with_port(service.otlp_http_port)
+    return str(api).rstrip("/"), str(otlp).rstrip("/")
+
+
+def _not_found(run_id: str) -> web.Response:
+    return _page(
+        "error.html",
+        status=404,
+        title="No such run",
+        message=f"No run {run_id!r} is known here. Finished runs are pruned after the "
+        "retention period (--retention); the review queue lists the runs that need a person.",
+    )
+
+
+async def run_page(
+    request: web.Request, *, note: str = "", problem: str = "", status: int = 200
+) -> web.Response:
+    service = request.app[SERVICE]
+    run_id = request.match_info["run_id"]
+    view = service.state.view(run_id)
+    if view is None:
+        return _not_found(run_id)
+    api, otlp = _bases(service, request)
+    run_url = RuleConfig(public_url=api).run_url(run_id)
+    now = service.clock()
+    token = bool(service.settings.token)
+    state = view["status"]
+    resolution = view["resolution"]
+    started = view["started_at"]
+    try:
+        alerts = history(alert_history(service.db_path, run_id))
+    except StoreError as exc:
+        alerts, problem = [], problem or str(exc)
+    auth = '-H "Authorization: Bearer $SAGA_SIDECAR_TOKEN" ' if token else ""
+    return _page(
+        "run.html",
+        status=status,
+        view=view,
+        state=state,
+        started=when(started),
+        ended=when(view["ended_at"]),
+        updated=when(view["updated_at"]),
+        run_age=age(now - started) if started is not None else "-",
+        diagram=diagram(view),
+        card=card_text(view, run_url),
+        recover=(
+            recover_command(run_id, api, otlp)
+            if view["stack"] and state not in CLEARING_STATUSES and not resolution
+            else None
+        ),
+        token=token,
+        json_cmd=f"curl {auth}{shlex.quote(run_url)}",
+        alerts=alerts,
+        resolution=resolution,
+        resolved_at=when(resolution["at"]) if resolution else "-",
+        can_resolve=not resolution and state not in CLEARING_STATUSES,
+        action=f"/ui/runs/{quote(run_id, safe='')}/resolve",
+        note=note,
+        problem=problem,
+        now=when(now),
+    )
+
+
+async def resolve(request: web.Request) -> web.StreamResponse:
+    service = request.app[SERVICE]
+    run_id = request.match_info["run_id"]
+    if not _origin_ok(request):
+        return _page(
+            "error.html",
+            status=403,
+            title="Refused: not from this sidecar's page",
+            message="The resolve form must be sent from this sidecar's own run page "
+            f"(Origin {request.headers.get('Origin')!r} is another site).",
+        )
+    try:
+        form = await request.post()
+    except web.HTTPRequestEntityTooLarge:
+        return await run_page(
+            request, problem=f"The note is too long: keep it under {NOTE_MAX} characters.",
+            status=413,
+        )  # fmt: skip
+    raw = form.get("note")
+    note = raw.strip() if isinstance(raw, str) else ""
+    if not note or len(note) > NOTE_MAX:
+        problem = (
+            "Say what a person did or decided: the note is empty."
+            if not note
+            else f"The note is {len(note)} characters: keep it under {NOTE_MAX}."
+        )
+        return await run_page(request, note=note, problem=problem, status=400)
+    current = service.state.view(run_id)
+    if current is not None and current["resolution"]:
+        # Two people on one run: the second sees the first's note, it does not overwrite it.
+        return await run_page(
+            request, problem="Someone resolved this run while you were writing; your note "
+            f"was not saved: {note}", status=409,
+        )  # fmt: skip
+    try:
+        view = service.resolve(run_id, note)
+    except StoreError as exc:
+        return await run_page(request, note=note, problem=str(exc), status=503)
+    if view is None:
+        return _not_found(run_id)
+    # Post/redirect/get: a reload shows the page, it does not resolve twice.
+    raise web.HTTPSeeOther(run_path(run_id))
+
+
+def _silent_at(service: Service, run_id: str, status: str) -> str:
+    """An orphan failed nowhere: say where its agent went silent, as its alert does."""
+    view = service.state.view(run_id) if status == sc.STATE_ORPHANED else None
+    steps = view["steps"] if view is not None else []
+    if not steps:
+        return "-"
+    last = max(steps, key=lambda s: s["index"])
+    return f"(silent after {last['name']})"
+
+
+async def review(request: web.Request) -> web.Response:
+    service = request.app[SERVICE]
+    now = service.clock()
+    runs = service.state.summaries(needs_person=True)
+    runs.sort(key=lambda r: (r["started_at"] if r["started_at"] is not None else now, r["run_id"]))
+    rows = [
+        {
+            "href": run_path(r["run_id"]),
+            "run_id": r["run_id"],
+            "saga": r["saga"],
+            "status": r["status"],
+            "failed_step": r["failed_step"] or _silent_at(service, r["run_id"], r["status"]),
+            "age": age(now - r["started_at"]) if r["started_at"] is not None else "-",
+            "started": when(r["started_at"]),
+            "stack_depth": r["stack_depth"],
+            "service": r["service"] or "-",
+        }
+        for r in runs
+    ]
+    return _page("review.html", rows=rows, now=when(now))

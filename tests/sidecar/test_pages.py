@@ -1,0 +1,420 @@
+"""The run page and the review queue over real HTTP: content, escaping, auth, the form, links."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import re
+import shlex
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import aiohttp
+import pytest
+from sidecar_testkit import (
+    CREDIT,
+    FakeClock,
+    RunScript,
+    compensated_run,
+    compensation_failed_run,
+    completed_run,
+    export_http,
+    open_run,
+    settings_for,
+    stuck_run,
+)
+
+from saga_otel import semconv as sc
+from sidecar import Sidecar
+from sidecar._alert_service import AlertService, install_alerting
+from sidecar._alert_settings import AlertSettings
+from sidecar._pages import wants_html
+
+BROWSER = "text/html,application/xhtml+xml,application/xml;q=0.9,*/*;q=0.8"
+
+
+@pytest.fixture
+async def alerting_sidecar(
+    tmp_path: Path, clock: FakeClock
+) -> AsyncIterator[tuple[Sidecar, AlertService]]:
+    sidecar = Sidecar(settings_for(tmp_path, idle_timeout=30.0), clock=clock)
+    service = install_alerting(sidecar, AlertSettings(log_sink=True))
+    async with sidecar:
+        yield sidecar, service
+
+
+def api(sidecar: Sidecar) -> str:
+    return f"http://127.0.0.1:{sidecar.api_port}"
+
+
+async def get(
+    url: str, accept: str = BROWSER, headers: dict[str, str] | None = None
+) -> tuple[int, str, Any]:
+    async with (
+        aiohttp.ClientSession() as s,
+        s.get(url, headers={"Accept": accept, **(headers or {})}, allow_redirects=False) as r,
+    ):
+        return r.status, await r.text(), r.headers
+
+
+async def post_form(
+    url: str, note: str, headers: dict[str, str] | None = None
+) -> tuple[int, str, Any]:
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(
+            url, data={"note": note}, headers={"Accept": BROWSER, **(headers or {})},
+            allow_redirects=False,
+        ) as r,
+    ):  # fmt: skip
+        return r.status, await r.text(), r.headers
+
+
+def visible(html: str) -> str:
+    """The page's text roughly as a person reads it (tags dropped, entities decoded)."""
+    import html as html_mod
+
+    return html_mod.unescape(re.sub(r"<[^>]+>", "", html))
+
+
+@pytest.mark.parametrize(
+    ("accept", "html"),
+    [
+        (BROWSER, True),
+        ("text/html", True),
+        ("*/*", False),
+        ("", False),
+        ("application/json", False),
+        ("application/json, text/html;q=0.5", False),
+        ("text/html;q=0.5, application/json", False),
+        ("text/html;q=0", False),
+        ("text/html, application/json", False),  # equal: clients keep JSON
+    ],
+)
+def test_only_a_client_that_prefers_html_gets_html(accept: str, html: bool) -> None:
+    assert wants_html(accept) is html
+
+
+async def test_the_run_url_opens_the_page_in_a_browser_and_json_for_clients(
+    alerting_sidecar: tuple[Sidecar, AlertService],
+) -> None:
+    sidecar, _ = alerting_sidecar
+    run = compensation_failed_run()
+    await export_http(sidecar, run.spans())
+    status, body, headers = await get(f"{api(sidecar)}/runs/{run.run_id}", accept="*/*")
+    assert status == 200 and headers["Content-Type"].startswith("application/json")
+    assert '"run_id"' in body
+    status, page, headers = await get(f"{api(sidecar)}/runs/{run.run_id}")
+    assert status == 200 and headers["Content-Type"].startswith("text/html")
+    assert "default-src 'none'" in headers["Content-Security-Policy"]
+    text = visible(page)
+    # The drawing of `runs show`: forward steps with class, the unwind with marks, what is left.
+    assert "#3 notify_billing (compensable)" in text
+    assert "UNWIND (reverse order)" in text
+    assert "✓ #2 update_ticket: restore_ticket" in text
+    assert "✗ #1 issue_credit: reverse_credit" in text
+    assert "LEFT ON THE STACK" in text
+    # The card as text, not JSON.
+    assert "needs a person: compensation_failed" in text
+    assert "Could NOT be undone:" in text and "reverse the credit cr_1" in text
+    assert '"not_undone"' not in text
+    # Its alerts so far, and a way out.
+    assert "SagaCompensationFailed" in text and "fire" in text
+    assert 'action="/ui/runs/' in page and 'name="note"' in page
+    assert "<script" not in page.lower()
+    # The same page under /ui, whatever the Accept header.
+    status, again, _ = await get(f"{api(sidecar)}/ui/runs/{run.run_id}", accept="*/*")
+    assert status == 200 and "needs a person: compensation_failed" in visible(again)
+
+
+async def test_unknown_run_is_a_404_page_for_people_and_json_for_clients(
+    alerting_sidecar: tuple[Sidecar, AlertService],
+) -> None:
+    sidecar, _ = alerting_sidecar
+    status, page, headers = await get(f"{api(sidecar)}/runs/nope")
+    assert status == 404 and headers["Content-Type"].startswith("text/html")
+    assert "No run 'nope' is known here" in visible(page)
+    status, body, headers = await get(f"{api(sidecar)}/runs/nope", accept="*/*")
+    assert status == 404 and "error" in body and headers["Content-Type"].startswith("application")
+
+
+async def test_the_recover_command_is_exact_and_shell_quoted(
+    alerting_sidecar: tuple[Sidecar, AlertService], clock: FakeClock
+) -> None:
+    sidecar, _ = alerting_sidecar
+    run_id = "r'1; touch pwned $(id) `x`"
+    await export_http(sidecar, open_run(run_id=run_id).spans())
+    clock.now += 31
+    sidecar.tick()
+    status, page, _ = await get(f"{api(sidecar)}/runs/{quote(run_id, safe='')}")
+    assert status == 200
+    (line,) = re.findall(r'<pre class="wrap" id="recover">(.*?)</pre>', page, re.S)
+    import html
+
+    argv = shlex.split(html.unescape(line))
+    assert argv == [
+        "saga-otel", "recover", run_id,
+        "--sidecar", api(sidecar),
+        "--otlp", f"http://127.0.0.1:{sidecar.otlp_http_port}",
+    ]  # fmt: skip
+    assert "SAGA_OTEL_TOOLS" in visible(page)
+    assert "needs a person: orphaned" in visible(page)
+
+
+async def test_resolve_form_resolves_the_run_and_its_alerts(
+    alerting_sidecar: tuple[Sidecar, AlertService],
+) -> None:
+    sidecar, service = alerting_sidecar
+    run = stuck_run()
+    await export_http(sidecar, run.spans())
+    url = f"{api(sidecar)}/ui/runs/{run.run_id}/resolve"
+    # An empty note is refused with the page and the reason; nothing is resolved.
+    status, page, _ = await post_form(url, "   ")
+    assert status == 400 and "the note is empty" in visible(page)
+    assert sidecar.state.view(run.run_id)["resolution"] is None  # type: ignore[index]
+    status, _, headers = await post_form(
+        url, "closed the ticket by hand", headers={"Origin": api(sidecar)}
+    )
+    assert status == 303 and headers["Location"] == f"/runs/{run.run_id}"
+    view = sidecar.state.view(run.run_id)
+    assert view is not None and view["resolution"]["note"] == "closed the ticket by hand"
+    actions = {(r.event.alertname, r.action) for r in service.outbox.rows()}
+    assert (sc.ALERT_RUN_STUCK, "resolve") in actions
+    status, page, _ = await get(f"{api(sidecar)}/runs/{run.run_id}")
+    text = visible(page)
+    assert "Resolved " in text and "closed the ticket by hand" in text
+    assert "resolve" in text and 'id="resolve"' not in page  # the form is gone
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {"Origin": "http://evil.example"},
+        {"Origin": "null"},
+        {"Sec-Fetch-Site": "cross-site"},
+        {"Sec-Fetch-Site": "same-site", "Origin": "http://127.0.0.1:1"},
+    ],
+)
+async def test_a_form_posted_from_another_site_is_refused(
+    alerting_sidecar: tuple[Sidecar, AlertService], headers: dict[str, str]
+) -> None:
+    sidecar, _ = alerting_sidecar
+    run = stuck_run()
+    await export_http(sidecar, run.spans())
+    status, page, _ = await post_form(
+        f"{api(sidecar)}/ui/runs/{run.run_id}/resolve", "forged", headers=headers
+    )
+    assert status == 403 and "Refused" in visible(page)
+    assert sidecar.state.view(run.run_id)["resolution"] is None  # type: ignore[index]
+
+
+async def test_review_lists_runs_needing_a_person_oldest_first(
+    alerting_sidecar: tuple[Sidecar, AlertService], clock: FakeClock
+) -> None:
+    sidecar, _ = alerting_sidecar
+    t0 = 1_700_000_000.0
+    failed = compensation_failed_run(saga="billing", t0=t0 + 20)
+    stuck = stuck_run(saga="refund", t0=t0 + 10)
+    orphan = open_run(saga="onboard", t0=t0 - 3600)
+    done = compensated_run(t0=t0 - 7200)
+    ok = completed_run(t0=t0 - 7300)
+    for r in (failed, stuck, orphan, done, ok):
+        await export_http(sidecar, r.spans())
+    clock.now += 31
+    sidecar.tick()
+    status, page, _ = await get(f"{api(sidecar)}/review")
+    assert status == 200
+    order = [m for m in re.findall(r'href="/runs/([0-9a-f]{32})"', page)]
+    assert order == [orphan.run_id, stuck.run_id, failed.run_id]
+    text = visible(page)
+    assert "onboard" in text and "orphaned" in text and "1h 2m" in text  # age of the orphan
+    assert "close_ticket" in text and "notify_billing" in text  # failed steps
+    # Resolving takes a run off the queue.
+    sidecar.resolve(stuck.run_id, "settled")
+    _, page, _ = await get(f"{api(sidecar)}/review")
+    assert stuck.run_id not in page and orphan.run_id in page
+
+
+HOSTILE = "<script>alert('{}')</script><img src=x onerror=alert(1)>"
+
+
+async def test_every_user_controlled_field_is_escaped(
+    alerting_sidecar: tuple[Sidecar, AlertService], clock: FakeClock
+) -> None:
+    sidecar, _ = alerting_sidecar
+
+    def h(field: str) -> str:
+        return HOSTILE.format(field)
+
+    # A run id cannot hold '/' (it is one path segment): the same tags without it.
+    run_id = "<script>alert(1)<img src=x onerror=alert(2)>"
+    run = RunScript(saga=h("saga"), run_id=run_id, service=h("service"), instance=h("instance"))
+    comp = (h("tool"), {h("argname"): h("argvalue")}, h("description"))
+    run.do(0, h("step0"), "compensable", comp=comp)
+    run.do(1, h("step1"), "compensable", comp=CREDIT)
+    run.do(2, h("step2"), "irreversible", ok=False, error=f"Boom: {h('error')}")
+    stack = [{"step": h("step0"), "index": 0, "tool": comp[0], "args": comp[1],
+              "description": comp[2]}]  # fmt: skip
+    run.unwind(h("reason"), h("step2"), stack)
+    run.compensate(1, h("step1"), CREDIT[0], CREDIT[1])
+    run.compensate(0, h("step0"), comp[0], comp[1], ok=False, error=f"X: {h('comperror')}")
+    run.escalate(sc.ESCALATION_COMPENSATION_FAILED, {"saga": h("card"), "decide": [h("decide")]})
+    run.end(sc.STATUS_COMPENSATION_FAILED, h("step2"))
+    await export_http(sidecar, run.spans())
+    page_url = f"{api(sidecar)}/runs/{quote(run_id, safe='')}"
+    status, _, _ = await post_form(
+        f"{api(sidecar)}/ui/runs/{quote(run_id, safe='')}/resolve", h("note")
+    )
+    assert status == 303
+    status, page, _ = await get(page_url)
+    assert status == 200
+    # A resolved run leaves the queue: show the queue with a second, unresolved copy.
+    second = RunScript(saga=h("saga2"), run_id=run_id + "2")
+    second.do(0, h("qstep"), "compensable", ok=False)
+    second.end(sc.STATUS_COMPENSATION_FAILED, h("qstep"))
+    await export_http(sidecar, second.spans())
+    status, queue, _ = await get(f"{api(sidecar)}/review")
+    assert status == 200
+    for served in (page, queue):
+        lowered = served.lower()
+        assert "<script" not in lowered and "<img" not in lowered
+    shown = visible(page)
+    for field in ("saga", "step0", "step1", "step2", "tool", "argname", "argvalue",
+                  "description", "reason", "error", "comperror", "decide", "note"):  # fmt: skip
+        assert f"<script>alert('{field}')</script>" in shown, field
+    assert run_id in shown and "onerror=alert(2)" in shown
+    assert "<script>alert('saga2')</script>" in visible(queue)
+    assert "<script>alert('qstep')</script>" in visible(queue)
+
+
+def _basic(password: str, user: str = "oncall") -> dict[str, str]:
+    return {"Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()}
+
+
+async def test_with_a_token_pages_need_it_as_the_api_does(tmp_path: Path, clock: FakeClock) -> None:
+    token = "s3cret-token"
+    sidecar = Sidecar(settings_for(tmp_path, token=token), clock=clock)
+    service = install_alerting(sidecar, AlertSettings(log_sink=True))
+    async with sidecar:
+        run = stuck_run()
+        await export_http(sidecar, run.spans(), headers={"Authorization": f"Bearer {token}"})
+        base = api(sidecar)
+        for path in (f"/runs/{run.run_id}", f"/ui/runs/{run.run_id}", "/review"):
+            status, page, headers = await get(base + path)
+            assert status == 401, path
+            assert headers["WWW-Authenticate"].startswith("Basic "), path
+            assert run.run_id not in page and "token" in visible(page)
+            status, _, _ = await get(base + path, headers=_basic("wrong"))
+            assert status == 401
+            status, page, _ = await get(base + path, headers=_basic(token))
+            assert status == 200 and run.run_id in page, path
+            status, _, _ = await get(base + path, headers={"Authorization": f"Bearer {token}"})
+            assert status == 200, path
+        # JSON clients are answered exactly as before.
+        status, body, headers = await get(f"{base}/runs/{run.run_id}", accept="*/*")
+        assert status == 401 and headers["WWW-Authenticate"] == "Bearer" and "error" in body
+        url = f"{base}/ui/runs/{run.run_id}/resolve"
+        status, _, _ = await post_form(url, "no token")
+        assert status == 401
+        assert sidecar.state.view(run.run_id)["resolution"] is None  # type: ignore[index]
+        status, _, _ = await post_form(url, "with token", headers=_basic(token))
+        assert status == 303
+        assert sidecar.state.view(run.run_id)["resolution"]["note"] == "with token"  # type: ignore[index]
+        assert any(r.action == "resolve" for r in service.outbox.rows())
+
+
+async def _run_urls(service: AlertService, run_id: str) -> set[str]:
+    for _ in range(500):
+        urls = {
+            r.event.annotations["run_url"]
+            for r in service.outbox.rows()
+            if r.event.run_id == run_id
+        }
+        if urls:
+            return urls
+        await asyncio.sleep(0.01)
+    raise AssertionError("no alert was written")
+
+
+async def test_run_url_follows_the_bound_api_port(tmp_path: Path, clock: FakeClock) -> None:
+    sidecar = Sidecar(settings_for(tmp_path), clock=clock)
+    service = install_alerting(sidecar, AlertSettings(log_sink=True))
+    async with sidecar:
+        assert sidecar.api_port not in (None, 0, 4320)
+        run = stuck_run()
+        await export_http(sidecar, run.spans())
+        urls = await _run_urls(service, run.run_id)
+        assert urls == {f"http://127.0.0.1:{sidecar.api_port}/runs/{run.run_id}"}
+        status, page, _ = await get(next(iter(urls)))
+        assert status == 200 and "needs a person: stuck" in visible(page)
+
+
+async def test_public_url_wins_over_the_bound_address(tmp_path: Path, clock: FakeClock) -> None:
+    sidecar = Sidecar(settings_for(tmp_path), clock=clock)
+    settings = AlertSettings(log_sink=True, public_url="https://saga.example.org/sidecar")
+    service = install_alerting(sidecar, settings)
+    async with sidecar:
+        run = stuck_run()
+        await export_http(sidecar, run.spans())
+        assert await _run_urls(service, run.run_id) == {
+            f"https://saga.example.org/sidecar/runs/{run.run_id}"
+        }
+
+
+def test_links_name_the_bound_address() -> None:
+    import socket
+
+    from sidecar._settings import http_url
+
+    assert http_url("127.0.0.1", 4999) == "http://127.0.0.1:4999"
+    assert http_url("::1", 4320) == "http://[::1]:4320"
+    assert http_url("localhost", 1) == "http://localhost:1"
+    # A wildcard bind is not an address anyone can open: name the machine.
+    assert http_url("0.0.0.0", 4320) == f"http://{socket.getfqdn()}:4320"
+
+
+async def test_the_pages_fetch_nothing_from_elsewhere(
+    alerting_sidecar: tuple[Sidecar, AlertService],
+) -> None:
+    sidecar, _ = alerting_sidecar
+    run = stuck_run()
+    await export_http(sidecar, run.spans())
+    for path in (f"/runs/{run.run_id}", "/review", "/runs/unknown"):
+        _, page, headers = await get(api(sidecar) + path)
+        lowered = page.lower()
+        assert "<link" not in lowered and " src=" not in lowered and "@import" not in lowered
+        assert "url(" not in lowered and "<script" not in lowered
+        assert "default-src 'none'" in headers["Content-Security-Policy"]
+
+
+async def test_two_people_resolving_at_once_keep_the_first_note(
+    alerting_sidecar: tuple[Sidecar, AlertService],
+) -> None:
+    sidecar, _ = alerting_sidecar
+    run = stuck_run()
+    await export_http(sidecar, run.spans())
+    url = f"{api(sidecar)}/ui/runs/{run.run_id}/resolve"
+    answers = await asyncio.gather(post_form(url, "first: shipped"), post_form(url, "second"))
+    statuses = sorted(status for status, _, _ in answers)
+    assert statuses == [303, 409]
+    view = sidecar.state.view(run.run_id)
+    assert view is not None
+    kept = view["resolution"]["note"]
+    loser = next(page for status, page, _ in answers if status == 409)
+    assert "your note was not saved" in visible(loser) and kept in visible(loser)
+
+
+async def test_a_note_over_the_bound_is_refused(
+    alerting_sidecar: tuple[Sidecar, AlertService],
+) -> None:
+    sidecar, _ = alerting_sidecar
+    run = stuck_run()
+    await export_http(sidecar, run.spans())
+    url = f"{api(sidecar)}/ui/runs/{run.run_id}/resolve"
+    status, page, _ = await post_form(url, "x" * 4001)
+    assert status == 400 and "keep it under 4000" in visible(page)
+    status, page, _ = await post_form(url, "y" * 70_000)  # over the API's body bound
+    assert status == 413 and "too long" in visible(page)
+    assert sidecar.state.view(run.run_id)["resolution"] is None  # type: ignore[index]
