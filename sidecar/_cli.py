@@ -16,6 +16,8 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
+from saga_otel import semconv as sc
+
 from ._alert_service import install_alerting
 from ._alert_settings import alert_options, settings_from_options
 from ._errors import ApiError, SidecarError
@@ -315,7 +317,7 @@ def list_runs(
 def show(run_id: str, api: str, token: str | None, as_json: bool) -> None:
     """Draw one run: forward steps, pivot, unwind, what is left on the stack."""
     try:
-        view = _request(api, token, "GET", f"/runs/{run_id}")
+        view = _request(api, token, "GET", f"/runs/{sc.run_id_segment(run_id)}")
     except SidecarError as exc:
         raise _fail(exc) from exc
     if as_json:
@@ -333,7 +335,7 @@ def show(run_id: str, api: str, token: str | None, as_json: bool) -> None:
 def stack(run_id: str, api: str, token: str | None, as_json: bool) -> None:
     """The compensations still owed, top first (what saga_otel.recover() takes)."""
     try:
-        body = _request(api, token, "GET", f"/runs/{run_id}/stack")
+        body = _request(api, token, "GET", f"/runs/{sc.run_id_segment(run_id)}/stack")
     except SidecarError as exc:
         raise _fail(exc) from exc
     if as_json:
@@ -352,7 +354,9 @@ def stack(run_id: str, api: str, token: str | None, as_json: bool) -> None:
 def resolve(run_id: str, note: str, api: str, token: str | None) -> None:
     """Record that a person settled the run."""
     try:
-        view = _request(api, token, "POST", f"/runs/{run_id}/resolve", json={"note": note})
+        view = _request(
+            api, token, "POST", f"/runs/{sc.run_id_segment(run_id)}/resolve", json={"note": note}
+        )
     except SidecarError as exc:
         raise _fail(exc) from exc
     click.echo(f"resolved {view['run_id']} ({view['status']}): {view['resolution']['note']}")
