@@ -351,8 +351,8 @@ class _Done(NamedTuple):
 class UndoFence(Protocol):
     """What a recovery puts around each undo it runs (``saga_otel._recovery``)."""
 
-    def before(self, comp: Compensation) -> None:
-        """Called before the undo; raising stops the unwind there and leaves the run open."""
+    def before(self) -> None:
+        """Called before each undo; raising stops the unwind there and leaves the run open."""
 
     def after(self, comp: Compensation, ok: bool) -> None:
         """Called once the undo ended (``ok``: it succeeded); raising stops the unwind too."""
@@ -651,13 +651,11 @@ class _Core:
 
         def after(_: None) -> None:
             assert self.state is not None
-            outcomes = self.state.outcomes
-            fence.after(comp, bool(outcomes) and outcomes[-1].compensation == comp and outcomes[-1].ok)
+            last = self.state.outcomes[-1] if self.state.outcomes else None
+            fence.after(comp, last is not None and last.compensation == comp and last.ok)
 
         return (
-            mode.run(lambda: fence.before(comp))
-            .then(lambda _: self.compensate(mode, comp, escaped))
-            .map(after)
+            mode.run(fence.before).then(lambda _: self.compensate(mode, comp, escaped)).map(after)
         )
 
     def compensate(

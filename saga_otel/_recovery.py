@@ -278,7 +278,7 @@ class _LeaseFence:
     def __init__(self, lease: HeldLease, api: ApiTarget, run_id: str) -> None:
         self.lease, self.api, self.run_id = lease, api, run_id
 
-    def before(self, comp: Compensation) -> None:
+    def before(self) -> None:
         self.lease.check()
 
     def after(self, comp: Compensation, ok: bool) -> None:

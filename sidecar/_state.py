@@ -184,7 +184,10 @@ class _Step:
         return any(a.ok for a in self.comps)
 
     def unstorable(self) -> str | None:
-        """Why the undo of a successful do could not be stored (the last such attempt's)."""
+        """Why the undo of a successful do could not be stored (the last such attempt's);
+        None once an OK compensate span says the effect was undone after all."""
+        if self.compensated():
+            return None
         reason: str | None = None
         for a in self.dos:
             if a.ok and a.unstorable:

@@ -203,8 +203,7 @@ class Store:
     def spans(self) -> Iterator[StoredSpan]:
         """Every stored span, grouped by run."""
         cur = self._db.execute(
-            "SELECT run_id, span_id, service, instance, data FROM spans "
-            "ORDER BY run_id"
+            "SELECT run_id, span_id, service, instance, data FROM spans ORDER BY run_id"
         )
         for row in cur:
             yield StoredSpan(*row)

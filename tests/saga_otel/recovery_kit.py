@@ -124,8 +124,8 @@ def racer() -> None:
                 sys.stderr = os.fdopen(2, "w", buffering=1)
                 while not os.path.exists(go):  # the barrier: both racers start together
                     time.sleep(0.001)
-                cli.main(argv, prog_name="saga-otel", standalone_mode=True)
-            except SystemExit as exc:
+                code = cli(argv)
+            except SystemExit as exc:  # argparse's own errors
                 code = exc.code if isinstance(exc.code, int) else 1
             except BaseException as exc:
                 print(f"racer child error: {exc!r}", file=sys.stderr, flush=True)
