@@ -243,6 +243,26 @@ async def test_an_unstorable_undo_keeps_the_run_from_ending_compensated(sidecar:
     assert any("issue_credit" in t and "datetime" in t for t in card["not_undone"])
 
 
+async def test_an_unstorable_undo_done_in_process_after_all_counts_as_undone(
+    sidecar: Sidecar,
+) -> None:
+    # docs/semantic-conventions.md: an OK compensate span of the same index (an observed()
+    # runner undid it in process) lifts the rule.
+    run = RunScript()
+    run.do(0, "issue_credit", "compensable")
+    unstorable = {"saga_compensation_unstorable": "args are not JSON: datetime"}
+    spans = [with_attrs(run.spans()[0], **unstorable)]
+    run.do(1, "notify", "compensable", ok=False)
+    run.unwind("TimeoutError: x", "notify", [])
+    run.compensate(0, "issue_credit", CREDIT[0], CREDIT[1])
+    run.end(sc.STATUS_COMPENSATED, "notify")
+    await post(sidecar, spans + run.spans()[1:])
+    view = sidecar.state.view(run.run_id)
+    assert view is not None
+    assert view["steps"][0]["compensation_unstorable"] is None
+    assert view["status"] == sc.STATUS_COMPENSATED and view["escalation"] is None
+
+
 async def test_a_dropped_span_marker_shows_on_the_run_and_escalates(sidecar: Sidecar) -> None:
     run = compensated_run()
     spans = run.spans()
