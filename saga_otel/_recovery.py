@@ -109,7 +109,10 @@ def fetch_run(
 
 def _fetch(api: ApiTarget, run_id: str) -> dict[str, Any]:
     try:
-        resp = httpx.get(api.url(run_id), headers=api.headers, timeout=10.0)
+        # reveal=args: the real undo arguments, where the sidecar masks them for people.
+        resp = httpx.get(
+            api.url(run_id), params={"reveal": "args"}, headers=api.headers, timeout=10.0
+        )
     except httpx.HTTPError as exc:
         raise RecoveryError(
             f"cannot reach the sidecar at {api.base} ({type(exc).__name__}: {exc}); start it "
