@@ -67,6 +67,17 @@ SECTIONS = [
         "tests/chaos/test_compensation_failures.py",
         "SAGA_CHAOS_RUNS",
     ),
+    (
+        "recovery_race",
+        "Racing recoverers",
+        "A real agent opens one run per trial (three undos each) and is SIGKILLed; per run, "
+        "two `saga-otel recover` processes forked from a zygote wait at one barrier and start "
+        "together. Ground truth: the undo tool logs every call and every effect. Exactly one "
+        "process must hold the recovery lease and run each undo once; the other must exit 3 "
+        "naming the holder.",
+        "tests/chaos/test_recovery_race.py",
+        "SAGA_CHAOS_RACE_TRIALS",
+    ),
 ]
 
 
@@ -105,6 +116,7 @@ def main() -> int:
             "fuzz": "no crash, no 5xx, memory flat",
             "compensation_failures": "retries carried every transient failure; "
             "every permanent one escalated",
+            "recovery_race": "one recoverer per run, each undo once, the loser named the holder",
         }[key]
         lines.append(f"| {title} | {held} | {_fmt(figures)} | {data['at']} |")
     lines += ["", "## How each is run", ""]

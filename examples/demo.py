@@ -33,6 +33,7 @@ from rich.console import Console
 
 from examples.world import World
 from examples.world_server import serve_world
+from saga_otel import semconv
 from saga_otel.testing import AlertReceiver, start_sidecar
 
 console = Console(highlight=False)
@@ -74,7 +75,7 @@ def run_agent(world_url: str, otlp: str) -> dict[str, Any]:
 
 
 def view(api: str, run_id: str) -> dict[str, Any]:
-    resp = httpx.get(f"{api}/runs/{run_id}", timeout=5)
+    resp = httpx.get(f"{api}/runs/{semconv.run_id_segment(run_id)}", timeout=5)
     out: dict[str, Any] = resp.json() if resp.status_code == 200 else {}
     return out
 

@@ -18,7 +18,12 @@ from saga_otel._errors import (
 )
 from saga_otel._metrics import start_metrics_server
 from saga_otel._observe import ObservedRun, observed, observed_run
-from saga_otel._recovery import fetch_run, recover
+from saga_otel._recovery import (
+    NothingToRecoverError,
+    RecoveryRefusedError,
+    fetch_run,
+    recover,
+)
 from saga_otel._registry import CallInfo, Tool, ToolRegistry, tool
 from saga_otel.records import (
     Compensation,
@@ -41,9 +46,11 @@ __all__ = [
     "CompensationOutcome",
     "ConfigurationError",
     "EscalationCard",
+    "NothingToRecoverError",
     "ObservedRun",
     "PendingCall",
     "RecoveryError",
+    "RecoveryRefusedError",
     "RetryPolicy",
     "Run",
     "RunStatus",

@@ -17,7 +17,15 @@ from typing import Any
 from saga_otel import __version__
 from saga_otel._config import configure
 from saga_otel._errors import SagaError
-from saga_otel._recovery import DEFAULT_SIDECAR_API, ENV_SIDECAR_API, recover
+from saga_otel._leasing import DEFAULT_LEASE_TTL_S, MAX_LEASE_TTL_S, MIN_LEASE_TTL_S
+from saga_otel._recovery import (
+    CLI_HINTS,
+    DEFAULT_SIDECAR_API,
+    ENV_SIDECAR_API,
+    NothingToRecoverError,
+    RecoveryRefusedError,
+    recover_with_hints,
+)
 from saga_otel._registry import ToolRegistry
 from saga_otel.records import RetryPolicy, RunStatus
 
@@ -25,6 +33,20 @@ ENV_TOOLS = "SAGA_OTEL_TOOLS"
 ENV_OTLP = "SAGA_OTEL_SIDECAR_ENDPOINT"
 ENV_TOKEN = "SAGA_OTEL_TOKEN"
 DEFAULT_OTLP = "http://127.0.0.1:4318"
+
+# `saga-otel recover` exit codes (documented in docs/operations.md and --help).
+EXIT_RECOVERED = 0
+EXIT_FAILED = 1
+EXIT_ERROR = 2  # also argparse's own code for a bad command line
+EXIT_REFUSED = 3
+EXIT_NOTHING_TO_DO = 4
+
+_EXIT_CODES = f"""exit codes:
+  {EXIT_RECOVERED}  recovered: every undo left on the stack ran and the sidecar acknowledged it
+  {EXIT_FAILED}  failed: an undo failed; the run is compensation_failed and escalated
+  {EXIT_ERROR}  error: bad input, sidecar unreachable, tools missing, past the pivot
+  {EXIT_REFUSED}  refused: the run's agent is alive, or another recoverer holds the lease
+  {EXIT_NOTHING_TO_DO}  nothing to do: the run already finished (completed, compensated, ...)"""
 
 
 class _BadTools(ValueError):
@@ -61,6 +83,18 @@ def _env_help(text: str, env: str, default: object = None) -> str:
     return f"{text} [env: {env}{shown}]"
 
 
+def _lease_ttl(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not MIN_LEASE_TTL_S <= value <= MAX_LEASE_TTL_S:  # also refuses nan
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a number of seconds in {MIN_LEASE_TTL_S:g}..{MAX_LEASE_TTL_S:g}"
+        )
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The whole command line; defaults read the environment when it is built."""
     parser = argparse.ArgumentParser(
@@ -72,7 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
         "recover",
         help="unwind a dead agent's run from this process",
         description="Unwind RUN_ID's compensation stack, as the sidecar rebuilt it, "
-        "from this process.",
+        "from this process. It first takes the run's recovery lease from the sidecar: "
+        "refused while the run's agent is alive or another recoverer holds it.",
+        epilog=_EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     rec.add_argument("run_id", metavar="RUN_ID")
     rec.add_argument(
@@ -111,6 +148,24 @@ def build_parser() -> argparse.ArgumentParser:
         "--attempts", type=int, default=3, help="Attempts per compensation (default: 3)."
     )
     rec.add_argument(
+        "--force",
+        action="store_true",
+        help="Recover although the sidecar believes the run's agent is alive (needs --reason).",
+    )
+    rec.add_argument(
+        "--reason",
+        help="Why forcing is right; recorded on the run, shown by `saga-sidecar runs show` "
+        "and the alert card.",
+    )
+    rec.add_argument(
+        "--lease-ttl",
+        type=_lease_ttl,
+        default=DEFAULT_LEASE_TTL_S,
+        metavar="SECONDS",
+        help="Seconds the recovery lease lasts unless renewed; it is renewed while working "
+        f"(default: {DEFAULT_LEASE_TTL_S:g}).",
+    )
+    rec.add_argument(
         "--json", dest="as_json", action="store_true", help="Print the report as JSON."
     )
     rec.set_defaults(command_parser=rec)  # so main() reports errors with recover's usage
@@ -118,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``saga-otel``: 0 when the run ends compensated, 1 otherwise, 2 on errors."""
+    """Entry point of ``saga-otel``; the exit codes are ``EXIT_*`` (``saga-otel recover -h``)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     rec: argparse.ArgumentParser = args.command_parser
@@ -128,31 +183,53 @@ def main(argv: Sequence[str] | None = None) -> int:
         tools = load_registry(args.tools_spec)
     except _BadTools as exc:
         rec.error(f"--tools: {exc}")
+    if args.force and not (args.reason or "").strip():
+        rec.error("--force needs --reason '...': say why; it is recorded on the run")
     token: str | None = args.token
     headers = {"Authorization": f"Bearer {token}"} if token else None
     export = configure(args.otlp, headers=headers)
     try:
-        report = recover(
+        report = recover_with_hints(
             args.run_id,
             tools=tools,
             sidecar=args.sidecar,
             token=token,
             retry=RetryPolicy(attempts=args.attempts),
+            tracer_provider=None,
+            registry=None,
+            logger=None,
+            view=None,
+            force=args.force,
+            reason=args.reason,
+            lease_ttl=args.lease_ttl,
+            holder=None,
+            hints=CLI_HINTS,
         )
+    except NothingToRecoverError as exc:
+        if args.as_json:
+            outcome = {"run_id": args.run_id, "outcome": "nothing_to_do", "status": exc.status}
+            print(json.dumps({**outcome, "message": str(exc)}))
+        else:
+            print(f"saga-otel: {exc}")
+        return EXIT_NOTHING_TO_DO
+    except RecoveryRefusedError as exc:
+        print(f"saga-otel: {exc}", file=sys.stderr)
+        return EXIT_REFUSED
     except SagaError as exc:
         print(f"saga-otel: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_ERROR
     finally:
         export.shutdown()
     if args.as_json:
         print(json.dumps(report.to_dict(), indent=2, sort_keys=True))
     else:
         done = len(report.compensations_run)
-        print(f"run {report.run_id}: {report.status.value} ({done} compensation(s) run)")
+        verdict = "recovered" if report.status is RunStatus.COMPENSATED else report.status.value
+        print(f"run {report.run_id}: {verdict} ({done} compensation(s) run)")
         for o in report.compensations:
             mark = "✓" if o.ok else "✗"
             print(f"  {mark} {o.compensation.tool}({json.dumps(dict(o.compensation.args))})")
         card = report.escalation_card()
         if card is not None:
             print(card.render())
-    return 0 if report.status is RunStatus.COMPENSATED else 1
+    return EXIT_RECOVERED if report.status is RunStatus.COMPENSATED else EXIT_FAILED

@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Se
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from types import TracebackType
-from typing import Any, Literal, NamedTuple, TypeVar
+from typing import Any, Literal, NamedTuple, Protocol, TypeVar
 
 from opentelemetry.trace import TracerProvider
 from prometheus_client import CollectorRegistry
@@ -349,6 +349,16 @@ class _Done(NamedTuple):
     span: Any
 
 
+class UndoFence(Protocol):
+    """What a recovery puts around each undo it runs (``saga_otel._recovery``)."""
+
+    def before(self) -> None:
+        """Called before each undo; raising stops the unwind there and leaves the run open."""
+
+    def after(self, comp: Compensation, ok: bool) -> None:
+        """Called once the undo ended (``ok``: it succeeded); raising stops the unwind too."""
+
+
 class _Core:
     """The run's state, telemetry and policy; its methods return outcomes a driver runs."""
 
@@ -374,6 +384,7 @@ class _Core:
         self.state: st.StackState | None = None
         self.error: BaseException | None = None
         self.report: SagaReport | None = None
+        self.fence: UndoFence | None = None  # set by a recovery: its lease around each undo
 
     @property
     def run_id(self) -> str:
@@ -627,12 +638,25 @@ class _Core:
         return (
             mode.ack(span)
             .then(
-                lambda _: mode.each(
-                    decision.compensations, lambda c: self.compensate(mode, c, escaped)
-                )
+                lambda _: mode.each(decision.compensations, lambda c: self.fenced(mode, c, escaped))
             )
             .map(lambda _: self.close())
             .map(reraise)
+        )
+
+    def fenced(self, mode: Mode, comp: Compensation, escaped: list[BaseException]) -> Outcome[None]:
+        """One undo inside the recovery's fence, when there is one (see :class:`UndoFence`)."""
+        fence = self.fence
+        if fence is None:
+            return self.compensate(mode, comp, escaped)
+
+        def after(_: None) -> None:
+            assert self.state is not None
+            last = self.state.outcomes[-1] if self.state.outcomes else None
+            fence.after(comp, last is not None and last.compensation == comp and last.ok)
+
+        return (
+            mode.run(fence.before).then(lambda _: self.compensate(mode, comp, escaped)).map(after)
         )
 
     def compensate(

@@ -1,62 +1,131 @@
 """recover(): finish the unwind of a run whose agent died, from another process.
 
 The sidecar rebuilt the run's compensation stack from the spans the dead agent
-had exported. This fetches it, resolves each record's tool by name in the
-caller's registry, and unwinds it with the same retry policies, emitting the
-compensate spans under the same run id and in the same trace, so the sidecar
-marks the run ``recovered`` (or ``compensation_failed``, escalated). Each
-compensation is acknowledged by the sidecar as it succeeds, and carries the
-same idempotency key every time, so recovering twice undoes nothing twice.
+had exported. Recovery first takes the run's recovery lease (refused while the
+agent is alive, unless forced with a reason, and while another recoverer holds
+it), then fetches the stack again under the lease, resolves each record's tool
+by name in the caller's registry and unwinds it with the same retry policies,
+emitting the compensate spans under the same run id, in the same trace and
+with the lease's fencing token. Before each undo the lease is renewed; after a
+successful undo, recovery waits until the sidecar shows it acknowledged before
+moving on, so a recoverer that dies mid-unwind leaves the next one exactly the
+undos not yet acknowledged. Each undo carries the same idempotency key every
+time, for the window no fence closes (an undo that ran but whose span was lost).
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import replace
+import time
+from dataclasses import dataclass, replace
 from typing import Any
 
 import httpx
 from opentelemetry.trace import TracerProvider
 from prometheus_client import CollectorRegistry
 
+from saga_otel import _heartbeat
 from saga_otel import semconv as sc
 from saga_otel._engine import Saga, SyncRun, _Core
 from saga_otel._errors import RecoveryError
+from saga_otel._leasing import (
+    DEFAULT_LEASE_TTL_S,
+    ApiTarget,
+    HeldLease,
+    RecoveryRefusedError,
+    default_holder,
+    take_lease,
+)
 from saga_otel._registry import ToolRegistry
-from saga_otel.records import Compensation, RetryPolicy, RunStatus, SagaReport
+from saga_otel.records import Compensation, RetryPolicy, SagaReport
 
 ENV_SIDECAR_API = "SAGA_OTEL_SIDECAR_API"
 DEFAULT_SIDECAR_API = "http://127.0.0.1:4320"
+# How long recovery waits for the sidecar to show an undo acknowledged before it stops.
+ACK_CONFIRM_TIMEOUT_S = 10.0
 
-# Runs in these states have nothing left that recovery may undo.
-_FINISHED = {sc.STATUS_COMPLETED, sc.STATUS_COMPENSATED, sc.STATUS_REJECTED, sc.STATE_RECOVERED}
+# What a finished run is, for the person who asked to recover it.
+_FINISHED = {
+    sc.STATUS_COMPLETED: "completed: every step succeeded, there is nothing to undo",
+    sc.STATUS_COMPENSATED: "compensated: its agent undid every step itself",
+    sc.STATUS_REJECTED: "rejected: pre-flight validation refused it before any write",
+    sc.STATE_RECOVERED: "recovered: an earlier recovery finished its unwind",
+}
+
+__all__ = [
+    "NothingToRecoverError",
+    "OrphanedRunError",
+    "RecoveryRefusedError",
+    "fetch_run",
+    "recover",
+]
 
 
 class OrphanedRunError(RecoveryError):
     """The failure recorded for a run whose agent died: recovery unwinds on its behalf."""
 
 
+class NothingToRecoverError(RecoveryError):
+    """The run has nothing recovery may undo (it finished); nothing was done."""
+
+    def __init__(self, message: str, *, status: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True, slots=True)
+class Hints:
+    """How an error tells its caller to fix things: CLI flags or Python parameters."""
+
+    sidecar: str
+    tools: str
+    force: str
+
+
+PYTHON_HINTS = Hints(
+    sidecar=f"pass sidecar= (or set ${ENV_SIDECAR_API})",
+    tools="pass the agent's own ToolRegistry (tools=...)",
+    force="recover(..., force=True, reason='...')",
+)
+CLI_HINTS = Hints(
+    sidecar=f"pass --sidecar URL (or set ${ENV_SIDECAR_API})",
+    tools="point --tools at the agent's own registry (MODULE:NAME)",
+    force="--force --reason '...'",
+)
+
+
+def _target(sidecar: str | None, token: str | None, hints: Hints) -> ApiTarget:
+    base = (sidecar or os.environ.get(ENV_SIDECAR_API) or DEFAULT_SIDECAR_API).rstrip("/")
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    return ApiTarget(base, headers, hints.sidecar)
+
+
 def fetch_run(
     run_id: str, sidecar: str | None = None, *, token: str | None = None
 ) -> dict[str, Any]:
-    """The sidecar's view of one run (``GET /runs/{id}``)."""
-    base = (sidecar or os.environ.get(ENV_SIDECAR_API) or DEFAULT_SIDECAR_API).rstrip("/")
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    """The sidecar's view of one run (``GET /runs/{id}``, the id encoded as one segment)."""
+    return _fetch(_target(sidecar, token, PYTHON_HINTS), run_id)
+
+
+def _fetch(api: ApiTarget, run_id: str) -> dict[str, Any]:
     try:
-        resp = httpx.get(f"{base}/runs/{run_id}", headers=headers, timeout=10.0)
+        # reveal=args: the real undo arguments, where the sidecar masks them for people.
+        resp = httpx.get(
+            api.url(run_id), params={"reveal": "args"}, headers=api.headers, timeout=10.0
+        )
     except httpx.HTTPError as exc:
         raise RecoveryError(
-            f"cannot reach the sidecar at {base} ({type(exc).__name__}: {exc}); start it with "
-            f"`saga-sidecar serve` or pass sidecar= / ${ENV_SIDECAR_API}"
+            f"cannot reach the sidecar at {api.base} ({type(exc).__name__}: {exc}); start it "
+            f"with `saga-sidecar serve` or {api.flag_hint}"
         ) from exc
     if resp.status_code == 404:
         raise RecoveryError(
-            f"the sidecar at {base} knows no run {run_id!r}; check the id with "
+            f"the sidecar at {api.base} knows no run {run_id!r}; check the id with "
             "`saga-sidecar runs list`"
         )
     if resp.status_code != 200:
         raise RecoveryError(
-            f"the sidecar at {base} answered {resp.status_code} for run {run_id!r}: "
+            f"the sidecar at {api.base} answered {resp.status_code} for run {run_id!r}: "
             f"{resp.text[:300]}"
         )
     view: dict[str, Any] = resp.json()
@@ -74,40 +143,161 @@ def recover(
     registry: CollectorRegistry | None = None,
     logger: Any = None,
     view: dict[str, Any] | None = None,
+    force: bool = False,
+    reason: str | None = None,
+    lease_ttl: float = DEFAULT_LEASE_TTL_S,
+    holder: str | None = None,
 ) -> SagaReport:
     """Unwind the stack the sidecar holds for ``run_id``; returns the recovery's report.
 
-    Refuses a run past its pivot (there is nothing safe to undo: forward
-    recovery or a person) and returns at once, doing nothing, for a run that
-    is already finished. A run with an empty stack is still closed, so the
-    sidecar marks it recovered.
+    Takes the run's recovery lease first: raises :class:`RecoveryRefusedError`
+    while the run's agent is alive (unless ``force`` with a ``reason``, recorded
+    on the run) or another recoverer holds the lease, and
+    :class:`NothingToRecoverError` for a run that already finished. Refuses a
+    run past its pivot (forward recovery or a person). A run with an empty
+    stack is still closed, so the sidecar marks it recovered.
     """
-    view = view if view is not None else fetch_run(run_id, sidecar, token=token)
-    status = str(view.get("status", ""))
-    stack = [Compensation.from_dict(item) for item in view.get("stack") or []]
-    saga = Saga(
-        str(view.get("saga") or "unknown"),
+    return recover_with_hints(
+        run_id,
         tools=tools,
+        sidecar=sidecar,
+        token=token,
         retry=retry,
         tracer_provider=tracer_provider,
         registry=registry,
         logger=logger,
+        view=view,
+        force=force,
+        reason=reason,
+        lease_ttl=lease_ttl,
+        holder=holder,
+        hints=PYTHON_HINTS,
     )
+
+
+def recover_with_hints(
+    run_id: str,
+    *,
+    tools: ToolRegistry,
+    sidecar: str | None,
+    token: str | None,
+    retry: RetryPolicy | None,
+    tracer_provider: TracerProvider | None,
+    registry: CollectorRegistry | None,
+    logger: Any,
+    view: dict[str, Any] | None,
+    force: bool,
+    reason: str | None,
+    lease_ttl: float,
+    holder: str | None,
+    hints: Hints,
+) -> SagaReport:
+    """:func:`recover`, with its error messages worded for ``hints`` (the CLI's flags)."""
+    if force and not (reason or "").strip():
+        raise RecoveryError(
+            f"forcing a recovery needs a reason, recorded on the run: {hints.force}"
+        )
+    api = _target(sidecar, token, hints)
+    _check(run_id, view if view is not None else _fetch(api, run_id), tools, hints)
+    lease = take_lease(
+        api,
+        run_id,
+        holder=holder or default_holder(),
+        ttl=lease_ttl,
+        force=force,
+        reason=reason,
+        force_hint=hints.force,
+    )
+    try:
+        # Under the lease: the stack less every undo the sidecar acknowledged.
+        fresh = _fetch(api, run_id)
+        _check(run_id, fresh, tools, hints)
+        saga = Saga(
+            str(fresh.get("saga") or "unknown"),
+            tools=tools,
+            retry=retry,
+            tracer_provider=tracer_provider,
+            registry=registry,
+            logger=logger,
+        )
+        return _unwind(run_id, fresh, saga, lease, api, reason if force else None)
+    finally:
+        lease.release()
+
+
+def _check(run_id: str, view: dict[str, Any], tools: ToolRegistry, hints: Hints) -> None:
+    status = str(view.get("status", ""))
+    stack = view.get("stack") or []
+    if status in _FINISHED:
+        raise NothingToRecoverError(
+            f"run {run_id!r} is {_FINISHED[status]}; nothing to do", status=status
+        )
+    if status == sc.STATUS_COMPENSATION_FAILED and not stack:
+        raise NothingToRecoverError(
+            f"run {run_id!r} is compensation_failed with nothing left on its stack: what stands "
+            "has no stored undo, so recovery cannot help; a person settles it, then "
+            f"`saga-sidecar runs resolve {run_id!r} --note ...`",
+            status=status,
+        )
     if view.get("pivot") and stack:
         raise RecoveryError(
-            f"run {run_id} crossed its pivot at {view['pivot'].get('step')!r}; its writes can no "
-            "longer be undone safely. Finish it forward (idempotent retries) or settle it by "
-            f"hand, then `saga-sidecar runs resolve {run_id} --note ...`"
+            f"run {run_id!r} crossed its pivot at {view['pivot'].get('step')!r}; its writes can "
+            "no longer be undone safely. Finish it forward (idempotent retries) or settle it by "
+            f"hand, then `saga-sidecar runs resolve {run_id!r} --note ...`"
         )
-    if status in _FINISHED:
-        # Already finished (perhaps by an earlier recovery): nothing is undone twice.
-        return SagaReport(saga=saga.name, run_id=run_id, status=RunStatus.COMPENSATED, steps=())
-    missing = sorted({c.tool for c in stack if c.tool not in tools})
+    missing = sorted({str(c.get("tool")) for c in stack if c.get("tool") not in tools})
     if missing:
         raise RecoveryError(
-            f"run {run_id} needs the tools {', '.join(missing)}, which the given registry "
-            "lacks; pass the agent's own ToolRegistry (tools=...)"
+            f"run {run_id!r} needs the tools {', '.join(missing)}, which the given registry "
+            f"lacks; {hints.tools}"
         )
+
+
+def _failure_text(run_id: str, view: dict[str, Any], forced_reason: str | None) -> str:
+    status = str(view.get("status") or "orphaned")
+    if forced_reason is not None:
+        return (
+            f"run {run_id} was {status}; a person forced its recovery behind an agent the "
+            f"sidecar believed alive: {forced_reason}"
+        )
+    if status == sc.STATUS_COMPENSATION_FAILED and view.get("ended_at") is not None:
+        failed = [
+            str(s.get("name")) for s in view.get("steps") or [] if s.get("compensation_failed")
+        ]
+        return (
+            f"run {run_id} ended compensation_failed (undo of {', '.join(failed) or 'a step'} "
+            "failed); retrying the undos left on its stack from another process"
+        )
+    return (
+        f"run {run_id} was {status}: its agent stopped before finishing; unwinding from "
+        "another process"
+    )
+
+
+class _LeaseFence:
+    """The recovery's fence around each undo: the lease is renewed before it, and a
+    successful undo is seen acknowledged by the sidecar before the next one starts."""
+
+    def __init__(self, lease: HeldLease, api: ApiTarget, run_id: str) -> None:
+        self.lease, self.api, self.run_id = lease, api, run_id
+
+    def before(self) -> None:
+        self.lease.check()
+
+    def after(self, comp: Compensation, ok: bool) -> None:
+        if ok:
+            _confirm_undone(self.api, self.run_id, comp)
+
+
+def _unwind(
+    run_id: str,
+    view: dict[str, Any],
+    saga: Saga,
+    lease: HeldLease,
+    api: ApiTarget,
+    forced_reason: str | None,
+) -> SagaReport:
+    stack = [Compensation.from_dict(item) for item in view.get("stack") or []]
     trace_hex = str(view.get("trace_id") or "")
     try:
         trace_id = int(trace_hex, 16) if trace_hex else 0
@@ -116,6 +306,10 @@ def recover(
     core = _Core(saga, run_id, trace_id=trace_id)
     run = SyncRun(core)
     core.open()
+    tel = core.telemetry
+    # The fencing token goes on every span of the recovery, the run span included.
+    tel.identity[sc.SAGA_RECOVERY_TOKEN] = lease.token
+    tel.span.set_attribute(sc.SAGA_RECOVERY_TOKEN, lease.token)
     assert core.state is not None
     core.state = replace(
         core.state,
@@ -123,10 +317,42 @@ def recover(
         next_index=max((c.index for c in stack), default=-1) + 1,
         failed_step=view.get("failed_step") or None,
     )
-    failure = OrphanedRunError(
-        f"run {run_id} was {status or 'orphaned'}: its agent stopped before finishing; "
-        "unwinding from another process"
-    )
-    run.__exit__(OrphanedRunError, failure, None)
+    core.fence = _LeaseFence(lease, api, run_id)
+    failure = OrphanedRunError(_failure_text(run_id, view, forced_reason))
+    try:
+        run.__exit__(OrphanedRunError, failure, None)
+    except BaseException:
+        if core.report is None:
+            # The fence stopped the unwind: leave the run open for the next recoverer
+            # (no run span, no verdict); it continues from what the sidecar acknowledged.
+            _heartbeat.unregister_open_run(run_id)
+        raise
     assert core.report is not None
     return core.report
+
+
+def _confirm_undone(api: ApiTarget, run_id: str, comp: Compensation) -> None:
+    """Wait until the sidecar shows ``comp`` acknowledged as done, or stop the recovery.
+
+    The exporter's ack says the request was answered, not that this span was kept
+    (a fenced span is refused in partial success): the run view is the proof.
+    """
+    deadline = time.monotonic() + ACK_CONFIRM_TIMEOUT_S
+    while True:
+        try:
+            view = _fetch(api, run_id)
+            step = next((s for s in view.get("steps") or [] if s.get("index") == comp.index), None)
+            if step is not None and step.get("compensated"):
+                return
+        except RecoveryError:
+            pass  # the sidecar may be restarting: keep asking until the deadline
+        if time.monotonic() > deadline:
+            raise RecoveryError(
+                f"run {run_id!r}: the undo {comp.tool} of step #{comp.index} ({comp.step}) ran, "
+                f"but the sidecar did not show it acknowledged within {ACK_CONFIRM_TIMEOUT_S:g}s "
+                "(its span was lost or refused; spans reach the sidecar only when "
+                "saga_otel.configure() or --otlp points at it). Stopped so that no later "
+                "undo runs on an unrecorded state; the next recovery repeats this undo under "
+                "the same idempotency key"
+            )
+        time.sleep(0.02)

@@ -72,8 +72,11 @@ _STR_ATTRS = (
     sc.SAGA_STACK,
     sc.SAGA_ESCALATION_REASON,
     sc.SAGA_ESCALATION_CARD,
+    sc.SAGA_COMPENSATION_UNSTORABLE,
+    sc.SAGA_EXPORT_DROPPED,
+    sc.SAGA_EXPORT_DROPPED_SPAN,
 )
-_INT_ATTRS = (sc.SAGA_STEP_INDEX, sc.SAGA_STEP_ATTEMPT)
+_INT_ATTRS = (sc.SAGA_STEP_INDEX, sc.SAGA_STEP_ATTEMPT, sc.SAGA_RECOVERY_TOKEN)
 _KINDS: dict[str, type] = {
     **dict.fromkeys(_STR_ATTRS, str),
     **dict.fromkeys(_INT_ATTRS, int),
@@ -160,6 +163,8 @@ def check(
                 f"a saga {phase} span lacks it: every span of a run must carry it",
             )
         )
+    if sc.SAGA_EXPORT_DROPPED in attributes:
+        return out  # a marker for a refused span: identity only, whatever phase it names
     if phase in (sc.PHASE_DO, sc.PHASE_COMPENSATE):
         index = get(sc.SAGA_STEP_INDEX, MISSING)
         if not _is_int(index) or index < 0:

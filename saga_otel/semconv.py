@@ -8,6 +8,7 @@ contract itself is ``docs/semantic-conventions.md``.
 from __future__ import annotations
 
 from typing import Final
+from urllib.parse import quote
 
 CONTRACT_VERSION: Final = 1
 
@@ -71,6 +72,42 @@ SAGA_EXPORT_DROPPED_ATTRIBUTES: Final = "saga.export.dropped_attributes"  # keys
 DROPPED_TOO_LARGE: Final = "too_large"  # the one reason so far
 # The fencing token of the recovery lease a recoverer holds; on its spans.
 SAGA_RECOVERY_TOKEN: Final = "saga.recovery.token"
+
+# --- run ids ----------------------------------------------------------------
+# A run id is data, never a path: 1..RUN_ID_MAX_CHARS characters for which
+# str.isprintable() holds (letters, digits, punctuation, symbols and the ASCII
+# space of any script; no control, format, separator, surrogate, private-use or
+# unassigned code points). Clients put it in a URL as one encoded path segment.
+RUN_ID_MAX_CHARS: Final = 256
+
+
+def run_id_problem(run_id: object) -> str | None:
+    """Why ``run_id`` is not a valid run id (naming the rule), or None when it is."""
+    if not isinstance(run_id, str) or not run_id:
+        return f"run id {run_id!r} is empty or not a string: use 1..{RUN_ID_MAX_CHARS} characters"
+    if len(run_id) > RUN_ID_MAX_CHARS:
+        return (
+            f"run id {run_id[:40]!r}... has {len(run_id)} characters: use at most "
+            f"{RUN_ID_MAX_CHARS}"
+        )
+    if not run_id.isprintable():
+        bad = next(c for c in run_id if not c.isprintable())
+        return (
+            f"run id {run_id!r} contains the non-printable character U+{ord(bad):04X}: use "
+            "printable characters only (no control, format or line-separator characters)"
+        )
+    return None
+
+
+def run_id_segment(run_id: str) -> str:
+    """``run_id`` as one URL path segment: every reserved byte percent-encoded.
+
+    ``.`` and ``..`` are encoded too, or a client or proxy would collapse them as
+    dot segments and address another resource.
+    """
+    segment = quote(run_id, safe="")
+    return segment.replace(".", "%2E") if segment in (".", "..") else segment
+
 
 # --- unwind / escalate ----------------------------------------------------
 SAGA_UNWIND_REASON: Final = "saga.unwind.reason"
@@ -168,6 +205,13 @@ M_SIDECAR_FORWARD_DROPPED: Final = "saga_sidecar_forward_dropped_spans_total"
 M_SIDECAR_ALERTS: Final = "saga_sidecar_alerts_total"
 M_SIDECAR_ALERT_DELAY: Final = "saga_sidecar_alert_delay_seconds"
 M_SIDECAR_OUTBOX_DEPTH: Final = "saga_sidecar_outbox_depth"
+# spans_refused{transport, reason=bad_run_id|foreign_trace|not_owner|stale_token|
+# conflicting_duplicate}: saga spans refused by the ownership, fencing and id rules
+# (also counted as outcome=rejected in spans_received).
+M_SIDECAR_SPANS_REFUSED: Final = "saga_sidecar_spans_refused_total"
+# lease_requests{action=grant|renew|release, outcome=granted|forced|renewed|released|
+# agent_alive|held|not_holder|unknown_run|bad_request}
+M_SIDECAR_LEASE_REQUESTS: Final = "saga_sidecar_lease_requests_total"
 
 # --- structlog events ------------------------------------------------------
 EV_STEP_STARTED: Final = "saga.step.started"

@@ -62,7 +62,7 @@ class RuleConfig:
     runbook_base: str = DEFAULT_RUNBOOK_BASE
 
     def run_url(self, run_id: str) -> str:
-        return f"{self.public_url.rstrip('/')}/runs/{run_id}"
+        return f"{self.public_url.rstrip('/')}/runs/{sc.run_id_segment(run_id)}"
 
     def runbook_url(self, alertname: str) -> str:
         return f"{self.runbook_base}#{alertname.lower()}"
@@ -331,7 +331,7 @@ def build_card(alertname: str, view: View, run_url: str) -> dict[str, Any]:
     """
     card = _card(view)
     if card:
-        return dict(card)
+        return _with_override(dict(card), view)
     steps = _steps(view)
     stack = [c for c in (view.get("stack") or []) if isinstance(c, Mapping)]
     failed = [s for s in steps if s.get("compensation_failed")]
@@ -385,6 +385,15 @@ def build_card(alertname: str, view: View, run_url: str) -> dict[str, Any]:
         decide=tuple(decide),
     ).to_dict()
     card["will_undo"] = pending
+    return _with_override(card, view)
+
+
+def _with_override(card: dict[str, Any], view: View) -> dict[str, Any]:
+    """A person forced a recovery behind an agent the sidecar believed alive: say so."""
+    recovery = view.get("recovery")
+    override = recovery.get("override") if isinstance(recovery, Mapping) else None
+    if isinstance(override, Mapping):
+        card["recovery_override"] = {"reason": override.get("reason"), "by": override.get("by")}
     return card
 
 
@@ -394,6 +403,12 @@ def render_card(card: Mapping[str, Any]) -> str:
     pending = card.get("will_undo")
     if isinstance(pending, list) and pending:
         text += "\nWill be undone (top of stack first):\n" + "\n".join(f"  - {p}" for p in pending)
+    override = card.get("recovery_override")
+    if isinstance(override, Mapping):
+        text += (
+            f"\nRecovery was forced behind a live agent by {override.get('by')}: "
+            f"{override.get('reason')}"
+        )
     return text
 
 

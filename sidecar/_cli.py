@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
-from urllib.parse import quote, urlsplit
+from urllib.parse import urlsplit
 
 import click
 import httpx
@@ -20,6 +20,8 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
+
+from saga_otel import semconv as sc
 
 from ._alert_settings import alert_options, settings_from_options
 from ._errors import ApiError, SidecarError
@@ -275,11 +277,6 @@ def _request(api: str, token: str | None, method: str, path: str, **kw: Any) -> 
     return body
 
 
-def _segment(run_id: str) -> str:
-    """A run id as one URL path segment: ids are data, never paths."""
-    return quote(run_id, safe="")
-
-
 def _full_id(api: str, token: str | None, given: str) -> str:
     """The run id ``given`` names: itself when known, else the one run it is a prefix of."""
     body = _request(api, token, "GET", "/runs", params={"id_prefix": given, "limit": 1000})
@@ -379,7 +376,7 @@ def show(run_id: str, api: str, token: str | None, as_json: bool) -> None:
     """
     try:
         run_id = _full_id(api, token, run_id)
-        view = _request(api, token, "GET", f"/runs/{_segment(run_id)}")
+        view = _request(api, token, "GET", f"/runs/{sc.run_id_segment(run_id)}")
     except SidecarError as exc:
         raise _fail(exc) from exc
     if as_json:
@@ -401,7 +398,7 @@ def stack(run_id: str, api: str, token: str | None, as_json: bool) -> None:
     """
     try:
         run_id = _full_id(api, token, run_id)
-        body = _request(api, token, "GET", f"/runs/{_segment(run_id)}/stack")
+        body = _request(api, token, "GET", f"/runs/{sc.run_id_segment(run_id)}/stack")
     except SidecarError as exc:
         raise _fail(exc) from exc
     if as_json:
@@ -425,7 +422,7 @@ def resolve(run_id: str, note: str, api: str, token: str | None) -> None:
     try:
         run_id = _full_id(api, token, run_id)
         view = _request(
-            api, token, "POST", f"/runs/{_segment(run_id)}/resolve", json={"note": note}
+            api, token, "POST", f"/runs/{sc.run_id_segment(run_id)}/resolve", json={"note": note}
         )
     except SidecarError as exc:
         raise _fail(exc) from exc

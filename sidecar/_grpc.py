@@ -54,7 +54,7 @@ async def start_grpc(sidecar: Service, host: str, port: int) -> tuple[aio.Server
                 except DecodeError as exc:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
                 try:
-                    sidecar.ingest(decoded, "grpc", body, PROTOBUF)
+                    decoded = sidecar.ingest(decoded, "grpc", body, PROTOBUF)
                 except StoreError as exc:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
                 out, _ = response(decoded.rejected, decoded.error_message, as_json=False)

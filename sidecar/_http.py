@@ -16,6 +16,7 @@ from aiohttp.typedefs import Middleware
 from prometheus_client import CONTENT_TYPE_LATEST, Histogram
 
 from ._errors import DecodeError, StoreError
+from ._leases import Lease, LeaseAction, lease_view
 from ._otlp import extract, parse_json, parse_protobuf, response
 from ._pages import browser_auth, page_routes, run_page, wants_html
 from ._service import SERVICE, Service
@@ -174,7 +175,7 @@ def build_otlp_app(service: Service) -> web.Application:
             except DecodeError as exc:
                 return _otlp_error(400, as_json, _RPC_INVALID_ARGUMENT, str(exc))
             try:
-                sidecar.ingest(decoded, "http", body, ctype)
+                decoded = sidecar.ingest(decoded, "http", body, ctype)
             except StoreError as exc:
                 return _otlp_error(503, as_json, _RPC_UNAVAILABLE, str(exc), retry=True)
             out, out_type = response(decoded.rejected, decoded.error_message, as_json)
@@ -317,6 +318,36 @@ def build_api_app(service: Service) -> web.Application:
             return error(503, str(exc), {"Retry-After": RETRY_AFTER})
         return unknown(run_id) if view is None else web.json_response(view)
 
+    def lease_handler(action: LeaseAction) -> Handler:
+        async def handle(request: web.Request) -> web.Response:
+            sidecar = request.app[SERVICE]
+            run_id = request.match_info["run_id"]
+            try:
+                data = await request.json()
+            except (ValueError, UnicodeDecodeError):
+                data = None
+            except web.HTTPRequestEntityTooLarge:
+                return error(413, f"body is over {API_MAX_BODY} bytes: shorten the reason")
+            try:
+                outcome = sidecar.lease(run_id, action, data)
+            except StoreError as exc:
+                return error(503, str(exc), {"Retry-After": RETRY_AFTER})
+            if isinstance(outcome, Lease):
+                return web.json_response({"run_id": run_id, **lease_view(outcome)})
+            status = {"unknown_run": 404, "bad_request": 400}.get(outcome.reason, 409)
+            return web.json_response(
+                {
+                    "error": outcome.message,
+                    "reason": outcome.reason,
+                    "holder": outcome.holder,
+                    "expires_at": outcome.expires_at,
+                    "last_heard": outcome.last_heard,
+                },
+                status=status,
+            )
+
+        return handle
+
     async def healthz(request: web.Request) -> web.Response:
         sidecar = request.app[SERVICE]
         return web.json_response(
@@ -334,6 +365,9 @@ def build_api_app(service: Service) -> web.Application:
     app.router.add_get("/runs/{run_id}", get_run)
     app.router.add_get("/runs/{run_id}/stack", get_stack)
     app.router.add_post("/runs/{run_id}/resolve", resolve)
+    app.router.add_post("/runs/{run_id}/lease", lease_handler("grant"))
+    app.router.add_post("/runs/{run_id}/lease/renew", lease_handler("renew"))
+    app.router.add_post("/runs/{run_id}/lease/release", lease_handler("release"))
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/metrics", metrics)
     app.router.add_routes(page_routes())

@@ -6,6 +6,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from saga_otel import semconv as sc
 
+from ._leases import SPAN_REFUSAL_REASONS
 from ._state import ALL_STATES, RunState
 
 
@@ -42,11 +43,27 @@ class SidecarMetrics:
             "Spans not re-exported to the --forward upstream (queue full or upstream failed).",
             registry=self.registry,
         )
+        self.spans_refused = Counter(
+            sc.M_SIDECAR_SPANS_REFUSED,
+            "Saga spans refused by the ownership, fencing and run id rules, by transport and "
+            "reason (bad_run_id, foreign_trace, not_owner, stale_token, conflicting_duplicate).",
+            ["transport", "reason"],
+            registry=self.registry,
+        )
+        self.lease_requests = Counter(
+            sc.M_SIDECAR_LEASE_REQUESTS,
+            "Recovery lease requests, by action (grant, renew, release) and outcome (granted, "
+            "forced, renewed, released, agent_alive, held, not_holder, unknown_run, bad_request).",
+            ["action", "outcome"],
+            registry=self.registry,
+        )
         for state in ALL_STATES:
             self.runs.labels(state=state)
         for transport in ("http", "grpc"):
             for outcome in ("accepted", "ignored", "rejected"):
                 self.spans_received.labels(transport=transport, outcome=outcome)
+            for reason in SPAN_REFUSAL_REASONS:
+                self.spans_refused.labels(transport=transport, reason=reason)
 
     def render(self, state: RunState) -> bytes:
         # Run gauges are computed at scrape time: cheaper than tracking every change.

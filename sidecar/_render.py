@@ -141,6 +141,8 @@ def render_run(
             right = Text("(cannot be undone)", style="yellow")
         else:
             right = Text("-", style="dim")
+        if step["compensation_unstorable"]:
+            right = Text(f"NO UNDO STORED: {step['compensation_unstorable']}", style="bold red")
         table.add_row(left, right)
         if pivot and step["index"] == pivot["index"]:
             table.add_row(
@@ -186,6 +188,32 @@ def render_run(
     else:
         parts.append(Text("  (empty: nothing left to undo)", style="dim"))
 
+    for d in view["dropped_spans"]:
+        parts.append(
+            Text(
+                f"span dropped ({d['reason']}): {d['span'] or '?'} at {_when(d['at'])}"
+                " — what it recorded is missing here",
+                style="bold red",
+            )
+        )
+    recovery = view["recovery"]
+    if recovery:
+        state = "released" if recovery["released"] else f"until {_when(recovery['expires_at'])}"
+        parts.append(
+            Text(
+                f"recovery lease: {recovery['holder']} (token {recovery['token']}, {state})",
+                style="dim",
+            )
+        )
+        override = recovery["override"]
+        if override:
+            parts.append(
+                Text(
+                    f"FORCED behind a live agent by {override['by']} at "
+                    f"{_when(override['at'])}: {override['reason']}",
+                    style="bold yellow",
+                )
+            )
     escalation = view["escalation"]
     if escalation:
         parts.append(Rule(f"ESCALATED: {escalation['reason']}", align="left", style="red"))

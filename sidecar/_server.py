@@ -12,6 +12,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import replace
 from pathlib import Path
 from types import TracebackType
 
@@ -25,8 +26,20 @@ from ._errors import SidecarError, StoreError
 from ._forward import Forwarder, cancel
 from ._grpc import start_grpc
 from ._http import build_api_app, build_otlp_app
+from ._leases import (
+    Lease,
+    LeaseAction,
+    LeaseRefusal,
+    Owner,
+    SpanRefusal,
+    grant,
+    parse_request,
+    release,
+    renew,
+    screen_span,
+)
 from ._metrics import SidecarMetrics
-from ._otlp import Decoded, SpanRecord, span_from_stored
+from ._otlp import MAX_ERROR_MESSAGES, Decoded, SpanRecord, span_from_stored
 from ._settings import Settings
 from ._state import RunState, Transition
 from ._store import Store
@@ -214,6 +227,8 @@ class Sidecar:
         batch: list[SpanRecord] = []
         current = None
         count = 0
+        for run_id, owner in self.store.owners():
+            self.state.set_owner(run_id, owner)
         for stored in self.store.spans():
             if stored.run_id != current and batch:
                 self.state.apply(batch, now)
@@ -233,6 +248,8 @@ class Sidecar:
                 self.state.resolve(mark.run_id, mark.resolution_note or "", mark.resolution_at)
         for instance, _at, interval in self.store.instances():
             self.state.restore_instance(instance, now, interval)
+        for lease in self.store.leases():
+            self.state.set_lease(lease)
         if count:
             log.info("rebuilt %d runs from %d stored spans", len(self.state), count)
 
@@ -250,11 +267,16 @@ class Sidecar:
 
     def ingest(
         self, decoded: Decoded, transport: str, body: bytes | None = None, content_type: str = ""
-    ) -> None:
-        """Store, fold and announce one request's spans. Raises StoreError (answer 503)."""
+    ) -> Decoded:
+        """Screen, store, fold and announce one request's spans. Raises StoreError (503).
+
+        Returns ``decoded`` less the spans the ownership, fencing and id rules refused
+        (counted in its ``rejected`` and ``errors``: answer with those).
+        """
         store = self.store
         if store is None:
             raise StoreError("the sidecar is not running: start it before sending spans")
+        decoded, owners = self._screen(decoded, transport)
         now = self.clock()
         rows = []
         heartbeats = []
@@ -268,10 +290,11 @@ class Sidecar:
                     (attrs[sc.SAGA_RUN_ID], span.span_id, now, span.service, span.instance, raw)
                 )
         if rows or heartbeats:
-            store.write(rows, heartbeats)  # committed before anyone hears "stored"
+            # committed before anyone hears "stored"
+            store.write(rows, heartbeats, list(owners.items()))
         listeners = self._listeners
         every = any(not facts_only for _, facts_only in listeners)
-        applied = self.state.apply(decoded.spans, now, keep_before=bool(listeners))
+        applied = self.state.apply(decoded.spans, now, keep_before=bool(listeners), owners=owners)
         self._spans_counter(transport, "accepted").inc(len(decoded.spans))
         if decoded.ignored:
             self._spans_counter(transport, "ignored").inc(decoded.ignored)
@@ -289,6 +312,79 @@ class Sidecar:
                     self._notify(before, after, now, run_id in facts_changed)
         if self.forwarder is not None and body is not None and decoded.total:
             self.forwarder.offer(body, content_type, decoded.total)
+        return decoded
+
+    def _screen(self, decoded: Decoded, transport: str) -> tuple[Decoded, dict[str, Owner]]:
+        """Apply the run id, ownership, fencing and duplicate rules (``_leases.py``) to each
+        saga span; refused spans are left out, so nothing stored changes because of them.
+
+        Duplicates: a span id already stored for the run is taken again only with the
+        same bytes (a resend); other content is refused, so the first stored wins, live
+        and after a restart alike.
+        """
+        state, store = self.state, self.store
+        assert store is not None
+        owners: dict[str, Owner] = {}
+        seen: dict[tuple[str, str], bytes] = {}
+        spans, raws = [], []
+        errors = list(decoded.errors)
+        refused = 0
+        for span, raw in zip(decoded.spans, decoded.raw, strict=True):
+            attrs = span.attributes
+            if attrs.get(sc.SAGA_PHASE) == sc.PHASE_HEARTBEAT:
+                spans.append(span)
+                raws.append(raw)
+                continue
+            run_id = attrs[sc.SAGA_RUN_ID]
+            refusal: SpanRefusal | None = None
+            problem = sc.run_id_problem(run_id)
+            owner = owners.get(run_id) or state.owner(run_id)
+            if problem is not None:
+                refusal = SpanRefusal("bad_run_id", f"{problem}; the span was not stored")
+            else:
+                refusal = screen_span(
+                    run_id,
+                    owner,
+                    state.lease(run_id),
+                    span.trace_id,
+                    span.instance,
+                    attrs.get(sc.SAGA_RECOVERY_TOKEN),
+                )
+            key = (run_id, span.span_id)
+            if refusal is None:
+                prior = seen.get(key)
+                if prior is None and owner is not None and run_id not in owners:
+                    prior = store.stored_span(run_id, span.span_id)
+                if prior is not None and prior != raw:
+                    refusal = SpanRefusal(
+                        "conflicting_duplicate",
+                        f"run {run_id!r}: span {span.span_id} was already received with other "
+                        "content; the first one stands. Give every span a new id",
+                    )
+            if refusal is not None:
+                refused += 1
+                self.metrics.spans_refused.labels(transport=transport, reason=refusal.reason).inc()
+                if len(errors) < MAX_ERROR_MESSAGES and refusal.message not in errors:
+                    errors.append(refusal.message)
+                continue
+            if owner is None:
+                owners[run_id] = Owner(span.trace_id, span.instance, span.service)
+            seen[key] = raw
+            spans.append(span)
+            raws.append(raw)
+        if not refused:
+            return decoded, owners
+        log.warning("refused %d saga span(s): %s", refused, "; ".join(errors[-refused:]))
+        return (
+            replace(
+                decoded,
+                spans=tuple(spans),
+                raw=tuple(raws),
+                rejected=decoded.rejected + refused,
+                errors=tuple(errors),
+            ),
+            owners,
+        )
 
     def _spans_counter(self, transport: str, outcome: str) -> Counter:
         # labels() costs more than the increment: keep the children.
@@ -355,6 +451,58 @@ class Sidecar:
                 pruned = self.prune()
                 if pruned:
                     log.info("pruned %d finished runs past retention", len(pruned))
+
+    def lease(self, run_id: str, action: LeaseAction, data: object) -> Lease | LeaseRefusal:
+        """Grant, renew or release ``run_id``'s recovery lease (rules: ``_leases.py``).
+
+        Raises StoreError (answer 503). Each answer is counted by action and outcome.
+        """
+        outcome = self._lease(run_id, action, data)
+        if isinstance(outcome, Lease):
+            label = {"grant": "granted", "renew": "renewed", "release": "released"}[action]
+            forced = outcome.override is not None and outcome.override.at == outcome.granted_at
+            if action == "grant" and forced:
+                label = "forced"
+        else:
+            label = outcome.reason
+        self.metrics.lease_requests.labels(action=action, outcome=label).inc()
+        return outcome
+
+    def _lease(self, run_id: str, action: LeaseAction, data: object) -> Lease | LeaseRefusal:
+        req = parse_request(data, action)
+        if isinstance(req, LeaseRefusal):
+            return req
+        if self.store is None:
+            raise StoreError("the sidecar is not running: start it before taking leases")
+        now = self.clock()
+        owner = self.state.liveness(run_id, now)
+        if owner is None:
+            return LeaseRefusal(
+                "unknown_run",
+                f"no run {run_id!r} is known here: list runs with `saga-sidecar runs list`",
+            )
+        if action == "grant":
+            outcome = self.store.decide_lease(
+                run_id, lambda cur: grant(run_id, cur, owner, req, now)
+            )
+        elif action == "renew":
+            outcome = self.store.decide_lease(run_id, lambda cur: renew(run_id, cur, req, now))
+        else:
+            outcome = self.store.decide_lease(run_id, lambda cur: release(run_id, cur, req, now))
+        if isinstance(outcome, Lease):
+            before = self.state.view(run_id)
+            self.state.set_lease(outcome)
+            after = self.state.view(run_id)
+            if action == "grant" and after is not None:
+                self._notify(before, after, now)
+            if outcome.override is not None and outcome.override.at == now:
+                log.warning(
+                    "run %r: recovery lease forced behind a live agent by %s: %s",
+                    run_id,
+                    outcome.holder,
+                    outcome.override.reason,
+                )
+        return outcome
 
     def resolve(self, run_id: str, note: str) -> RunView | None:
         """Record a person's resolution; the new view, or None for an unknown run."""

@@ -13,6 +13,7 @@ from typing import Protocol
 
 from aiohttp import web
 
+from ._leases import Lease, LeaseAction, LeaseRefusal
 from ._metrics import SidecarMetrics
 from ._otlp import Decoded
 from ._settings import Settings
@@ -58,11 +59,22 @@ class Service(Protocol):
 
     def ingest(
         self, decoded: Decoded, transport: str, body: bytes | None = None, content_type: str = ""
-    ) -> None:
-        """Store, fold and announce one request's spans. Raises StoreError (answer 503)."""
+    ) -> Decoded:
+        """Screen, store, fold and announce one request's spans. Raises StoreError (503).
+
+        Returns ``decoded`` less the spans the ownership, fencing and run id rules
+        refused (counted in its ``rejected`` and ``errors``): answer with those.
+        """
         ...
 
     def resolve(self, run_id: str, note: str) -> RunView | None: ...
+
+    def lease(self, run_id: str, action: LeaseAction, data: object) -> Lease | LeaseRefusal:
+        """Grant, renew or release a run's recovery lease (``data``: the JSON body).
+
+        Raises StoreError (answer 503).
+        """
+        ...
 
 
 SERVICE = web.AppKey("service", Service)

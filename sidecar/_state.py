@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, TypeVar
 
 from saga_otel import semconv as sc
-from saga_otel.records import is_pivot
+from saga_otel.records import EscalationCard, is_pivot
 
+from ._leases import Lease, Liveness, Override, Owner, lease_view
 from ._otlp import SpanRecord
 from ._views import (
     END_STATUSES,
@@ -55,6 +56,7 @@ class DoAttempt(NamedTuple):
     error: str | None
     end: float
     comp: PendingComp | None
+    unstorable: str | None  # why this do's undo could not be stored (then comp is None)
 
 
 class CompAttempt(NamedTuple):
@@ -94,6 +96,15 @@ class Resolution(NamedTuple):
     at: float
 
 
+class Drop(NamedTuple):
+    """A marker span sent in place of a span the sidecar refused (``saga.export.dropped``)."""
+
+    start: float
+    span_id: int
+    reason: str
+    span: str  # the refused span's name ("" when the marker does not say)
+
+
 NEEDS_PERSON = frozenset({sc.STATUS_COMPENSATION_FAILED, sc.STATUS_STUCK, sc.STATE_ORPHANED})
 ALL_STATES: tuple[RunStatus, ...] = (
     sc.STATE_RUNNING,
@@ -107,6 +118,12 @@ ALL_STATES: tuple[RunStatus, ...] = (
     sc.STATE_RECOVERED,
 )
 _RECOVERED_FROM = frozenset({sc.STATUS_COMPENSATED, sc.STATUS_COMPLETED})
+_RECOVERED_FROM_OR_RECOVERED = frozenset({sc.STATUS_COMPENSATED, sc.STATE_RECOVERED})
+# A run that finished forward (or never wrote) needs no page for an unstored undo.
+_NO_ESCALATION = frozenset({sc.STATUS_COMPLETED, sc.STATUS_REJECTED})
+_RECOVERED_FROM_OR_RECOVERED = frozenset({sc.STATUS_COMPENSATED, sc.STATE_RECOVERED})
+# A run that finished forward (or never wrote) needs no page for an unstored undo.
+_NO_ESCALATION = frozenset({sc.STATUS_COMPLETED, sc.STATUS_REJECTED})
 _intern = sys.intern
 
 
@@ -166,16 +183,31 @@ class _Step:
     def compensated(self) -> bool:
         return any(a.ok for a in self.comps)
 
+    def unstorable(self) -> str | None:
+        """Why the undo of a successful do could not be stored (the last such attempt's);
+        None once an OK compensate span says the effect was undone after all."""
+        if self.compensated():
+            return None
+        reason: str | None = None
+        for a in self.dos:
+            if a.ok and a.unstorable:
+                reason = a.unstorable
+        return reason
+
 
 class _Run:
     __slots__ = (
+        "drops",
         "escalation",
         "first_comp_start",
         "instance",
         "instances",
         "last_seen",
+        "lease",
         "orig_key",
         "orphaned_at",
+        "owned",
+        "owner_seen",
         "resolution",
         "run_id",
         "run_spans",
@@ -208,6 +240,12 @@ class _Run:
         self.orphaned_at: float | None = None
         self.resolution: Resolution | None = None
         self.status: RunStatus = sc.STATE_RUNNING
+        # Set from the stored owner: then no span may change trace, instance or service.
+        self.owned = False
+        self.owner_seen = 0.0  # the last span or heartbeat from the owner instance
+        self.lease: Lease | None = None
+        # Marker spans sent in place of spans the sidecar refused, in (start, span id) order.
+        self.drops: tuple[Drop, ...] = ()
 
     def step(self, index: int, name: str) -> _Step:
         steps = self.steps
@@ -245,6 +283,20 @@ class _Run:
         return spans[-1]
 
     def derive(self) -> RunStatus:
+        status = self._derive()
+        if status in _RECOVERED_FROM_OR_RECOVERED and self.effect_stands():
+            # An effect with no stored undo (or a dropped span that may have held one)
+            # stands: whatever the agent says, the run is not compensated.
+            return sc.STATUS_COMPENSATION_FAILED
+        return status
+
+    def effect_stands(self) -> bool:
+        return bool(self.drops) or any(s.unstorable() for s in self.steps)
+
+    def owner_ended(self) -> bool:
+        return any(r.instance == self.instance for r in self.run_spans)
+
+    def _derive(self) -> RunStatus:
         final = self.final_run_span()
         if self.recovering() or len(self.run_spans) >= 2:
             if final is None:
@@ -287,6 +339,10 @@ class Facts(NamedTuple):
     pivot_index: int | None
     failed: tuple[int, ...]
     resolved: bool
+    # What a synthesized escalation card shows (see RunState._escalation).
+    drops: int
+    unstorable: tuple[int, ...]
+    override: Override | None
 
 
 def _facts(run: _Run) -> Facts:
@@ -302,6 +358,9 @@ def _facts(run: _Run) -> Facts:
         next((s.index for s in run.steps if s.pivot_ok), None),
         failed,
         run.resolution is not None,
+        len(run.drops),
+        tuple(s.index for s in run.steps if s.unstorable()),
+        run.lease.override if run.lease is not None else None,
     )
 
 
@@ -454,6 +513,7 @@ class RunState:
                     "compensations": [_attempt_dict(a) for a in s.comps],
                     "compensated": compensated,
                     "compensation_failed": failed,
+                    "compensation_unstorable": s.unstorable(),
                 }
             )
         escalation: EscalationView | None = None
@@ -462,6 +522,9 @@ class RunState:
                 "reason": run.escalation.reason,
                 "card": _parse_json(run.escalation.card_text),
             }
+        elif run.effect_stands() and run.status not in _NO_ESCALATION:
+            escalation = self._escalation(run, steps)
+        lease = run.lease
         return {
             "run_id": run.run_id,
             "saga": run.saga,
@@ -482,7 +545,50 @@ class RunState:
             "resolution": (
                 {"note": run.resolution.note, "at": run.resolution.at} if run.resolution else None
             ),
+            "dropped_spans": [
+                {"span": d.span, "reason": d.reason, "at": d.start, "span_id": f"{d.span_id:016x}"}
+                for d in run.drops
+            ],
+            "recovery": lease_view(lease) if lease is not None else None,
         }
+
+    def _escalation(self, run: _Run, steps: list[StepView]) -> EscalationView:
+        """The card for an effect that stands unseen by the agent's own card: an undo that
+        could not be stored, or a span refused as too large (and so missing here)."""
+        not_undone = [
+            f"{s['name']} (step #{s['index']}, tool {s['name']}): its undo could not be "
+            f"stored: {s['compensation_unstorable']}"
+            for s in steps
+            if s["compensation_unstorable"]
+        ]
+        not_undone += [
+            f"a span ({d.span or 'unnamed'}) was refused by the sidecar ({d.reason}): what it "
+            "recorded, perhaps an undo, is missing from this run"
+            for d in run.drops
+        ]
+        card = EscalationCard(
+            saga=run.saga,
+            run_id=run.run_id,
+            reason=sc.ESCALATION_COMPENSATION_FAILED,
+            failed_step=self._failed_step(run),
+            error=run.unwind.reason if run.unwind else None,
+            done=tuple(f"{s['name']} ({s['class']})" for s in steps if s["ok"]),
+            undone=tuple(
+                f"{s['name']} (tool {s['compensation']['tool'] if s['compensation'] else '?'})"
+                for s in steps
+                if s["compensated"]
+            ),
+            not_undone=tuple(not_undone),
+            irreversible=tuple(s["name"] for s in steps if s["ok"] and s["pivot"]),
+            decide=(
+                "Undo these effects by hand (the sidecar holds no undo for them), then "
+                f"`saga-sidecar runs resolve {run.run_id!r} --note ...`",
+            ),
+        ).to_dict()
+        override = run.lease.override if run.lease is not None else None
+        if override is not None:
+            card["recovery_override"] = {"reason": override.reason, "by": override.by}
+        return {"reason": sc.ESCALATION_COMPENSATION_FAILED, "card": card}
 
     def stack(self, run_id: str) -> list[CompensationView] | None:
         run = self._runs.get(run_id)
@@ -517,8 +623,11 @@ class RunState:
         now: float,
         *,
         keep_before: bool = False,
+        owners: Mapping[str, Owner] | None = None,
     ) -> Applied:
         """Fold validated spans (see ``saga_otel.contract``) into the state.
+
+        ``owners`` fixes the owner of runs this batch opens (the intake decided it).
 
         ``keep_before`` keeps cheap copies of the changed runs, so a caller builds
         the before views (:meth:`view_before`) only of the runs whose facts changed.
@@ -548,9 +657,14 @@ class RunState:
                     before_facts[run_id] = _facts(found) if found else _NEW_RUN_FACTS
                 if found is None:
                     found = runs[run_id] = _Run(_intern(run_id))
+                    owner = owners.get(run_id) if owners else None
+                    if owner is not None:
+                        self.set_owner(run_id, owner)
                 run = touched[run_id] = found
             if fold(run, span, phase):
                 changed[run_id] = None
+            if run.instance == span.instance and now > run.owner_seen:
+                run.owner_seen = now
         idle = self._idle
         # Once per run, not per span: every run of the batch was seen at ``now``, so
         # their order among themselves in the idle queue does not matter.
@@ -583,8 +697,11 @@ class RunState:
         self._instances[instance] = _Watch(now, interval)
         for run_id in span.attributes.get(sc.SAGA_HEARTBEAT_OPEN_RUNS, ()):
             run = self._runs.get(run_id)
-            if run is not None:
+            # Only the owner's heartbeat keeps a run alive: a stranger naming it must not
+            # hold off its orphan watch (a recoverer is watched through its lease).
+            if run is not None and run.instance == instance:
                 run.last_seen = max(run.last_seen, now)
+                run.owner_seen = max(run.owner_seen, now)
                 if run_id in self._idle:  # still alive: to the young end of the queue
                     del self._idle[run_id]
                     self._idle[run_id] = None
@@ -596,7 +713,7 @@ class RunState:
         changed = False
         key = (span.start, span_id)
         instance = _intern(span.instance)
-        if key < run.orig_key:
+        if key < run.orig_key and not run.owned:
             run.orig_key = key
             run.instance = instance
             run.trace_id = _intern(span.trace_id)
@@ -618,6 +735,16 @@ class RunState:
             run.updated_at = latest
             changed = True
 
+        dropped = attrs.get(sc.SAGA_EXPORT_DROPPED)
+        if dropped is not None:
+            # A marker in place of a span the sidecar refused (too large): shown on the
+            # run, never folded as the phase it names.
+            if any(d.span_id == span_id for d in run.drops):
+                return changed
+            name = attrs.get(sc.SAGA_EXPORT_DROPPED_SPAN)
+            drop = Drop(span.start, span_id, str(dropped), name if isinstance(name, str) else "")
+            run.drops = tuple(sorted((*run.drops, drop)))
+            return True
         if phase == sc.PHASE_DO or phase == sc.PHASE_COMPENSATE:
             index = int(attrs[sc.SAGA_STEP_INDEX])
             name = attrs.get(sc.SAGA_STEP_NAME)
@@ -645,6 +772,7 @@ class RunState:
                         attrs.get(sc.SAGA_COMPENSATION_ARGS) or "{}",
                         attrs.get(sc.SAGA_COMPENSATION_DESCRIPTION) or "",
                     )
+                unstorable = attrs.get(sc.SAGA_COMPENSATION_UNSTORABLE)
                 entry = DoAttempt(
                     attempt,
                     span.start,
@@ -653,6 +781,7 @@ class RunState:
                     _error_text(span),
                     span.end,
                     comp,
+                    str(unstorable) if unstorable else None,
                 )
                 step.dos = _insert(dos, entry)
             else:
@@ -765,6 +894,56 @@ class RunState:
             return False
         run.resolution = Resolution(note, now)
         return True
+
+    # --- ownership and leases (rules: _leases.py) -------------------------------------
+
+    def owner(self, run_id: str) -> Owner | None:
+        run = self._runs.get(run_id)
+        if run is None:
+            return None
+        return Owner(run.trace_id, run.instance, run.service)
+
+    def set_owner(self, run_id: str, owner: Owner) -> None:
+        """Fix a run's owner (before its first span is folded, or from the store)."""
+        run = self._runs.get(run_id)
+        if run is None:
+            run = self._runs[run_id] = _Run(_intern(run_id))
+        run.owned = True
+        run.trace_id = _intern(owner.trace_id)
+        run.instance = _intern(owner.instance)
+        if owner.service:
+            run.service = _intern(owner.service)
+
+    def lease(self, run_id: str) -> Lease | None:
+        run = self._runs.get(run_id)
+        return run.lease if run else None
+
+    def set_lease(self, lease: Lease) -> None:
+        run = self._runs.get(lease.run_id)
+        if run is not None:
+            run.lease = lease
+            run.status = run.derive()
+
+    def liveness(self, run_id: str, now: float) -> Liveness | None:
+        """Whether the run's owner may still be at work: it has not ended the run, is not
+        orphaned, and was heard from within the orphan window (heartbeats or spans)."""
+        run = self._runs.get(run_id)
+        if run is None:
+            return None
+        watch = self._instances.get(run.instance)
+        last: float | None = run.owner_seen or None
+        if watch is not None:
+            last = max(last or 0.0, watch.at)
+        if run.owner_ended() or run.orphaned_at is not None:
+            alive = False
+            window = self.idle_timeout
+        elif watch is not None:
+            window = 3 * watch.interval
+            alive = not watch.dead and now - watch.at <= window
+        else:
+            window = self.idle_timeout
+            alive = now - run.owner_seen <= window
+        return Liveness(alive, last, window, run.status)
 
     def prunable(self, now: float, retention: float) -> list[str]:
         """Finished (ended or resolved) runs with no activity for ``retention`` seconds."""

@@ -9,11 +9,12 @@ from __future__ import annotations
 import contextlib
 import os
 import sqlite3
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from ._errors import StoreError
+from ._leases import Lease, LeaseRefusal, Override, Owner
 
 SCHEMA_VERSION = 1
 
@@ -38,6 +39,27 @@ CREATE TABLE IF NOT EXISTS instances (
     instance TEXT PRIMARY KEY,
     last_heartbeat REAL NOT NULL,
     interval_s REAL NOT NULL
+);
+-- Who opened each run (its first accepted span): the only one, beside the lease
+-- holder, allowed to change it. Written with that span, in its transaction.
+CREATE TABLE IF NOT EXISTS run_owners (
+    run_id TEXT PRIMARY KEY,
+    trace_id TEXT NOT NULL,
+    instance TEXT NOT NULL,
+    service TEXT NOT NULL
+);
+-- One row per run ever leased; the token only grows (fencing), the override is
+-- the last forced grant and outlives the lease.
+CREATE TABLE IF NOT EXISTS run_leases (
+    run_id TEXT PRIMARY KEY,
+    holder TEXT NOT NULL,
+    token INTEGER NOT NULL,
+    granted_at REAL NOT NULL,
+    expires_at REAL NOT NULL,
+    released INTEGER NOT NULL,
+    forced_reason TEXT,
+    forced_by TEXT,
+    forced_at REAL
 );
 """
 
@@ -101,11 +123,18 @@ class Store:
         self,
         spans: Sequence[tuple[str, str, float, str, str, bytes]],
         heartbeats: Sequence[tuple[str, float, float]] = (),
+        owners: Sequence[tuple[str, Owner]] = (),
     ) -> None:
-        """Store one request's spans and heartbeats in one transaction (dupes ignored)."""
+        """Store one request's spans, heartbeats and new runs' owners in one transaction."""
         db = self._db
         try:
             db.execute("BEGIN")
+            if owners:
+                db.executemany(
+                    "INSERT OR IGNORE INTO run_owners(run_id, trace_id, instance, service) "
+                    "VALUES (?, ?, ?, ?)",
+                    [(r, o.trace_id, o.instance, o.service) for r, o in owners],
+                )
             if spans:  # a statement per empty list is measurable in the durable path
                 db.executemany(
                     "INSERT OR IGNORE INTO spans(run_id, span_id, received_at, service, "
@@ -158,6 +187,8 @@ class Store:
             rows = [(r,) for r in run_ids]
             self._db.executemany("DELETE FROM spans WHERE run_id = ?", rows)
             self._db.executemany("DELETE FROM run_marks WHERE run_id = ?", rows)
+            self._db.executemany("DELETE FROM run_owners WHERE run_id = ?", rows)
+            self._db.executemany("DELETE FROM run_leases WHERE run_id = ?", rows)
             self._db.execute("COMMIT")
         except sqlite3.Error as exc:
             self._rollback()
@@ -189,5 +220,87 @@ class Store:
         ).fetchall()
         return [(str(a), float(b), float(c)) for a, b, c in rows]
 
+    def stored_span(self, run_id: str, span_id: str) -> bytes | None:
+        """The stored bytes of one span of a run, or None (duplicate detection)."""
+        row = self._db.execute(
+            "SELECT data FROM spans WHERE run_id = ? AND span_id = ?", (run_id, span_id)
+        ).fetchone()
+        return None if row is None else bytes(row[0])
+
+    def owners(self) -> list[tuple[str, Owner]]:
+        rows = self._db.execute(
+            "SELECT run_id, trace_id, instance, service FROM run_owners"
+        ).fetchall()
+        return [(str(r), Owner(str(t), str(i), str(s))) for r, t, i, s in rows]
+
+    def leases(self) -> list[Lease]:
+        rows = self._db.execute(
+            "SELECT run_id, holder, token, granted_at, expires_at, released, forced_reason, "
+            "forced_by, forced_at FROM run_leases"
+        ).fetchall()
+        return [_lease(row) for row in rows]
+
+    def decide_lease(
+        self, run_id: str, decide: Callable[[Lease | None], Lease | LeaseRefusal]
+    ) -> Lease | LeaseRefusal:
+        """Read the run's lease, let ``decide`` grant/renew/release or refuse, write the result.
+
+        One BEGIN IMMEDIATE transaction: the write lock is taken before the read, so
+        no other writer of this file can grant in between.
+        """
+        db = self._db
+        try:
+            db.execute("BEGIN IMMEDIATE")
+            row = db.execute(
+                "SELECT run_id, holder, token, granted_at, expires_at, released, forced_reason, "
+                "forced_by, forced_at FROM run_leases WHERE run_id = ?",
+                (run_id,),
+            ).fetchone()
+            outcome = decide(None if row is None else _lease(row))
+            if isinstance(outcome, Lease):
+                o = outcome.override
+                db.execute(
+                    "INSERT OR REPLACE INTO run_leases(run_id, holder, token, granted_at, "
+                    "expires_at, released, forced_reason, forced_by, forced_at) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (
+                        run_id,
+                        outcome.holder,
+                        outcome.token,
+                        outcome.granted_at,
+                        outcome.expires_at,
+                        int(outcome.released),
+                        o.reason if o else None,
+                        o.by if o else None,
+                        o.at if o else None,
+                    ),
+                )
+            db.execute("COMMIT")
+            return outcome
+        except sqlite3.Error as exc:
+            self._rollback()
+            raise StoreError(f"could not update the lease in {str(self.path)!r}: {exc}") from exc
+        except BaseException:
+            self._rollback()
+            raise
+
     def span_count(self) -> int:
         return int(self._db.execute("SELECT count(*) FROM spans").fetchone()[0])
+
+
+def _lease(row: tuple[object, ...]) -> Lease:
+    run_id, holder, token, granted, expires, released, f_reason, f_by, f_at = row
+    override = (
+        Override(str(f_reason), str(f_by or ""), float(f_at))  # type: ignore[arg-type]
+        if f_reason is not None and f_at is not None
+        else None
+    )
+    return Lease(
+        run_id=str(run_id),
+        holder=str(holder),
+        token=int(token),  # type: ignore[call-overload]
+        granted_at=float(granted),  # type: ignore[arg-type]
+        expires_at=float(expires),  # type: ignore[arg-type]
+        released=bool(released),
+        override=override,
+    )

@@ -67,6 +67,9 @@ StepView = TypedDict(
         "compensations": list[AttemptView],
         "compensated": bool,
         "compensation_failed": bool,
+        # Why the undo of this successful step could not be stored (then the run
+        # cannot end compensated); None when it was, or the step pushed none.
+        "compensation_unstorable": str | None,
     },
 )
 
@@ -84,6 +87,34 @@ class EscalationView(TypedDict):
 class ResolutionView(TypedDict):
     note: str
     at: float
+
+
+class DroppedSpanView(TypedDict):
+    """A marker span sent in place of a span the sidecar refused (``saga.export.dropped``)."""
+
+    span: str
+    reason: str
+    at: float
+    span_id: str
+
+
+class OverrideView(TypedDict):
+    """A person forced a recovery behind an agent the sidecar believed alive."""
+
+    reason: str
+    by: str
+    at: float
+
+
+class LeaseView(TypedDict):
+    """The run's recovery lease (``POST /runs/{id}/lease`` answers with this)."""
+
+    holder: str
+    token: int
+    granted_at: float
+    expires_at: float
+    released: bool
+    override: OverrideView | None
 
 
 class RunView(TypedDict):
@@ -104,6 +135,8 @@ class RunView(TypedDict):
     stack: list[CompensationView]
     escalation: EscalationView | None
     resolution: ResolutionView | None
+    dropped_spans: list[DroppedSpanView]
+    recovery: LeaseView | None
 
 
 class RunSummary(TypedDict):

@@ -12,7 +12,8 @@ import sidecar
 
 SAGA_OTEL = [
     "CallContext", "CallInfo", "Compensation", "CompensationOutcome", "ConfigurationError",
-    "EscalationCard", "ObservedRun", "PendingCall", "RecoveryError", "RetryPolicy", "Run",
+    "EscalationCard", "NothingToRecoverError", "ObservedRun", "PendingCall", "RecoveryError",
+    "RecoveryRefusedError", "RetryPolicy", "Run",
     "RunStatus", "Saga", "SagaError", "SagaReport", "SidecarExport", "Step", "StepClass",
     "StepRecord", "StepRefusedError", "SyncRun", "Tool", "ToolRegistry", "UnknownToolError",
     "ValidationRejectedError", "configure", "current_call", "fetch_run", "idempotency_key",

@@ -808,8 +808,10 @@ async def test_a_huge_undo_argument_costs_no_other_run_its_spans_at_a_real_sidec
     assert small["status"] == "completed"
     assert [s["name"] for s in small["steps"]] == ["write", "note"]
     assert small["stack"] and small["stack"][0]["args"] == {"blob": "y"}
-    # The big run did not vanish: the marker of its too-large span reached it.
-    assert "write" in [s["name"] for s in big["steps"]]
+    # The big run did not vanish: the marker of its too-large span reached it and shows.
+    assert [(d["reason"], d["span"]) for d in big["dropped_spans"]] == [
+        ("too_large", sc.do_span_name("write"))
+    ]
     assert failures(registry, "too_large") >= 1
 
 
@@ -1166,7 +1168,9 @@ def test_a_dripping_sidecar_is_known_down_after_the_request_deadline(
         assert failures(registry, "sidecar_down") == 3
         assert failures(registry, "timeout") == 0
         (down,) = [kw for _, _, kw in log.calls if kw.get("reason") == "sidecar_down"]
-        assert "request_timeout" in str(down["cause"])
+        # The whole-request deadline ends it, or the socket read timeout it sets from
+        # the time left, whichever a loaded machine hits first: both are the deadline.
+        assert "request_timeout" in str(down["cause"]) or "timed out" in str(down["cause"])
     finally:
         bad.kill()
         bad.wait()

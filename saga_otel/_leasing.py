@@ -1,0 +1,173 @@
+"""The recoverer's side of a recovery lease: take it, keep it renewed, give it back.
+
+The sidecar decides (``sidecar/_leases.py``); this only asks and remembers. A
+background thread renews at a third of the lease's time to live, and
+:meth:`HeldLease.check` renews in the foreground before each undo, so an undo
+never starts on a lease that another recoverer may already hold.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import threading
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import httpx
+
+from saga_otel import semconv as sc
+from saga_otel._errors import RecoveryError
+
+DEFAULT_LEASE_TTL_S = 30.0
+# The bounds the sidecar accepts for a lease's ttl_s.
+MIN_LEASE_TTL_S = 1.0
+MAX_LEASE_TTL_S = 600.0
+
+
+class RecoveryRefusedError(RecoveryError):
+    """The sidecar refused the recovery lease: the run's agent is alive, or another
+    recoverer holds the lease (or took it over). Nothing was undone by this call."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        reason: str,
+        holder: str | None = None,
+        expires_at: float | None = None,
+        last_heard: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.holder = holder
+        self.expires_at = expires_at
+        self.last_heard = last_heard
+
+
+def default_holder() -> str:
+    """A name for this recovering process that a person can find: host, pid, instance."""
+    from saga_otel._config import instance_id
+
+    return f"{socket.gethostname()}:{os.getpid()}:{instance_id()}"
+
+
+@dataclass(frozen=True, slots=True)
+class ApiTarget:
+    base: str
+    headers: dict[str, str]
+    flag_hint: str  # how to point at the sidecar, worded for the caller (CLI or Python)
+
+    def url(self, run_id: str, suffix: str = "") -> str:
+        return f"{self.base}/runs/{sc.run_id_segment(run_id)}{suffix}"
+
+    def post(self, run_id: str, suffix: str, body: dict[str, Any]) -> httpx.Response:
+        try:
+            return httpx.post(self.url(run_id, suffix), json=body, headers=self.headers, timeout=10)
+        except httpx.HTTPError as exc:
+            raise RecoveryError(
+                f"cannot reach the sidecar at {self.base} ({type(exc).__name__}: {exc}); start "
+                f"it with `saga-sidecar serve` or {self.flag_hint}"
+            ) from exc
+
+
+def _answer(resp: httpx.Response) -> dict[str, Any]:
+    try:
+        body = resp.json()
+    except ValueError:
+        body = {"error": resp.text[:300]}
+    return body if isinstance(body, dict) else {"error": str(body)[:300]}
+
+
+class HeldLease:
+    """A lease this process holds; ``token`` goes on every span it sends for the run."""
+
+    def __init__(
+        self, api: ApiTarget, run_id: str, holder: str, token: int, ttl: float, data: dict[str, Any]
+    ) -> None:
+        self.api, self.run_id, self.holder, self.token, self.ttl = api, run_id, holder, token, ttl
+        self.forced = bool(data.get("override")) and data["override"].get("by") == holder
+        self._lost: str | None = None
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._renew_loop, name="saga-lease", daemon=True)
+        self._thread.start()
+
+    def _renew(self) -> None:
+        resp = self.api.post(
+            self.run_id,
+            "/lease/renew",
+            {"holder": self.holder, "token": self.token, "ttl_s": self.ttl},
+        )
+        if resp.status_code != 200:
+            body = _answer(resp)
+            with self._lock:
+                self._lost = str(body.get("error") or f"HTTP {resp.status_code}")
+
+    def _renew_loop(self) -> None:
+        while not self._stop.wait(self.ttl / 3):
+            try:
+                self._renew()
+            except RecoveryError:
+                continue  # the foreground check reports it if it lasts
+            if self._lost:
+                return
+
+    def check(self) -> None:
+        """Renew now; raise RecoveryRefusedError when the lease is no longer ours."""
+        if self._lost is None:
+            self._renew()
+        with self._lock:
+            lost = self._lost
+        if lost is not None:
+            raise RecoveryRefusedError(
+                f"run {self.run_id!r}: this process lost its recovery lease (token "
+                f"{self.token}): {lost}. Stopped before the next undo; whoever holds the lease "
+                "now continues from what the sidecar acknowledged",
+                reason="lease_lost",
+            )
+
+    def release(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=1.0)
+        with contextlib.suppress(RecoveryError):  # unreleased, it expires by itself
+            self.api.post(
+                self.run_id, "/lease/release", {"holder": self.holder, "token": self.token}
+            )
+
+
+def take_lease(
+    api: ApiTarget,
+    run_id: str,
+    *,
+    holder: str,
+    ttl: float,
+    force: bool,
+    reason: str | None,
+    force_hint: str,
+) -> HeldLease:
+    body: dict[str, Any] = {"holder": holder, "ttl_s": ttl}
+    if force:
+        body.update(force=True, reason=reason)
+    resp = api.post(run_id, "/lease", body)
+    data = _answer(resp)
+    if resp.status_code == 200:
+        return HeldLease(api, run_id, holder, int(data["token"]), ttl, data)
+    message = str(data.get("error") or f"HTTP {resp.status_code}")
+    kind: Literal["agent_alive", "held"] | str = str(data.get("reason") or "")
+    if resp.status_code == 409 and kind in ("agent_alive", "held"):
+        if kind == "agent_alive":
+            # The sidecar words its hint for both; name the caller's own way to force.
+            message = message.split(" Wait until", 1)[0] + (
+                ". Wait until the sidecar marks the run orphaned, or, if you know the agent is "
+                f"gone, override with {force_hint}"
+            )
+        raise RecoveryRefusedError(
+            f"recovery refused: {message}",
+            reason=kind,
+            holder=data.get("holder"),
+            expires_at=data.get("expires_at"),
+            last_heard=data.get("last_heard"),
+        )
+    raise RecoveryError(f"the sidecar at {api.base} refused a lease on run {run_id!r}: {message}")
