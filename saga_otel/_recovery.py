@@ -43,7 +43,10 @@ def fetch_run(
     base = (sidecar or os.environ.get(ENV_SIDECAR_API) or DEFAULT_SIDECAR_API).rstrip("/")
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
-        resp = httpx.get(f"{base}/runs/{run_id}", headers=headers, timeout=10.0)
+        # reveal=args: the real arguments, which the sidecar masks in views for people.
+        resp = httpx.get(
+            f"{base}/runs/{run_id}", params={"reveal": "args"}, headers=headers, timeout=10.0
+        )
     except httpx.HTTPError as exc:
         raise RecoveryError(
             f"cannot reach the sidecar at {base} ({type(exc).__name__}: {exc}); start it with "
