@@ -84,8 +84,8 @@ SECTIONS = [
         "A sidecar with `--token` gets 40 concurrent 15 MiB gRPC messages without the token, "
         "then 40 such HTTP requests (each sends its headers, must get its 401 before sending "
         "a body byte, then sends the 15 MiB anyway); its peak resident memory (VmHWM in "
-        "/proc/PID/status) must grow by less than 64 MiB, every request must be refused, and the agent with "
-        "the token must still get its spans stored.",
+        "/proc/PID/status) must grow by less than 64 MiB, every request must be refused, "
+        "and the agent with the token must still get its spans stored.",
         "tests/chaos/test_abuse.py",
         "",
     ),

@@ -13,7 +13,6 @@ import asyncio
 import hmac
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
 
 import grpc
 from grpc import aio
@@ -37,13 +36,15 @@ _UNAUTHENTICATED = (
 )
 
 
-class _TokenInterceptor(aio.ServerInterceptor):  # type: ignore[misc]
+class _TokenInterceptor(aio.ServerInterceptor):  # type: ignore[misc]  # grpc is untyped
     """Refuse a call on its metadata, before grpc reads (or inflates) its message."""
 
     def __init__(self, expected: bytes) -> None:
         self._expected = expected
 
-        async def refuse(_requests: AsyncIterator[bytes], context: Any) -> bytes:
+        async def refuse(
+            _requests: AsyncIterator[bytes], context: aio.ServicerContext[bytes, bytes]
+        ) -> bytes:
             # The request stream is never read: the peer's bytes stay in flow control.
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, _UNAUTHENTICATED)
             return b""  # pragma: no cover - abort raises
@@ -54,9 +55,9 @@ class _TokenInterceptor(aio.ServerInterceptor):  # type: ignore[misc]
 
     async def intercept_service(
         self,
-        continuation: Callable[[Any], Awaitable[Any]],
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         details: grpc.HandlerCallDetails,
-    ) -> Any:
+    ) -> grpc.RpcMethodHandler:
         given = b""
         for key, value in details.invocation_metadata or ():
             if key == "authorization":
