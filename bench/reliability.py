@@ -78,6 +78,28 @@ SECTIONS = [
         "tests/chaos/test_recovery_race.py",
         "SAGA_CHAOS_RACE_TRIALS",
     ),
+    (
+        "slow_clients",
+        "Slow clients",
+        "200 HTTP connections send OTLP headers with `Content-Length: 100000` and one body "
+        "byte, and 200 gRPC connections open an Export call and send no message, all "
+        "against a real sidecar with `--max-in-flight 8` and `--body-timeout 3s`; meanwhile "
+        "an agent exports runs over both transports with the OpenTelemetry SDK exporters. "
+        "Every run must be stored, and every stall answered 408 / DEADLINE_EXCEEDED.",
+        "tests/chaos/test_abuse.py",
+        "",
+    ),
+    (
+        "unauth_load",
+        "Unauthenticated load",
+        "A sidecar with `--token` gets 40 concurrent 15 MiB gRPC messages without the token, "
+        "then 40 such HTTP requests (each sends its headers, must get its 401 before sending "
+        "a body byte, then sends the 15 MiB anyway); its peak resident memory (VmHWM in "
+        "/proc/PID/status) must grow by less than 64 MiB, every request must be refused, "
+        "and the agent with the token must still get its spans stored.",
+        "tests/chaos/test_abuse.py",
+        "",
+    ),
 ]
 
 
@@ -117,6 +139,9 @@ def main() -> int:
             "compensation_failures": "retries carried every transient failure; "
             "every permanent one escalated",
             "recovery_race": "one recoverer per run, each undo once, the loser named the holder",
+            "slow_clients": "every agent export stored while 400 connections stalled; "
+            "every stall cut",
+            "unauth_load": "refused before reading; peak memory grew a few MiB",
         }[key]
         lines.append(f"| {title} | {held} | {_fmt(figures)} | {data['at']} |")
     lines += ["", "## How each is run", ""]

@@ -118,7 +118,7 @@ def _is_int(value: object) -> TypeGuard[int]:
 def _json(text: str) -> tuple[bool, object]:
     try:
         return True, json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # nested thousands deep: not JSON we can read
         return False, None
 
 

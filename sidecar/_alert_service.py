@@ -13,6 +13,7 @@ import logging
 import random
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +48,7 @@ class AlertService:
     ) -> None:
         self.settings = settings or AlertSettings()
         self.rules = self.settings.rule_config()
+        self.redactor = self.settings.redactor()
         chosen = list(sinks) if sinks is not None else self.settings.sinks()
         routing = self.settings.routing()
         for problem in describe_routing(routing, chosen):
@@ -67,7 +69,7 @@ class AlertService:
     def on_change(self, before: View | None, after: View, now: float) -> list[AlertEvent]:
         """Listener for committed view changes. Never raises into the caller's commit path."""
         try:
-            events = evaluate(before, after, now, self.rules)
+            events = self._masked(evaluate(before, after, now, self.rules), before, after)
             if events:
                 self.outbox.add(events)
             return events
@@ -80,6 +82,26 @@ class AlertService:
             )
             return []
 
+    def _masked(self, events: list[AlertEvent], *views: View | None) -> list[AlertEvent]:
+        """``events`` with every field masked by the secrets of the run's whole view.
+
+        The view holds every compensation's arguments, succeeded or failed; the event
+        only some of them, yet its card and texts may quote any (see _redact).
+        """
+        if not events or not self.redactor.active:
+            return events
+        secrets = self.redactor.secrets_in(*(v for v in views if v is not None))
+        redact = self.redactor.redact
+        return [
+            replace(
+                e,
+                labels=redact(dict(e.labels), secrets),
+                annotations=redact(dict(e.annotations), secrets),
+                details=redact(dict(e.details), secrets),
+            )
+            for e in events
+        ]
+
     def listener(self, before: View | None, after: View, now: float) -> None:
         """:meth:`on_change` in the shape ``Sidecar.add_listener`` takes."""
         self.on_change(before, after, now)
@@ -89,8 +111,9 @@ class AlertService:
         fired = self.outbox.open_alerts()
         events: list[AlertEvent] = []
         for view in views:
-            events += evaluate(None, view, now, self.rules)
-            events += resolve_stale(fired.get(str(view.get("run_id")), []), view, now, self.rules)
+            raised = evaluate(None, view, now, self.rules)
+            raised += resolve_stale(fired.get(str(view.get("run_id")), []), view, now, self.rules)
+            events += self._masked(raised, view)
         return self.outbox.add(events)
 
     async def start(self) -> None:
@@ -132,6 +155,8 @@ def install_alerting(
                 service.rules = settings.rule_config(http_url(host, sidecar.api_port))
 
         sidecar.add_background(follow_bound_api)
+    # The same masks on the API's views (and so the CLI's output) as on alerts.
+    sidecar.redactor = service.redactor
     # The rules read only a run's facts: equal facts before and after fire nothing.
     sidecar.add_listener(service.listener, facts_only=True)
 

@@ -31,6 +31,7 @@ from ._settings import (
     DEFAULT_FORWARD_QUEUE,
     DEFAULT_HOST,
     DEFAULT_MAX_IN_FLIGHT,
+    DEFAULT_MAX_RECEIVING,
     DEFAULT_OTLP_GRPC_PORT,
     DEFAULT_OTLP_HTTP_PORT,
     ENV_PREFIX,
@@ -158,6 +159,31 @@ def main() -> None:
     help="Requests handled at once before 429 / UNAVAILABLE.",
 )
 @click.option(
+    "--body-timeout",
+    default="30s",
+    show_default=True,
+    envvar=_env("BODY_TIMEOUT"),
+    show_envvar=True,
+    help="A request body must arrive whole within this, or the request is cut (408).",
+)
+@click.option(
+    "--body-min-rate",
+    default="16KiB",
+    show_default=True,
+    envvar=_env("BODY_MIN_RATE"),
+    show_envvar=True,
+    help="Slowest average body rate per second accepted after the first 2 s (HTTP).",
+)
+@click.option(
+    "--max-receiving",
+    type=int,
+    default=DEFAULT_MAX_RECEIVING,
+    show_default=True,
+    envvar=_env("MAX_RECEIVING"),
+    show_envvar=True,
+    help="Requests whose body is still arriving, at once, before 429 / RESOURCE_EXHAUSTED.",
+)
+@click.option(
     "--log-level",
     default="INFO",
     show_default=True,
@@ -179,6 +205,9 @@ def serve(
     retention: str,
     max_body: str,
     max_in_flight: int,
+    body_timeout: str,
+    body_min_rate: str,
+    max_receiving: int,
     log_level: str,
     **alerting: Any,
 ) -> None:
@@ -211,6 +240,9 @@ def serve(
             retention=parse_duration(retention, "--retention"),
             max_body=parse_size(max_body, "--max-body"),
             max_in_flight=max_in_flight,
+            body_timeout=parse_duration(body_timeout, "--body-timeout"),
+            body_min_rate=parse_size(body_min_rate, "--body-min-rate"),
+            max_receiving=max_receiving,
         )
         sidecar = Sidecar(settings)
         install_alerting(sidecar, settings_from_options(alerting))

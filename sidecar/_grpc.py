@@ -1,13 +1,18 @@
 """OTLP/gRPC intake (grpcio aio), in the same loop as the HTTP servers.
 
 The handler takes raw bytes (no deserializer) so an undecodable message gets
-INVALID_ARGUMENT from us rather than grpc's generic INTERNAL.
+INVALID_ARGUMENT from us rather than grpc's generic INTERNAL. It is registered as
+stream-unary (the same bytes on the wire as unary) so that it, not grpc, reads the
+one request message: under a deadline (--body-timeout), and never for a caller
+the token interceptor refused on its metadata.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 from grpc import aio
@@ -15,6 +20,7 @@ from grpc import aio
 from ._errors import DecodeError, SidecarError, StoreError
 from ._otlp import extract, parse_protobuf, response
 from ._service import Service
+from ._settings import Settings
 
 SERVICE = "opentelemetry.proto.collector.trace.v1.TraceService"
 PROTOBUF = "application/x-protobuf"
@@ -24,23 +30,93 @@ def _identity(data: bytes) -> bytes:
     return data
 
 
+_UNAUTHENTICATED = (
+    "missing or wrong bearer token: send metadata 'authorization: Bearer <token>' with "
+    "the sidecar's --token"
+)
+
+
+class _TokenInterceptor(aio.ServerInterceptor):  # type: ignore[misc]  # grpc is untyped
+    """Refuse a call on its metadata, before grpc reads (or inflates) its message."""
+
+    def __init__(self, expected: bytes) -> None:
+        self._expected = expected
+
+        async def refuse(
+            _requests: AsyncIterator[bytes], context: aio.ServicerContext[bytes, bytes]
+        ) -> bytes:
+            # The request stream is never read: the peer's bytes stay in flow control.
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, _UNAUTHENTICATED)
+            return b""  # pragma: no cover - abort raises
+
+        self._refuse = grpc.stream_unary_rpc_method_handler(
+            refuse, request_deserializer=_identity, response_serializer=_identity
+        )
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        given = b""
+        for key, value in details.invocation_metadata or ():
+            if key == "authorization":
+                given = value.encode() if isinstance(value, str) else bytes(value)
+        if not hmac.compare_digest(given, self._expected):
+            return self._refuse
+        return await continuation(details)
+
+
+def server_options(settings: Settings) -> list[tuple[str, int]]:
+    """grpc's own limits; each bounds what a slow or hostile peer can hold (docs/sidecar.md)."""
+    body_ms = int(settings.body_timeout * 1000)
+    return [
+        # grpc enforces this on the decompressed message too: no gzip bomb here either.
+        ("grpc.max_receive_message_length", settings.max_body),
+        ("grpc.so_reuseport", 0),
+        # One connection cannot open more streams than this at once.
+        ("grpc.max_concurrent_streams", 16),
+        # A connection with no call for 5 minutes is closed; any connection is asked to
+        # go away after 30 minutes and closed --body-timeout later whatever it does, so a
+        # stalled call cannot outlive age + grace even if it slipped past the handler.
+        ("grpc.max_connection_idle_ms", 300_000),
+        ("grpc.max_connection_age_ms", 1_800_000),
+        ("grpc.max_connection_age_grace_ms", body_ms),
+        # Keepalive: ping a quiet peer every 60 s, drop it if no answer in 20 s (half-open
+        # connections go); refuse clients that ping more than every 10 s without data.
+        ("grpc.keepalive_time_ms", 60_000),
+        ("grpc.keepalive_timeout_ms", 20_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),  # our keepalive pings: no cap
+        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+        ("grpc.http2.max_ping_strikes", 2),
+        # No BDP probing: flow-control windows stay at their defaults, so a peer that is
+        # not being read cannot make the server buffer megabytes.
+        ("grpc.http2.bdp_probe", 0),
+    ]
+
+
 async def start_grpc(sidecar: Service, host: str, port: int) -> tuple[aio.Server, int]:
-    limit = sidecar.settings.max_body
     token = sidecar.settings.token
     expected = f"Bearer {token}".encode() if token else b""
 
-    async def export(body: bytes, context: aio.ServicerContext[bytes, bytes]) -> bytes:
+    body_timeout = sidecar.settings.body_timeout
+
+    async def export(
+        requests: AsyncIterator[bytes], context: aio.ServicerContext[bytes, bytes]
+    ) -> bytes:
         started = time.perf_counter()
         try:
-            if token:
-                metadata = dict(context.invocation_metadata() or ())
-                given = str(metadata.get("authorization", "")).encode()
-                if not hmac.compare_digest(given, expected):
-                    await context.abort(
-                        grpc.StatusCode.UNAUTHENTICATED,
-                        "missing or wrong bearer token: send metadata 'authorization: Bearer "
-                        "<token>' with the sidecar's --token",
-                    )
+            # Reading the message holds no in-flight slot: a stalled body blocks no one.
+            try:
+                async with asyncio.timeout(body_timeout):
+                    body = await anext(requests, b"")
+            except TimeoutError:
+                await context.abort(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"the request message did not arrive within --body-timeout "
+                    f"{body_timeout:g} s: send it at once",
+                )
             if not sidecar.enter():
                 # UNAVAILABLE is the code OTLP exporters retry with backoff.
                 await context.abort(
@@ -69,18 +145,16 @@ async def start_grpc(sidecar: Service, host: str, port: int) -> tuple[aio.Server
     handler = grpc.method_handlers_generic_handler(
         SERVICE,
         {
-            "Export": grpc.unary_unary_rpc_method_handler(
+            "Export": grpc.stream_unary_rpc_method_handler(
                 export, request_deserializer=_identity, response_serializer=_identity
             )
         },
     )
     server = aio.server(
-        options=[
-            # grpc enforces this on the decompressed message too: no gzip bomb here either.
-            ("grpc.max_receive_message_length", limit),
-            ("grpc.so_reuseport", 0),
-        ],
-        maximum_concurrent_rpcs=sidecar.settings.max_in_flight * 2,
+        options=server_options(sidecar.settings),
+        interceptors=[_TokenInterceptor(expected)] if token else [],
+        # Calls still receiving their message count here; a slot is taken after it.
+        maximum_concurrent_rpcs=sidecar.settings.max_receiving + sidecar.settings.max_in_flight,
     )
     server.add_generic_rpc_handlers((handler,))
     try:

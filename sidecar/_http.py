@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import hmac
@@ -10,17 +11,21 @@ import time
 import zlib
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
+from typing import TypeVar
 
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 from prometheus_client import CONTENT_TYPE_LATEST, Histogram
 
+from . import _jsontext as jsontext
 from ._errors import DecodeError, StoreError
 from ._leases import Lease, LeaseAction, lease_view
 from ._otlp import extract, parse_json, parse_protobuf, response
 from ._pages import browser_auth, page_routes, run_page, wants_html
 from ._service import SERVICE, Service
+from ._settings import BODY_RATE_GRACE
 from ._state import ALL_STATES
+from ._views import RunView
 
 PROTOBUF = "application/x-protobuf"
 JSON = "application/json"
@@ -32,11 +37,37 @@ _RPC_UNAVAILABLE = 14
 _RPC_RESOURCE_EXHAUSTED = 8
 _RPC_UNAUTHENTICATED = 16
 
+_Doc = TypeVar("_Doc")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 class _TooLarge(Exception):
     pass
+
+
+class _TooSlow(Exception):
+    pass
+
+
+class _Receiving:
+    """Bodies being received at once, and their bytes: bounds what slow clients can hold.
+
+    Receiving holds no in-flight slot (a stalled body must not block intake); it is
+    bounded by count (``--max-receiving``) and by bytes (``max_in_flight`` full bodies,
+    the memory bound intake had before), whichever comes first.
+    """
+
+    def __init__(self, count: int, budget: int) -> None:
+        self.count = count
+        self.budget = budget
+        self.active = 0
+        self.bytes = 0
+
+    def take(self, size: int) -> bool:
+        if self.bytes + size > self.budget:
+            return False
+        self.bytes += size
+        return True
 
 
 def error(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
@@ -100,17 +131,46 @@ def _otlp_error(
     return web.Response(status=status, body=body, content_type=ctype, headers=headers)
 
 
-async def _read_bounded(request: web.Request, limit: int) -> bytes:
+async def _read_bounded(
+    request: web.Request, limit: int, body_timeout: float, min_rate: int, receiving: _Receiving
+) -> tuple[bytes, int]:
+    """The body within ``body_timeout`` and, after the grace, at ``min_rate``; (body, bytes taken).
+
+    The caller gives the taken bytes back to ``receiving`` once it is done with the body.
+    aiohttp has no body deadline of its own: this is the one timer intake keeps.
+    """
     if request.content_length is not None and request.content_length > limit:
         raise _TooLarge
-    chunks = []
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    chunks: list[bytes] = []
     size = 0
-    async for chunk in request.content.iter_chunked(1 << 16):
-        size += len(chunk)
-        if size > limit:
-            raise _TooLarge
-        chunks.append(chunk)
-    return b"".join(chunks)
+    try:
+        while True:
+            deadline = min(start + body_timeout, start + BODY_RATE_GRACE + size / min_rate)
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise _TooSlow
+            try:
+                async with asyncio.timeout(remaining):
+                    chunk = await request.content.readany()
+            except TimeoutError:
+                raise _TooSlow from None
+            if not chunk:
+                return b"".join(chunks), size
+            if size + len(chunk) > limit:
+                raise _TooLarge
+            if not receiving.take(len(chunk)):
+                raise _Busy
+            size += len(chunk)
+            chunks.append(chunk)
+    except BaseException:
+        receiving.bytes -= size
+        raise
+
+
+class _Busy(Exception):
+    pass
 
 
 def inflate(body: bytes, limit: int) -> bytes:
@@ -127,13 +187,29 @@ def inflate(body: bytes, limit: int) -> bytes:
     return out
 
 
+def _too_large(as_json: bool, limit: int) -> web.Response:
+    resp = _otlp_error(
+        413,
+        as_json,
+        _RPC_RESOURCE_EXHAUSTED,
+        f"request is over the {limit}-byte bound (compressed or not): send smaller "
+        "batches (exporter max batch size) or raise --max-body",
+    )
+    resp.force_close()
+    return resp
+
+
 def build_otlp_app(service: Service) -> web.Application:
     app = web.Application(middlewares=[_auth_middleware(service, "http")])
     app[SERVICE] = service
+    receiving = _Receiving(
+        service.settings.max_receiving, service.settings.max_in_flight * service.settings.max_body
+    )
 
     async def traces(request: web.Request) -> web.Response:
         sidecar = request.app[SERVICE]
-        limit = sidecar.settings.max_body
+        settings = sidecar.settings
+        limit = settings.max_body
         ctype = request.content_type
         as_json = ctype == JSON
         if ctype not in (PROTOBUF, JSON):
@@ -142,49 +218,87 @@ def build_otlp_app(service: Service) -> web.Application:
                 f"Content-Type {ctype!r} is not OTLP: send application/x-protobuf or "
                 "application/json",
             )
-        if not sidecar.enter():
+        encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+        if encoding not in ("identity", "", "gzip", "deflate"):
+            return error(415, f"Content-Encoding {encoding!r} is not supported: use gzip or none")
+        if receiving.active >= receiving.count:
             return _otlp_error(
                 429,
                 as_json,
                 _RPC_UNAVAILABLE,
-                f"sidecar is at its bound of {sidecar.settings.max_in_flight} requests in "
-                "flight: retry after the Retry-After delay",
+                f"sidecar is receiving {receiving.count} request bodies at once (its "
+                "--max-receiving): retry after the Retry-After delay",
                 retry=True,
             )
+        receiving.active += 1
+        taken = 0
         try:
-            encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
-            if encoding not in ("identity", "", "gzip", "deflate"):
-                return error(
-                    415, f"Content-Encoding {encoding!r} is not supported: use gzip or none"
-                )
             try:
-                body = await _read_bounded(request, limit)
-                if encoding in ("gzip", "deflate"):
-                    body = inflate(body, limit)
-                decoded = (
-                    extract(parse_json(body)) if as_json else extract(parse_protobuf(body), body)
+                body, taken = await _read_bounded(
+                    request, limit, settings.body_timeout, settings.body_min_rate, receiving
+                )
+            except _TooSlow:
+                resp = _otlp_error(
+                    408,
+                    as_json,
+                    _RPC_UNAVAILABLE,
+                    f"the request body did not arrive within --body-timeout "
+                    f"{settings.body_timeout:g} s or at --body-min-rate "
+                    f"{settings.body_min_rate} bytes/s: send it at once",
+                )
+                resp.force_close()  # the rest of a stalled body is not worth waiting for
+                return resp
+            except _Busy:
+                return _otlp_error(
+                    429,
+                    as_json,
+                    _RPC_UNAVAILABLE,
+                    "the sidecar holds as many request bytes as it accepts at once: retry "
+                    "after the Retry-After delay",
+                    retry=True,
                 )
             except _TooLarge:
-                return _otlp_error(
-                    413,
-                    as_json,
-                    _RPC_RESOURCE_EXHAUSTED,
-                    f"request is over the {limit}-byte bound (compressed or not): send smaller "
-                    "batches (exporter max batch size) or raise --max-body",
-                )
-            except DecodeError as exc:
-                return _otlp_error(400, as_json, _RPC_INVALID_ARGUMENT, str(exc))
-            try:
-                decoded = sidecar.ingest(decoded, "http", body, ctype)
-            except StoreError as exc:
-                return _otlp_error(503, as_json, _RPC_UNAVAILABLE, str(exc), retry=True)
-            out, out_type = response(decoded.rejected, decoded.error_message, as_json)
-            return web.Response(body=out, content_type=out_type)
+                return _too_large(as_json, limit)
+            return _decode_and_ingest(sidecar, body, encoding, ctype, as_json)
         finally:
-            sidecar.leave()
+            receiving.active -= 1
+            receiving.bytes -= taken
 
     app.router.add_post("/v1/traces", traces)
     return app
+
+
+def _decode_and_ingest(
+    sidecar: Service, body: bytes, encoding: str, ctype: str, as_json: bool
+) -> web.Response:
+    """Decode and store a received body, holding an in-flight slot meanwhile."""
+    limit = sidecar.settings.max_body
+    if not sidecar.enter():
+        return _otlp_error(
+            429,
+            as_json,
+            _RPC_UNAVAILABLE,
+            f"sidecar is at its bound of {sidecar.settings.max_in_flight} requests in "
+            "flight: retry after the Retry-After delay",
+            retry=True,
+        )
+    try:
+        try:
+            if encoding in ("gzip", "deflate"):
+                body = inflate(body, limit)
+            decoded = extract(parse_json(body)) if as_json else extract(parse_protobuf(body), body)
+        except _TooLarge:
+            return _too_large(as_json, limit)
+        except DecodeError as exc:
+            return _otlp_error(400, as_json, _RPC_INVALID_ARGUMENT, str(exc))
+        try:
+            decoded = sidecar.ingest(decoded, "http", body, ctype)
+        except StoreError as exc:
+            return _otlp_error(503, as_json, _RPC_UNAVAILABLE, str(exc), retry=True)
+        out, out_type = response(decoded.rejected, decoded.error_message, as_json)
+        return web.Response(body=out, content_type=out_type)
+    finally:
+        sidecar.leave()
 
 
 # --- API ---------------------------------------------------------------------------
@@ -216,13 +330,26 @@ def encode_cursor(started_at: float | None, run_id: str) -> str:
 def decode_cursor(text: str) -> tuple[float, str]:
     try:
         raw = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
-        started_at, run_id = json.loads(raw)
+        started_at, run_id = jsontext.loads(raw)
         return float(started_at if started_at is not None else float("-inf")), str(run_id)
     except (ValueError, TypeError, binascii.Error) as exc:
         raise DecodeError(
             f"cursor {text[:40]!r} is not one this API gave out: pass next_cursor from the "
             "previous page unchanged"
         ) from exc
+
+
+def _shown(request: web.Request, doc: _Doc, *views: RunView | None) -> _Doc:
+    """``doc`` masked by the service's redactor with its own secrets and those of ``views``.
+
+    ``?reveal=args`` gives the real arguments, for recovery (behind the token like all
+    else): ``saga_otel.recover`` asks for them.
+    """
+    redactor = request.app[SERVICE].redactor
+    if not redactor.active or request.query.get("reveal") == "args":
+        return doc
+    masked: _Doc = redactor.redact(doc, redactor.secrets_in(*(v for v in views if v)))
+    return masked
 
 
 def build_api_app(service: Service) -> web.Application:
@@ -253,7 +380,10 @@ def build_api_app(service: Service) -> web.Application:
             if needs is not None and needs != "person":
                 raise DecodeError(f"needs={needs!r} is not supported: use needs=person")
             limit_text = q.get("limit", "100")
-            if not limit_text.isdigit() or not 1 <= int(limit_text) <= MAX_LIMIT:
+            # isdigit() alone admits "³", which int() then refuses.
+            if not (limit_text.isascii() and limit_text.isdigit()) or not (
+                1 <= int(limit_text) <= MAX_LIMIT
+            ):
                 raise DecodeError(f"limit={limit_text!r} must be an integer 1..{MAX_LIMIT}")
             limit = int(limit_text)
             since = parse_time(q["since"], "since") if "since" in q else None
@@ -280,6 +410,9 @@ def build_api_app(service: Service) -> web.Application:
         next_cursor = (
             encode_cursor(page[-1]["started_at"], page[-1]["run_id"]) if len(runs) > limit else None
         )
+        # A summary quotes texts (errors) that may hold arguments: mask them with the
+        # secrets of the run's whole view.
+        page = [_shown(request, r, sidecar.state.view(r["run_id"])) for r in page]
         return web.json_response({"runs": page, "next_cursor": next_cursor})
 
     async def get_run(request: web.Request) -> web.Response:
@@ -288,7 +421,7 @@ def build_api_app(service: Service) -> web.Application:
         sidecar = request.app[SERVICE]
         run_id = request.match_info["run_id"]
         view = sidecar.state.view(run_id)
-        return unknown(run_id) if view is None else web.json_response(view)
+        return unknown(run_id) if view is None else web.json_response(_shown(request, view))
 
     async def get_stack(request: web.Request) -> web.Response:
         sidecar = request.app[SERVICE]
@@ -296,15 +429,14 @@ def build_api_app(service: Service) -> web.Application:
         stack = sidecar.state.stack(run_id)
         if stack is None:
             return unknown(run_id)
-        return web.json_response(
-            {"run_id": run_id, "status": sidecar.state.status(run_id), "stack": stack}
-        )
+        body = {"run_id": run_id, "status": sidecar.state.status(run_id), "stack": stack}
+        return web.json_response(_shown(request, body, sidecar.state.view(run_id)))
 
     async def resolve(request: web.Request) -> web.Response:
         sidecar = request.app[SERVICE]
         run_id = request.match_info["run_id"]
         try:
-            data = await request.json()
+            data = jsontext.loads(await request.read())
         except (ValueError, UnicodeDecodeError):
             return error(400, 'body is not JSON: send {"note": "what was done"}')
         except web.HTTPRequestEntityTooLarge:
@@ -316,7 +448,7 @@ def build_api_app(service: Service) -> web.Application:
             view = sidecar.resolve(run_id, note)
         except StoreError as exc:
             return error(503, str(exc), {"Retry-After": RETRY_AFTER})
-        return unknown(run_id) if view is None else web.json_response(view)
+        return unknown(run_id) if view is None else web.json_response(_shown(request, view))
 
     def lease_handler(action: LeaseAction) -> Handler:
         async def handle(request: web.Request) -> web.Response:

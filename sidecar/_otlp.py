@@ -27,6 +27,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span as PbSpan
 from saga_otel import semconv as sc
 from saga_otel.contract import check
 
+from . import _jsontext as jsontext
 from ._errors import DecodeError
 
 _STATUS_CODE_ERROR = 2
@@ -234,14 +235,32 @@ def _value(data: bytes) -> Any:
 # --- validation -----------------------------------------------------------------
 
 
+# JSON text the sidecar parses again later (arguments, the escalation card): nested
+# past jsontext.MAX_DEPTH it is hostile, and rejected here rather than walked later.
+_NESTED_JSON = (sc.SAGA_COMPENSATION_ARGS, sc.SAGA_ESCALATION_CARD)
+
+
 def validate(attrs: Mapping[str, Any]) -> str | None:
     """Why a span that carries ``saga.phase`` breaks the contract, or None when it does not.
 
     The rules are ``saga_otel.contract`` (shared with ``saga_otel.testing``); a
-    rejected span's partial-success message names its first problem.
+    rejected span's partial-success message names its first problem. The sidecar
+    adds one bound of its own: JSON attributes nest at most ``jsontext.MAX_DEPTH``.
     """
     problems = check(attrs)
-    return str(problems[0]) if problems else None
+    if problems:
+        return str(problems[0])
+    for key in _NESTED_JSON:
+        text = attrs.get(key)
+        if not isinstance(text, str):
+            continue
+        try:
+            jsontext.loads(text)
+        except jsontext.TooDeep:
+            return f"{key} is JSON nested deeper than {jsontext.MAX_DEPTH} levels: flatten it"
+        except ValueError:
+            continue  # not JSON: the contract says where that matters
+    return None
 
 
 # --- requests -------------------------------------------------------------------
@@ -266,10 +285,14 @@ def _hex_to_b64(value: Any, what: str) -> Any:
         raise DecodeError(f"{what} {value[:40]!r} is not hex: OTLP/JSON ids are hex") from exc
 
 
+OTLP_JSON_MAX_DEPTH = 128
+
+
 def parse_json(body: bytes) -> ExportTraceServiceRequest:
     """OTLP/JSON: the protobuf JSON mapping, except ids are hex (not base64)."""
     try:
-        data = json.loads(body)
+        # protobuf's own recursion limit is 100 messages; a span's JSON is ~2 levels each.
+        data = jsontext.loads(body, OTLP_JSON_MAX_DEPTH)
     except (ValueError, UnicodeDecodeError) as exc:
         raise DecodeError(f"body is not JSON ({exc}): send OTLP/JSON or protobuf") from exc
     if not isinstance(data, dict):

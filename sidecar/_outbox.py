@@ -37,6 +37,7 @@ from saga_otel.records import backoff_seconds
 from ._alerting import Action, AlertEvent
 from ._errors import ConfigError, StoreError
 from ._sinks import SINK_KINDS, DeliveryRejected, DeliveryRetry, Sink
+from ._store import prepare_db_file
 
 # Operational logs go with the sidecar's own (stdlib, stderr); alerts use the log sink.
 log = logging.getLogger("sidecar.alerts")
@@ -44,6 +45,10 @@ log = logging.getLogger("sidecar.alerts")
 PENDING: Final = "pending"
 DELIVERED: Final = "delivered"
 FAILED: Final = "failed"
+HELD: Final = "held"
+# The sink column of an alert no configured sink takes (no sink, or routed nowhere): the
+# row is kept in state HELD and handed to the sinks of a later start that route it.
+NO_SINK: Final = "(none)"
 
 OUTCOME_DELIVERED: Final = "delivered"
 OUTCOME_RETRIED: Final = "retried"
@@ -221,15 +226,16 @@ class Outbox:
         self._wake: dict[str, asyncio.Event] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
         try:
             if str(db_path) != ":memory:":
-                Path(db_path).parent.mkdir(parents=True, exist_ok=True)
+                prepare_db_file(Path(db_path), warn=False)  # the Store warns, once
             self._db = sqlite3.connect(str(db_path), isolation_level=None, check_same_thread=False)
             self._db.execute("PRAGMA busy_timeout = 10000")
             self._db.execute("PRAGMA journal_mode = WAL")
             self._db.execute("PRAGMA synchronous = NORMAL")
             self._db.executescript(_SCHEMA)
-        except sqlite3.Error as exc:
+        except (OSError, sqlite3.Error) as exc:
             raise StoreError(
                 f"cannot open the alert outbox in {db_path}: {exc}; check the path is writable "
                 "(--db) and not on a network filesystem"
@@ -248,24 +254,17 @@ class Outbox:
         woken: set[str] = set()
         now = self._clock()
         with self._lock:
+            if self._closed:
+                # Only while the sidecar stops: the next start's re-evaluation raises it.
+                raise StoreError(
+                    "the alert outbox is closed (the sidecar is stopping): the alert is "
+                    "raised again when it starts"
+                )
             try:
                 self._db.execute("BEGIN IMMEDIATE")
                 for event in events:
                     for sink_name, row_event in self._targets(event):
-                        cur = self._db.execute(
-                            "INSERT OR IGNORE INTO alert_outbox (dedup_key, action, sink, "
-                            "alertname, run_id, event, created_at) VALUES (?,?,?,?,?,?,?)",
-                            (
-                                row_event.dedup_key,
-                                row_event.action.value,
-                                sink_name,
-                                row_event.alertname,
-                                row_event.run_id,
-                                json.dumps(row_event.to_dict(), sort_keys=True),
-                                now,
-                            ),
-                        )
-                        if cur.rowcount:
+                        if self._insert(sink_name, row_event, now):
                             inserted += 1
                             woken.add(sink_name)
                 self._db.execute("COMMIT")
@@ -281,20 +280,71 @@ class Outbox:
 
     def _targets(self, event: AlertEvent) -> list[tuple[str, AlertEvent]]:
         if event.action is Action.FIRE:
-            return [
+            routed = [
                 (s.name, event) for s in self.sinks if self.routing.allows(event.severity, s.kind)
             ]
+            # No sink takes it: keep it held rather than drop it (see NO_SINK).
+            return routed or [(NO_SINK, event)]
         # Resolve: only where the fire went, repeating the fire's labels and start.
         rows = self._db.execute(
-            "SELECT sink, event FROM alert_outbox WHERE dedup_key = ? AND action = 'fire'",
+            "SELECT sink, event, state FROM alert_outbox WHERE dedup_key = ? AND action = 'fire'",
             (event.dedup_key,),
         ).fetchall()
         live = {s.name for s in self.sinks}
         return [
             (sink, event.resolving_with(AlertEvent.from_dict(json.loads(text))))
-            for sink, text in rows
-            if sink in live
+            for sink, text, state in rows
+            if sink in live or (sink == NO_SINK and state == HELD)
         ]
+
+    def _insert(self, sink_name: str, event: AlertEvent, now: float) -> bool:
+        cur = self._db.execute(
+            "INSERT OR IGNORE INTO alert_outbox (dedup_key, action, sink, alertname, run_id, "
+            "event, state, created_at) VALUES (?,?,?,?,?,?,?,?)",
+            (
+                event.dedup_key,
+                event.action.value,
+                sink_name,
+                event.alertname,
+                event.run_id,
+                json.dumps(event.to_dict(), sort_keys=True),
+                HELD if sink_name == NO_SINK else PENDING,
+                now,
+            ),
+        )
+        return bool(cur.rowcount)
+
+    def release_held(self) -> int:
+        """Hand held alerts (see NO_SINK) to the sinks that now route them; rows added."""
+        added = 0
+        now = self._clock()
+        with self._lock:
+            held = self._db.execute(
+                "SELECT id, event FROM alert_outbox WHERE sink = ? AND state = ? ORDER BY id",
+                (NO_SINK, HELD),
+            ).fetchall()
+            if not held or not self.sinks:
+                return 0
+            try:
+                self._db.execute("BEGIN IMMEDIATE")
+                for row_id, text in held:
+                    targets = [t for t in self._targets(_load(text)) if t[0] != NO_SINK]
+                    if not targets:
+                        continue
+                    for sink_name, row_event in targets:
+                        added += self._insert(sink_name, row_event, now)
+                    self._db.execute(
+                        "UPDATE alert_outbox SET state = ?, delivered_at = ? WHERE id = ?",
+                        (DELIVERED, now, row_id),
+                    )
+                self._db.execute("COMMIT")
+            except sqlite3.Error as exc:
+                with contextlib.suppress(sqlite3.Error):
+                    self._db.execute("ROLLBACK")
+                raise StoreError(f"cannot hand held alerts to the sinks: {exc}") from exc
+        if added:
+            self._update_depth()
+        return added
 
     # --- reading ------------------------------------------------------------------
 
@@ -336,6 +386,7 @@ class Outbox:
             return
         self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
+        self.release_held()
         for sink in self.sinks:
             self._wake[sink.name] = asyncio.Event()
             self._tasks.append(
@@ -346,7 +397,9 @@ class Outbox:
         """Deliver until cancelled (for a background-task runner)."""
         await self.start()
         try:
-            await asyncio.gather(*self._tasks)
+            # With no sink there is no worker, but the outbox must stay open: alerts are
+            # still written (held) for as long as the sidecar runs.
+            await asyncio.gather(*self._tasks, asyncio.Event().wait())
         finally:
             await self.stop()
 
@@ -362,6 +415,7 @@ class Outbox:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             self._db.close()
 
     async def wait_idle(self, limit: float = 10.0) -> bool:

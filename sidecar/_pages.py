@@ -304,6 +304,10 @@ async def run_page(
     view = service.state.view(run_id)
     if view is None:
         return _not_found(run_id)
+    redactor = service.redactor
+    if redactor.active:
+        # A page is for people: the same masks as alerts and the API (no reveal here).
+        view = redactor.redact(view, redactor.secrets_in(view))
     api, otlp = _bases(service, request)
     run_url = RuleConfig(public_url=api).run_url(run_id)
     now = service.clock()

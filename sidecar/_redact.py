@@ -9,7 +9,11 @@ line can quote arguments too, so every string value found under a masked key
 wherever it occurs in any string of the payload. JSON text (an annotation that
 holds the stack) is parsed, masked and written back.
 
-The stored views (database, API) keep the real values: recovery needs them.
+The database keeps the real values: recovery needs them. Alerts are masked
+once, when the rules raise them (with the secrets of the whole run view, so an
+argument of a compensation that succeeded is masked in a card that quotes it
+too), and again by each sink; API views are masked unless the caller asks for
+the real arguments with ``?reveal=args`` (docs/alerting.md, "Redaction").
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Final
 
+from . import _jsontext as jsontext
 from ._errors import ConfigError
 
 MASK: Final = "***"
@@ -134,7 +139,7 @@ def _json_container(text: str) -> Any:
     if not stripped or stripped[0] not in "[{":
         return None
     try:
-        value = json.loads(text)
+        value = jsontext.loads(text)
     except ValueError:
         return None
     return value if isinstance(value, dict | list) else None

@@ -40,7 +40,8 @@ from ._leases import (
 )
 from ._metrics import SidecarMetrics
 from ._otlp import MAX_ERROR_MESSAGES, Decoded, SpanRecord, span_from_stored
-from ._settings import Settings
+from ._redact import Redactor
+from ._settings import LINGERING_TIME, Settings
 from ._state import RunState, Transition
 from ._store import Store
 from ._views import RunView
@@ -76,6 +77,8 @@ class Sidecar:
         self.otlp_grpc_port: int | None = None
         self.api_port: int | None = None
         self.in_flight = 0
+        # Masks tool arguments in API views; install_alerting sets the configured one.
+        self.redactor = Redactor()
         # (fn, facts_only): see add_listener.
         self._listeners: list[tuple[Listener, bool]] = []
         self._background: list[BackgroundFactory] = []
@@ -178,7 +181,12 @@ class Sidecar:
     async def _serve_app(self, app: web.Application, host: str, port: int) -> int:
         # auto_decompress=False: the OTLP handler inflates gzip itself, with a bound
         # (a gzip bomb must cost a 413, not memory).
-        runner = web.AppRunner(app, access_log=None, auto_decompress=False)
+        # lingering_time: after an answer to a request whose body was not read (401, 408,
+        # 413, 429), drain and drop the rest for at most this long before closing (aiohttp's
+        # default, 10 s, keeps a stalled client's connection that much longer).
+        runner = web.AppRunner(
+            app, access_log=None, auto_decompress=False, lingering_time=LINGERING_TIME
+        )
         await runner.setup()
         self._runners.append(runner)
         site = web.TCPSite(runner, host, port, reuse_address=True)
@@ -438,11 +446,21 @@ class Sidecar:
             self.tick()
 
     def prune(self) -> list[str]:
-        run_ids = self.state.prunable(self.clock(), self.settings.retention)
+        now = self.clock()
+        run_ids = self.state.prunable(now, self.settings.retention)
         if run_ids and self.store is not None:
             self.store.delete_runs(run_ids)
             self.state.forget(run_ids)
+        self.prune_instances(now)
         return run_ids
+
+    def prune_instances(self, now: float) -> list[str]:
+        """Forget agent instances silent for longer than the retention (memory and table)."""
+        stale = self.state.stale_instances(now, self.settings.retention)
+        if stale and self.store is not None:
+            self.store.delete_instances(stale)
+            self.state.forget_instances(stale)
+        return stale
 
     async def _prune_loop(self) -> None:
         while True:

@@ -16,6 +16,7 @@ from aiohttp import web
 from ._leases import Lease, LeaseAction, LeaseRefusal
 from ._metrics import SidecarMetrics
 from ._otlp import Decoded
+from ._redact import Redactor
 from ._settings import Settings
 from ._state import RunState
 from ._views import RunView
@@ -35,6 +36,11 @@ class Service(Protocol):
 
     @property
     def in_flight(self) -> int: ...
+
+    @property
+    def redactor(self) -> Redactor:
+        """The masks on API views (install_alerting sets the configured ones)."""
+        ...
 
     @property
     def api_routes(self) -> list[web.AbstractRouteDef]: ...

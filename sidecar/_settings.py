@@ -20,6 +20,13 @@ DEFAULT_IDLE_TIMEOUT = 60.0
 DEFAULT_RETENTION = 7 * 24 * 3600.0
 DEFAULT_MAX_IN_FLIGHT = 64
 DEFAULT_FORWARD_QUEUE = 1024
+DEFAULT_BODY_TIMEOUT = 30.0
+DEFAULT_BODY_MIN_RATE = 16 * 1024
+DEFAULT_MAX_RECEIVING = 1024
+# Seconds a body may take before --body-min-rate applies (slow starts are normal).
+BODY_RATE_GRACE = 2.0
+# Seconds aiohttp drains an unread body after answering (e.g. 401) before it closes.
+LINGERING_TIME = 2.0
 ENV_PREFIX = "SAGA_SIDECAR_"
 
 
@@ -116,6 +123,12 @@ class Settings:
     max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
     tick_interval: float = 0.2
     prune_interval: float = 60.0
+    # Slow clients: a request body must arrive whole within body_timeout, and after its
+    # first BODY_RATE_GRACE seconds at body_min_rate bytes/s on average; max_receiving
+    # requests may be receiving their bodies at once (they hold no max_in_flight slot).
+    body_timeout: float = DEFAULT_BODY_TIMEOUT
+    body_min_rate: int = DEFAULT_BODY_MIN_RATE
+    max_receiving: int = DEFAULT_MAX_RECEIVING
 
     def __post_init__(self) -> None:
         self.validate()
@@ -145,9 +158,21 @@ class Settings:
                 f"--forward {self.forward!r} is not an http(s) URL: use e.g. "
                 "http://collector:4318/v1/traces"
             )
-        for name in ("forward_queue", "max_body", "max_in_flight"):
+        for name in (
+            "forward_queue",
+            "max_body",
+            "max_in_flight",
+            "body_min_rate",
+            "max_receiving",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
-        for name in ("idle_timeout", "retention", "tick_interval", "prune_interval"):
+        for name in (
+            "idle_timeout",
+            "retention",
+            "tick_interval",
+            "prune_interval",
+            "body_timeout",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be > 0 seconds")

@@ -13,7 +13,6 @@ compact named tuples, interned strings and raw JSON text, and builds its view
 from __future__ import annotations
 
 import bisect
-import json
 import sys
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from typing import NamedTuple, TypeVar
 from saga_otel import semconv as sc
 from saga_otel.records import EscalationCard, is_pivot
 
+from . import _jsontext as jsontext
 from ._leases import Lease, Liveness, Override, Owner, lease_view
 from ._otlp import SpanRecord
 from ._views import (
@@ -381,7 +381,7 @@ def _parse_json(text: str | None) -> object:
     if text is None:
         return {}
     try:
-        parsed: object = json.loads(text)
+        parsed: object = jsontext.loads(text)
     except ValueError:
         return {}
     return parsed
@@ -412,6 +412,10 @@ class RunState:
 
     def __len__(self) -> int:
         return len(self._runs)
+
+    def instance_count(self) -> int:
+        """Agent instances watched by heartbeats (forgotten after the retention)."""
+        return len(self._instances)
 
     def __contains__(self, run_id: object) -> bool:
         return run_id in self._runs
@@ -952,6 +956,16 @@ class RunState:
             for r in self._runs.values()
             if (r.has_ended() or r.resolution is not None) and now - r.last_seen > retention
         ]
+
+    def stale_instances(self, now: float, retention: float) -> list[str]:
+        """Instances whose last heartbeat is older than ``retention`` (dead ones, surely)."""
+        return [i for i, watch in self._instances.items() if now - watch.at > retention]
+
+    def forget_instances(self, instances: Iterable[str]) -> None:
+        # A run of a forgotten instance falls back to the idle-timeout rule, which has
+        # long since applied: its process has been silent for the whole retention.
+        for instance in instances:
+            self._instances.pop(instance, None)
 
     def forget(self, run_ids: Iterable[str]) -> None:
         for run_id in run_ids:

@@ -7,8 +7,10 @@ spans themselves (the state machine is a function of them) rather than views.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sqlite3
+import stat
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +19,8 @@ from ._errors import StoreError
 from ._leases import Lease, LeaseRefusal, Override, Owner
 
 SCHEMA_VERSION = 1
+
+log = logging.getLogger("sidecar")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -81,17 +85,46 @@ class RunMark:
     resolution_at: float | None
 
 
+def prepare_db_file(path: Path, *, warn: bool = True) -> None:
+    """Create ``path``'s missing folders 0700 and the file 0600, whatever the umask.
+
+    The database holds tool arguments, which may name customers or hold secrets.
+    An existing folder open to group or others is left alone (an operator chose
+    it) but, with ``warn``, logged at start so the choice is visible.
+    """
+    folder = path.parent
+    missing = []
+    while not folder.exists():
+        missing.append(folder)
+        folder = folder.parent
+    for created in reversed(missing):
+        created.mkdir(mode=0o700, exist_ok=True)
+        os.chmod(created, 0o700)  # mkdir's mode passes through the umask
+    mode = stat.S_IMODE(path.parent.stat().st_mode)
+    if warn and not missing and mode & 0o077:
+        log.warning(
+            "the database folder %s has mode %s: other users may read the stored tool "
+            "arguments; run `chmod 700 %s` or pick another --db folder",
+            path.parent,
+            oct(mode),
+            path.parent,
+        )
+    # Create the file 0600 before SQLite does (it would use the umask's mode).
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+    os.close(fd)
+    for suffix in ("", "-wal", "-shm"):
+        side = Path(f"{path}{suffix}")
+        if side.exists():
+            os.chmod(side, 0o600)
+
+
 class Store:
     """One connection, used from the event loop thread only."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         try:
-            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            # Create the file 0600 before SQLite does (it would use the umask): it holds
-            # tool arguments, which may name customers. SQLite gives -wal/-shm the same mode.
-            fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
-            os.close(fd)
+            prepare_db_file(path)
             self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
             # WAL + synchronous=NORMAL: a committed transaction is in the WAL file (written
             # with write(2)) before COMMIT returns, so it survives kill -9 of this process;
@@ -193,6 +226,22 @@ class Store:
         except sqlite3.Error as exc:
             self._rollback()
             raise StoreError(f"could not prune runs from {str(self.path)!r}: {exc}") from exc
+
+    def delete_instances(self, instances: list[str]) -> None:
+        if not instances:
+            return
+        try:
+            self._db.execute("BEGIN")
+            self._db.executemany(
+                "DELETE FROM instances WHERE instance = ?", [(i,) for i in instances]
+            )
+            self._db.execute("COMMIT")
+        except sqlite3.Error as exc:
+            self._rollback()
+            raise StoreError(f"could not prune instances from {str(self.path)!r}: {exc}") from exc
+
+    def instance_count(self) -> int:
+        return int(self._db.execute("SELECT count(*) FROM instances").fetchone()[0])
 
     def _rollback(self) -> None:
         with contextlib.suppress(sqlite3.Error):  # no transaction was open

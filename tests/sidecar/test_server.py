@@ -16,36 +16,38 @@ from sidecar import Sidecar
 
 
 async def test_http_overload_answers_429_with_retry_after(tmp_path: Path, clock: FakeClock) -> None:
-    async with Sidecar(settings_for(tmp_path, max_in_flight=1), clock=clock) as sc_:
+    async with Sidecar(settings_for(tmp_path, max_receiving=1), clock=clock) as sc_:
         host, port = "127.0.0.1", sc_.otlp_http_port
-        # One request stuck half-way through its body holds the only in-flight slot.
+        url = f"http://{host}:{port}/v1/traces"
+        empty = ExportTraceServiceRequest().SerializeToString()
+        headers = {"Content-Type": "application/x-protobuf"}
+        # One request stuck half-way through its body holds the only receiving place
+        # (never an in-flight slot: those are taken once a body is whole).
         _reader, writer = await asyncio.open_connection(host, port)
         writer.write(
             b"POST /v1/traces HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-protobuf\r\n"
             b"Content-Length: 100\r\n\r\n\x0a"
         )
         await writer.drain()
-        for _ in range(1000):
-            if sc_.in_flight == 1:
-                break
-            await asyncio.sleep(0.01)
-        assert sc_.in_flight == 1
-        async with (
-            aiohttp.ClientSession() as s,
-            s.post(
-                f"http://{host}:{port}/v1/traces",
-                data=ExportTraceServiceRequest().SerializeToString(),
-                headers={"Content-Type": "application/x-protobuf"},
-            ) as resp,
-        ):
-            assert resp.status == 429
-            assert resp.headers["Retry-After"] == "1"
-        writer.close()
-        for _ in range(1000):
-            if sc_.in_flight == 0:
-                break
-            await asyncio.sleep(0.01)
-        assert sc_.in_flight == 0
+        async with aiohttp.ClientSession() as s:
+            for _ in range(1000):
+                async with s.post(url, data=empty, headers=headers) as resp:
+                    if resp.status == 429:
+                        assert resp.headers["Retry-After"] == "1"
+                        assert "--max-receiving" in await resp.text()
+                        break
+                await asyncio.sleep(0.01)
+            else:
+                raise AssertionError("a stalled body never held the receiving place")
+            assert sc_.in_flight == 0
+            writer.close()
+            for _ in range(1000):
+                async with s.post(url, data=empty, headers=headers) as resp:
+                    if resp.status == 200:
+                        break
+                await asyncio.sleep(0.01)
+            else:
+                raise AssertionError("the receiving place was never given back")
 
 
 async def test_tick_orphans_and_tells_listeners(tmp_path: Path, clock: FakeClock) -> None:

@@ -89,3 +89,23 @@ def test_default_db_path_follows_xdg(monkeypatch: pytest.MonkeyPatch, tmp_path: 
     assert default_db_path() == tmp_path / "saga-sidecar" / "sidecar.db"
     monkeypatch.delenv("XDG_STATE_HOME")
     assert default_db_path() == Path.home() / ".local/state/saga-sidecar/sidecar.db"
+
+
+def test_slow_client_limits_are_flags_with_env_vars_and_are_validated(tmp_path: Path) -> None:
+    help_text = CliRunner().invoke(main, ["serve", "--help"]).output
+    for flag, env in (
+        ("--body-timeout", "SAGA_SIDECAR_BODY_TIMEOUT"),
+        ("--body-min-rate", "SAGA_SIDECAR_BODY_MIN_RATE"),
+        ("--max-receiving", "SAGA_SIDECAR_MAX_RECEIVING"),
+    ):
+        assert flag in help_text and env in help_text
+    result = CliRunner().invoke(
+        main,
+        ["serve", "--db", str(tmp_path / "x.db")],
+        env={"SAGA_SIDECAR_BODY_TIMEOUT": "soon"},
+    )
+    assert result.exit_code != 0 and "--body-timeout 'soon' is not a duration" in result.output
+    with pytest.raises(ConfigError, match="max_receiving=0 must be >= 1"):
+        Settings(max_receiving=0)
+    with pytest.raises(ConfigError, match="body_timeout=0"):
+        Settings(body_timeout=0)
