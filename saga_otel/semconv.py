@@ -15,6 +15,14 @@ CONTRACT_VERSION: Final = 1
 # --- resource -------------------------------------------------------------
 SERVICE_NAME: Final = "service.name"
 SERVICE_INSTANCE_ID: Final = "service.instance.id"
+# Standard resource attributes the sidecar derives an instance from when a stream
+# carries no service.instance.id (docs/semantic-conventions.md, "Identity").
+HOST_NAME: Final = "host.name"
+HOST_ID: Final = "host.id"
+CONTAINER_ID: Final = "container.id"
+K8S_POD_UID: Final = "k8s.pod.uid"
+PROCESS_PID: Final = "process.pid"
+PROCESS_CREATION_TIME: Final = "process.creation.time"
 
 # --- identity (every span) ------------------------------------------------
 SAGA_RUN_ID: Final = "saga.run.id"

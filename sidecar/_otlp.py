@@ -8,6 +8,7 @@ span (partial success), never an exception further in.
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import struct
 from collections.abc import Iterable, Mapping
@@ -88,12 +89,77 @@ class Decoded:
     ignored: int
     rejected: int
     errors: tuple[str, ...]
+    # Accepted with a caveat (OTLP partial success with 0 rejected): e.g. a derived instance.
+    warnings: tuple[str, ...] = ()
 
     @property
     def error_message(self) -> str:
-        if not self.rejected:
-            return ""
-        return f"{self.rejected} saga span(s) rejected: " + "; ".join(self.errors)
+        parts = list(self.warnings)
+        if self.rejected:
+            parts.insert(0, f"{self.rejected} saga span(s) rejected: " + "; ".join(self.errors))
+        return "; ".join(parts)
+
+
+# --- instance identity ------------------------------------------------------------
+# A stream without service.instance.id (the OpenTelemetry JS SDK sets none) still needs
+# one: the orphan watch, run ownership and heartbeats are all per instance. The sidecar
+# derives it from the resource, which an SDK builds once per process: every attribute
+# goes into a digest, so two processes whose resources differ in anything (pid, host,
+# start time, the SDK's own ids) get two instances. A resource that names no process
+# (no process.pid or process.creation.time) and no host cannot tell two processes of one
+# service apart: then each trace (each run) is its own instance, so a run is never tied
+# to another process's heartbeats (it is orphaned by the idle timeout instead).
+
+_PROCESS_KEYS = (sc.PROCESS_PID, sc.PROCESS_CREATION_TIME)
+_HOST_KEYS = (sc.HOST_ID, sc.HOST_NAME, sc.CONTAINER_ID, sc.K8S_POD_UID)
+DERIVED_PREFIX = "derived:"
+
+
+@dataclass(frozen=True, slots=True)
+class DerivedInstance:
+    """The instance given to a resource without ``service.instance.id``."""
+
+    instance: str
+    per_trace: bool  # nothing in the resource tells processes apart
+    warning: str
+
+    def for_trace(self, trace_id: str) -> str:
+        return f"{self.instance}/trace:{trace_id}" if self.per_trace else self.instance
+
+
+def derive_instance(resource: Mapping[str, Any]) -> DerivedInstance:
+    """The instance of a resource that carries no ``service.instance.id``, and the warning.
+
+    Pure and stable (a restarted sidecar derives the same id): ``derived:`` + host +
+    pid + a digest of every resource attribute.
+    """
+    items = sorted((k, v) for k, v in resource.items() if k != sc.SERVICE_INSTANCE_ID)
+    text = json.dumps(items, default=repr, separators=(",", ":"))
+    digest = hashlib.sha256(text.encode()).hexdigest()[:12]
+    host = next((str(resource[k]) for k in _HOST_KEYS if resource.get(k)), "")
+    pid = resource.get(sc.PROCESS_PID)
+    parts = [p for p in (host, str(pid) if pid is not None else "") if p]
+    instance = DERIVED_PREFIX + ":".join([*parts, digest])
+    per_trace = not any(resource.get(k) is not None for k in _PROCESS_KEYS) or not host
+    service = resource.get(sc.SERVICE_NAME) or "?"
+    fix = (
+        f"set {sc.SERVICE_INSTANCE_ID} on the resource, unique per process (e.g. "
+        f"OTEL_RESOURCE_ATTRIBUTES={sc.SERVICE_INSTANCE_ID}=<a new UUID per process start>)"
+    )
+    if per_trace:
+        warning = (
+            f"service {service!s}: no {sc.SERVICE_INSTANCE_ID} on the resource, and nothing "
+            f"there tells one process from another (need {' or '.join(_PROCESS_KEYS)} and "
+            f"one of {', '.join(_HOST_KEYS)}): each run is its own instance "
+            f"{instance}/trace:<trace id> and heartbeats cannot keep it alive; {fix}"
+        )
+    else:
+        used = ", ".join(k for k in (*_HOST_KEYS, *_PROCESS_KEYS) if k in resource)
+        warning = (
+            f"service {service!s}: no {sc.SERVICE_INSTANCE_ID} on the resource; the sidecar "
+            f"derived {instance!r} from {used} and the other resource attributes; {fix}"
+        )
+    return DerivedInstance(instance, per_trace, warning)
 
 
 # --- attribute values ---------------------------------------------------------
@@ -353,10 +419,12 @@ def extract(request: ExportTraceServiceRequest, body: bytes | None = None) -> De
     spans: list[SpanRecord] = []
     raws: list[bytes] = []
     errors: list[str] = []
+    warnings: list[str] = []
     total = ignored = rejected = 0
     phase_key = sc.SAGA_PHASE
     for rs, raw_rs in zip(lean.resource_spans, raw.resource_spans, strict=True):
         resource: dict[str, Any] | None = None
+        derived: DerivedInstance | None = None
         for ss, raw_ss in zip(rs.scope_spans, raw_rs.scope_spans, strict=True):
             raw_spans = raw_ss.spans
             for i, span in enumerate(ss.spans):
@@ -389,10 +457,39 @@ def extract(request: ExportTraceServiceRequest, body: bytes | None = None) -> De
                 if resource is None:
                     wire_res = rs.resource.attributes
                     resource = {k: _value(wire_res[k]) for k in wire_res}
+                    derived = _identify(resource, warnings)
                 events = span.events
-                spans.append(_record(span, attrs, resource, _events(events) if events else ()))
+                spans.append(
+                    _record(
+                        span,
+                        attrs,
+                        _span_resource(resource, derived, span.trace_id, attrs),
+                        _events(events) if events else (),
+                    )
+                )
                 raws.append(data)  # the Span exactly as received: nothing to serialise
-    return Decoded(tuple(spans), tuple(raws), total, ignored, rejected, tuple(errors))
+    return Decoded(
+        tuple(spans), tuple(raws), total, ignored, rejected, tuple(errors), tuple(warnings)
+    )
+
+
+def _identify(resource: dict[str, Any], warnings: list[str]) -> DerivedInstance | None:
+    """Give a resource without ``service.instance.id`` its derived one (and say so)."""
+    if resource.get(sc.SERVICE_INSTANCE_ID):
+        return None
+    derived = derive_instance(resource)
+    resource[sc.SERVICE_INSTANCE_ID] = derived.instance
+    if len(warnings) < MAX_ERROR_MESSAGES and derived.warning not in warnings:
+        warnings.append(derived.warning)
+    return derived
+
+
+def _span_resource(
+    resource: dict[str, Any], derived: DerivedInstance | None, trace_id: bytes, attrs: Any
+) -> dict[str, Any]:
+    if derived is None or not derived.per_trace or attrs.get(sc.SAGA_PHASE) == sc.PHASE_HEARTBEAT:
+        return resource
+    return {**resource, sc.SERVICE_INSTANCE_ID: derived.for_trace(trace_id.hex())}
 
 
 def _record(
@@ -440,10 +537,12 @@ def _extract_exact(request: ExportTraceServiceRequest) -> Decoded:
     spans: list[SpanRecord] = []
     raw: list[bytes] = []
     errors: list[str] = []
+    warnings: list[str] = []
     total = ignored = rejected = 0
     phase_key = sc.SAGA_PHASE
     for rs in request.resource_spans:
         resource: dict[str, Any] | None = None
+        derived: DerivedInstance | None = None
         for ss in rs.scope_spans:
             for span in ss.spans:
                 total += 1
@@ -456,6 +555,7 @@ def _extract_exact(request: ExportTraceServiceRequest) -> Decoded:
                     continue
                 if resource is None:
                     resource = _attributes(rs.resource.attributes)
+                    derived = _identify(resource, warnings)
                 try:
                     problem = validate(attrs)
                     if problem is None and (len(span.trace_id) != 16 or len(span.span_id) != 8):
@@ -474,9 +574,15 @@ def _extract_exact(request: ExportTraceServiceRequest) -> Decoded:
                     SpanEvent(e.name, e.time_unix_nano / 1e9, _attributes(e.attributes))
                     for e in span.events
                 )
-                spans.append(_record(span, attrs, resource, events))
+                spans.append(
+                    _record(
+                        span, attrs, _span_resource(resource, derived, span.trace_id, attrs), events
+                    )
+                )
                 raw.append(span.SerializeToString())
-    return Decoded(tuple(spans), tuple(raw), total, ignored, rejected, tuple(errors))
+    return Decoded(
+        tuple(spans), tuple(raw), total, ignored, rejected, tuple(errors), tuple(warnings)
+    )
 
 
 def span_from_stored(raw: bytes, service: str, instance: str) -> SpanRecord:

@@ -38,11 +38,15 @@ class RunScript:
         service: str = "refund-agent",
         t0: float = 1_700_000_000.0,
         run_id: str | None = None,
+        resource: dict[str, Any] | None = None,
     ) -> None:
+        """``resource``: the exact resource attributes (as another SDK may send them)."""
         self.saga = saga
         self.exporter = InMemorySpanExporter()
         self.provider = TracerProvider(
-            resource=Resource.create({sc.SERVICE_NAME: service, sc.SERVICE_INSTANCE_ID: instance})
+            resource=Resource(resource)
+            if resource is not None
+            else Resource.create({sc.SERVICE_NAME: service, sc.SERVICE_INSTANCE_ID: instance})
         )
         self.provider.add_span_processor(SimpleSpanProcessor(self.exporter))
         self.tracer = self.provider.get_tracer("saga-test")
@@ -237,13 +241,17 @@ def open_run(**kw: Any) -> RunScript:
 
 
 def heartbeat_spans(
-    instance: str, open_runs: Sequence[str], at: float, interval: float = 1.0
+    instance: str,
+    open_runs: Sequence[str],
+    at: float,
+    interval: float = 1.0,
+    resource: dict[str, Any] | None = None,
 ) -> list[ReadableSpan]:
     exporter = InMemorySpanExporter()
     provider = TracerProvider(
-        resource=Resource.create(
-            {sc.SERVICE_NAME: "refund-agent", sc.SERVICE_INSTANCE_ID: instance}
-        )
+        resource=Resource(resource)
+        if resource is not None
+        else Resource.create({sc.SERVICE_NAME: "refund-agent", sc.SERVICE_INSTANCE_ID: instance})
     )
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     span = provider.get_tracer("hb").start_span(

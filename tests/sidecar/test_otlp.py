@@ -14,11 +14,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 from sidecar_testkit import completed_run, heartbeat_spans, start_sidecar
 
 from saga_otel import semconv as sc
 from sidecar import DecodeError
-from sidecar._otlp import extract, parse_json, parse_protobuf, validate
+from sidecar._otlp import extract, parse_json, parse_protobuf, response, validate
 
 VALID = completed_run()
 VALID_BODY = encode_spans(VALID.spans()).SerializeToString()
@@ -213,3 +214,71 @@ def test_gzip_bomb_against_live_sidecar(live: dict[str, Any]) -> None:
     )
     assert resp.status_code == 413
     _check(live, httpx.get(f"http://127.0.0.1:{live['api']}/healthz"))
+
+
+# --- instance identity: a stream without service.instance.id ---------------------------
+
+JS_LIKE = {
+    sc.SERVICE_NAME: "refund-agent-js",
+    sc.HOST_NAME: "web-7",
+    sc.PROCESS_PID: 4242,
+    "process.executable.name": "node",
+    "telemetry.sdk.language": "nodejs",
+    "telemetry.sdk.name": "opentelemetry",
+    "telemetry.sdk.version": "1.30.0",
+}
+
+
+def _decode(resource: dict[str, Any], **kw: Any) -> Any:
+    return extract(encode_spans(completed_run(resource=resource, **kw).spans()))
+
+
+def test_missing_instance_is_derived_from_the_resource_with_a_warning() -> None:
+    decoded = _decode(JS_LIKE)
+    assert decoded.rejected == 0 and len(decoded.spans) == 5
+    instances = {s.instance for s in decoded.spans}
+    assert len(instances) == 1
+    (instance,) = instances
+    assert instance.startswith("derived:web-7:4242:")
+    (warning,) = decoded.warnings
+    assert sc.SERVICE_INSTANCE_ID in warning and "OTEL_RESOURCE_ATTRIBUTES" in warning
+    assert instance in warning and "refund-agent-js" in warning
+    # Partial success with nothing rejected: the OTLP way to warn.
+    assert decoded.error_message == warning
+    answer = ExportTraceServiceResponse.FromString(
+        response(decoded.rejected, decoded.error_message, as_json=False)[0]
+    )
+    assert answer.partial_success.rejected_spans == 0
+    assert sc.SERVICE_INSTANCE_ID in answer.partial_success.error_message
+
+
+def test_resources_differing_only_in_pid_never_share_an_instance() -> None:
+    one = _decode(JS_LIKE).spans[0].instance
+    two = _decode({**JS_LIKE, sc.PROCESS_PID: 4243}).spans[0].instance
+    again = _decode(JS_LIKE).spans[0].instance  # stable: another request, a restart
+    assert one != two and one == again
+    # Whatever differs counts, not only the pid: a restart with the same pid elsewhere.
+    other_start = _decode({**JS_LIKE, sc.PROCESS_CREATION_TIME: "2026-01-01T00:00:00Z"})
+    assert other_start.spans[0].instance not in (one, two)
+
+
+def test_empty_instance_counts_as_missing() -> None:
+    decoded = _decode({**JS_LIKE, sc.SERVICE_INSTANCE_ID: ""})
+    assert decoded.spans[0].instance.startswith("derived:") and decoded.warnings
+
+
+def test_given_instance_is_kept_without_warning() -> None:
+    decoded = _decode({**JS_LIKE, sc.SERVICE_INSTANCE_ID: "i-1"})
+    assert {s.instance for s in decoded.spans} == {"i-1"} and decoded.warnings == ()
+    assert decoded.error_message == ""
+
+
+def test_resource_naming_no_process_makes_each_run_its_own_instance() -> None:
+    bare = {sc.SERVICE_NAME: "refund-agent-js", "telemetry.sdk.language": "nodejs"}
+    one, two = _decode(bare), _decode(bare)
+    first, second = one.spans[0].instance, two.spans[0].instance
+    assert first != second  # two processes with the same resource: never one instance
+    assert {s.instance for s in one.spans} == {first}  # one run: one instance
+    assert "tells one process from another" in one.warnings[0]
+    beat = extract(encode_spans(heartbeat_spans("", ["r"], 1.0, resource=bare)))
+    assert beat.spans[0].instance == first.split("/trace:")[0]

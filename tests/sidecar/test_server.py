@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import grpc
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
 from sidecar_testkit import FakeClock, export_http, open_run, settings_for, stuck_run
 
 from saga_otel import semconv as sc
@@ -165,3 +170,110 @@ async def test_token_guards_every_endpoint(tmp_path: Path, clock: FakeClock) -> 
         await export_http(sc_, open_run().spans(), headers={"Authorization": f"Bearer {token}"})
         assert sc_.state.status(run.run_id) == sc.STATUS_STUCK
         assert len(sc_.state) == 2
+
+
+# An agent as another SDK writes it: the OpenTelemetry SDK with a resource that has no
+# service.instance.id (the JS SDK's default), host.name and process.pid as its detectors
+# put them. Commands on stdin: "run" opens a run (prints its id), "hb" sends a heartbeat.
+_NO_INSTANCE_AGENT = """
+import os, socket, sys
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from saga_otel import semconv as sc
+
+provider = TracerProvider(resource=Resource({
+    sc.SERVICE_NAME: "refund-agent-js", sc.HOST_NAME: socket.gethostname(),
+    sc.PROCESS_PID: os.getpid(), "telemetry.sdk.language": "nodejs",
+}))
+provider.add_span_processor(SimpleSpanProcessor(OTLPSpanExporter(endpoint=sys.argv[1])))
+tracer = provider.get_tracer("agent")
+runs = []
+for line in sys.stdin:
+    if line.strip() == "run":
+        run = tracer.start_span("saga.run refund")
+        run_id = f"{run.get_span_context().trace_id:032x}"
+        ident = {sc.SAGA_RUN_ID: run_id, sc.SAGA_NAME: "refund",
+                 sc.SAGA_CONTRACT_VERSION: sc.CONTRACT_VERSION}
+        from opentelemetry import trace
+        ctx = trace.set_span_in_context(run)
+        tracer.start_span("saga.do get_order", context=ctx, attributes={
+            **ident, sc.SAGA_PHASE: sc.PHASE_DO, sc.SAGA_STEP_NAME: "get_order",
+            sc.SAGA_STEP_INDEX: 0, sc.SAGA_STEP_CLASS: "read", sc.SAGA_STEP_ATTEMPT: 1,
+        }).end()
+        runs.append(run_id)
+        print(run_id, flush=True)
+    tracer.start_span(sc.HEARTBEAT_SPAN_NAME, attributes={
+        sc.SAGA_PHASE: sc.PHASE_HEARTBEAT, sc.SAGA_CONTRACT_VERSION: sc.CONTRACT_VERSION,
+        sc.SAGA_HEARTBEAT_OPEN_RUNS: runs, sc.SAGA_HEARTBEAT_INTERVAL_S: 1.0,
+    }).end()
+    if line.strip() == "hb":
+        print("ok", flush=True)
+"""
+
+
+async def test_two_processes_without_instance_id_never_share_one(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    script = tmp_path / "agent.py"
+    script.write_text(_NO_INSTANCE_AGENT)
+    async with Sidecar(settings_for(tmp_path), clock=clock) as sc_:
+        endpoint = f"http://127.0.0.1:{sc_.otlp_http_port}/v1/traces"
+        agents = [
+            await asyncio.create_subprocess_exec(
+                sys.executable,
+                str(script),
+                endpoint,
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+            )
+            for _ in range(2)
+        ]
+        try:
+            run_ids = []
+            for agent in agents:
+                assert agent.stdin is not None and agent.stdout is not None
+                agent.stdin.write(b"run\n")
+                await agent.stdin.drain()
+                run_ids.append((await agent.stdout.readline()).decode().strip())
+            views = [sc_.state.view(r) for r in run_ids]
+            instances = [v["instance"] if v else "" for v in views]
+            assert all(i.startswith("derived:") for i in instances)
+            assert instances[0] != instances[1]  # identical resources but for the pid
+            assert str(agents[0].pid) in instances[0] and str(agents[1].pid) in instances[1]
+            # One dies; the other lives on and keeps beating: only the dead one's run orphans.
+            agents[0].kill()
+            await agents[0].wait()
+            clock.now += 4.0
+            live = agents[1]
+            assert live.stdin is not None and live.stdout is not None
+            live.stdin.write(b"hb\n")
+            await live.stdin.drain()
+            assert (await live.stdout.readline()).strip() == b"ok"
+            sc_.tick()
+            assert sc_.state.status(run_ids[0]) == sc.STATE_ORPHANED
+            assert sc_.state.status(run_ids[1]) == sc.STATE_RUNNING
+        finally:
+            for agent in agents:
+                if agent.returncode is None:
+                    agent.kill()
+                    await agent.wait()
+
+
+async def test_derived_instance_is_warned_in_partial_success(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    run = open_run(resource={sc.SERVICE_NAME: "js", sc.HOST_NAME: "h", sc.PROCESS_PID: 7})
+    async with Sidecar(settings_for(tmp_path), clock=clock) as sc_:
+        body = encode_spans(run.spans()).SerializeToString()
+        url = f"http://127.0.0.1:{sc_.otlp_http_port}/v1/traces"
+        async with aiohttp.ClientSession() as s:
+            headers = {"Content-Type": "application/x-protobuf"}
+            async with s.post(url, data=body, headers=headers) as resp:
+                assert resp.status == 200
+                answer = ExportTraceServiceResponse.FromString(await resp.read())
+        assert answer.partial_success.rejected_spans == 0
+        assert "service.instance.id" in answer.partial_success.error_message
+        view = sc_.state.view(run.run_id)
+        assert view is not None and view["instance"].startswith("derived:h:7:")
