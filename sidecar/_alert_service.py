@@ -111,7 +111,7 @@ class AlertService:
         fired = self.outbox.open_alerts()
         events: list[AlertEvent] = []
         for view in views:
-            raised = evaluate(None, view, now, self.rules)
+            raised = evaluate(None, view, now, self.rules, replay=True)
             raised += resolve_stale(fired.get(str(view.get("run_id")), []), view, now, self.rules)
             events += self._masked(raised, view)
         return self.outbox.add(events)

@@ -47,6 +47,7 @@ class AlertSettings:
     timeout: float = DEFAULT_TIMEOUT
     backoff_initial: float = 0.5
     backoff_max: float = 15.0  # alerts are urgent: probe a recovering sink often
+    late_compensation: bool = True
 
     def __post_init__(self) -> None:
         for url in (*([self.public_url] if self.public_url else []), *self.alertmanager_urls,
@@ -68,9 +69,10 @@ class AlertSettings:
     def rule_config(self, api_url: str | None = None) -> RuleConfig:
         """Links to ``public_url``, else to ``api_url`` (the bound API), else the default."""
         public = self.public_url or api_url
+        late = self.late_compensation
         if public is None:
-            return RuleConfig(runbook_base=self.runbook_base)
-        return RuleConfig(public_url=public, runbook_base=self.runbook_base)
+            return RuleConfig(runbook_base=self.runbook_base, late_compensation=late)
+        return RuleConfig(public_url=public, runbook_base=self.runbook_base, late_compensation=late)
 
     def routing(self) -> Routing:
         return Routing.parse(self.routes)
@@ -215,6 +217,16 @@ _OPTIONS: Sequence[Callable[[F], F]] = (
         help="Mask tool arguments whose name matches this regex (re.search; repeatable).",
     ),
     click.option(
+        "--late-compensation-alerts/--no-late-compensation-alerts",
+        "late_compensation",
+        envvar=ENV_PREFIX + "LATE_COMPENSATION_ALERTS",
+        show_envvar=True,
+        default=True,
+        show_default=True,
+        help="When an unwind arrives together with its run's end (a batching exporter), "
+        "still fire SagaCompensationStarted and resolve it at once, marked late.",
+    ),
+    click.option(
         "--alert-retry-max",
         default="15s",
         show_default=True,
@@ -248,6 +260,7 @@ ALERT_OPTION_NAMES = (
     "redact_patterns",
     "alert_timeout",
     "alert_retry_max",
+    "late_compensation",
 )
 
 
@@ -275,4 +288,5 @@ def settings_from_options(options: dict[str, Any]) -> AlertSettings:
         redact_patterns=tuple(values.get("redact_patterns", ())),
         timeout=float(values.get("alert_timeout", DEFAULT_TIMEOUT)),
         backoff_max=float(values.get("alert_retry_max", 15.0)),
+        late_compensation=bool(values.get("late_compensation", True)),
     )

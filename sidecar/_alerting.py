@@ -60,6 +60,9 @@ class RuleConfig:
 
     public_url: str = DEFAULT_PUBLIC_URL
     runbook_base: str = DEFAULT_RUNBOOK_BASE
+    # An unwind first seen together with the run's end (a batching exporter sent the
+    # whole run at once) still fires SagaCompensationStarted, then resolves it at once.
+    late_compensation: bool = True
 
     def run_url(self, run_id: str) -> str:
         return f"{self.public_url.rstrip('/')}/runs/{sc.run_id_segment(run_id)}"
@@ -205,11 +208,22 @@ def open_alerts(view: View | None) -> tuple[str, ...]:
 
 
 def evaluate(
-    before: View | None, after: View, now: float, config: RuleConfig | None = None
+    before: View | None,
+    after: View,
+    now: float,
+    config: RuleConfig | None = None,
+    *,
+    replay: bool = False,
 ) -> list[AlertEvent]:
     """Alert events for the change ``before`` -> ``after`` of one run.
 
-    ``before`` is None for a new run, or when the previous view is unknown (startup).
+    ``before`` is None for a new run, or when the previous view is unknown (startup:
+    then ``replay``, which raises no late alert, since that view was seen before).
+
+    An alert of ``LATE_ALERTS`` whose trigger is first seen in a view that already
+    clears it (a batching exporter delivered the unwind with the run's end) fires and
+    resolves in one go, with a ``late`` annotation saying how late, unless
+    ``config.late_compensation`` is off.
     """
     cfg = config or RuleConfig()
     events: list[AlertEvent] = []
@@ -219,7 +233,55 @@ def evaluate(
             events.append(build_event(Action.FIRE, name, after, now, cfg))
         elif was and not now_open:
             events.append(build_event(Action.RESOLVE, name, after, now, cfg))
+        elif not replay and _seen_late(name, before, after, cfg):
+            fire = _late(build_event(Action.FIRE, name, after, now, cfg), after, now)
+            events.append(fire)
+            events.append(_late(build_event(Action.RESOLVE, name, after, now, cfg), after, now))
     return events
+
+
+# Alerts whose trigger may first be seen already cleared, and then fire late.
+LATE_ALERTS: Final = frozenset({sc.ALERT_COMPENSATION_STARTED})
+
+
+def _seen_late(name: str, before: View | None, after: View, cfg: RuleConfig) -> bool:
+    """The trigger shows for the first time in a view whose run has already ended well.
+
+    (A person's resolution also clears, but says nothing about batching: no late alert.)
+    """
+    return (
+        cfg.late_compensation
+        and name in LATE_ALERTS
+        and (before is None or not _triggered(name, before))
+        and _triggered(name, after)
+        and _status(after) in CLEARING_STATUSES
+    )
+
+
+def lateness(view: View, now: float) -> float:
+    """How long after the unwind began the sidecar first saw it (0 when it cannot say)."""
+    started = _num(view.get("unwind_started_at"))
+    return max(0.0, now - started) if started is not None else 0.0
+
+
+def _late(event: AlertEvent, view: View, now: float) -> AlertEvent:
+    late = lateness(view, now)
+    note = (
+        f"seen late: the spans arrived batched, {late:.1f} s after the unwind began, "
+        f"together with the run's end ({_status(view) or '?'}); set the agent's exporter to "
+        "send at once (SimpleSpanProcessor, or forceFlush) for this alert on time"
+    )
+    annotations = {
+        **event.annotations,
+        "description": f"{event.annotations.get('description', '')} ({note})",
+        "late": note,
+        "late_by_s": f"{late:.3f}",
+    }
+    if event.action is Action.RESOLVE:
+        annotations["resolution"] = annotations["description"]
+    return replace(
+        event, annotations=annotations, details={**event.details, "late_by_s": round(late, 3)}
+    )
 
 
 def resolve_stale(

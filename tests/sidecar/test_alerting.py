@@ -402,7 +402,7 @@ def test_history_agrees_with_a_fresh_evaluation_of_the_last_view(
         if sum(1 if e.action is Action.FIRE else -1 for e in events if e.alertname == name)
     }
     assert still_firing == set(open_alerts(sequence[-1]))
-    fresh = evaluate(None, sequence[-1], now=99.0)
+    fresh = evaluate(None, sequence[-1], now=99.0, replay=True)
     assert {e.alertname for e in fresh} == still_firing
 
 
@@ -434,3 +434,51 @@ def test_rules_are_pure(before: dict[str, Any], after: dict[str, Any]) -> None:
     assert evaluate(before, after, now=3.0) == first
     assert (before, after) == snapshot
     assert evaluate(after, after, now=4.0) == []
+
+
+# --- an unwind first seen with the run's end (a batching exporter) ------------------------
+
+COMPENSATED = {
+    **UNWINDING,
+    "status": "compensated",
+    "ended_at": 106.0,
+    "updated_at": 106.0,
+    "stack": [],
+}
+
+
+@pytest.mark.parametrize("before", [None, view()], ids=["new-run", "forward-steps-seen"])
+def test_an_unwind_seen_with_its_end_fires_late_then_resolves(before: Any) -> None:
+    events = evaluate(before, view(**COMPENSATED), now=112.5)
+    assert [(e.alertname, e.action) for e in events] == [
+        (sc.ALERT_COMPENSATION_STARTED, Action.FIRE),
+        (sc.ALERT_COMPENSATION_STARTED, Action.RESOLVE),
+    ]
+    fire, resolve = events
+    assert fire.at == 105.0 and resolve.at == 106.0  # the page history keeps span times
+    for event in events:
+        assert event.annotations["late_by_s"] == "7.500"
+        assert "arrived batched, 7.5 s after the unwind began" in event.annotations["late"]
+        assert "SimpleSpanProcessor" in event.annotations["late"]
+        assert event.annotations["late"] in event.annotations["description"]
+        assert event.details["late_by_s"] == 7.5
+    assert "arrived batched" in resolve.annotations["resolution"]
+
+
+def test_late_compensation_alerts_can_be_turned_off() -> None:
+    off = RuleConfig(late_compensation=False)
+    assert evaluate(None, view(**COMPENSATED), now=112.5, config=off) == []
+
+
+def test_no_late_alert_on_replay_nor_for_an_unwind_seen_in_time() -> None:
+    # A restart re-reads views it already judged: no second late page.
+    assert evaluate(None, view(**COMPENSATED), now=200.0, replay=True) == []
+    seen = view(**UNWINDING)
+    events = evaluate(seen, view(**COMPENSATED), now=106.1)
+    assert [(e.alertname, e.action) for e in events] == [
+        (sc.ALERT_COMPENSATION_STARTED, Action.RESOLVE)
+    ]
+    assert "late" not in events[0].annotations
+    # A run a person resolved is not a batched arrival: nothing late.
+    resolved = view(**UNWINDING, resolution={"note": "by hand", "at": 107.0})
+    assert evaluate(None, resolved, now=110.0) == []

@@ -28,6 +28,7 @@ from sidecar_testkit import (
 )
 
 from saga_otel import semconv as sc
+from saga_otel.testing import AlertReceiver
 from sidecar import Sidecar
 from sidecar._alert_service import AlertService, install_alerting
 from sidecar._alert_settings import AlertSettings
@@ -279,3 +280,43 @@ async def test_saga_sidecar_serve_wires_the_alert_flags(tmp_path: Path, hook: Ho
 
 def serve(args: list[str]) -> subprocess.Popen[str]:
     return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+
+
+@pytest.mark.parametrize("late", [True, False], ids=["late-alerts", "no-late-alerts"])
+async def test_a_whole_run_in_one_request_still_pages_its_compensation(
+    tmp_path: Path, clock: FakeClock, late: bool
+) -> None:
+    # A BatchSpanProcessor sends a short run in one request: the unwind with the end.
+    receiver = AlertReceiver()
+    sidecar = Sidecar(settings_for(tmp_path), clock=clock)
+    settings = AlertSettings(webhook_urls=(receiver.url,), log_sink=False, late_compensation=late)
+    install_alerting(sidecar, settings)
+    run = compensated_run(t0=clock.now - 6.0)
+    blocker = compensation_failed_run(t0=clock.now)  # delivered after: the queue is drained
+    try:
+        async with sidecar:
+            await export_http(sidecar, run.spans())
+            await export_http(sidecar, blocker.spans())
+            for _ in range(3000):
+                if receiver.find(sc.ALERT_COMPENSATION_FAILED, blocker.run_id):
+                    break
+                await asyncio.sleep(0.005)
+            else:
+                raise AssertionError(f"no alert delivered: {receiver.alerts}")
+            mine = [a for a in receiver.alerts if a["run_id"] == run.run_id]
+            if not late:
+                assert mine == []
+                return
+            assert [(a["alertname"], a["status"]) for a in mine] == [
+                (sc.ALERT_COMPENSATION_STARTED, "firing"),
+                (sc.ALERT_COMPENSATION_STARTED, "resolved"),
+            ]
+            unwind_at = next(
+                s.start_time for s in run.spans() if s.attributes[sc.SAGA_PHASE] == "unwind"
+            )
+            late_by = clock.now - (unwind_at or 0) / 1e9
+            for alert in mine:
+                assert alert["annotations"]["late_by_s"] == f"{late_by:.3f}"
+                assert "arrived batched" in alert["annotations"]["description"]
+    finally:
+        receiver.stop()
