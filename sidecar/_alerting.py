@@ -313,6 +313,11 @@ def _event_time(action: Action, alertname: str, view: View, now: float) -> float
         resolution = view.get("resolution")
         if isinstance(resolution, Mapping) and _num(resolution.get("at")) is not None:
             return _num(resolution.get("at")) or now
+        revived = view.get("revived")
+        if alertname == sc.ALERT_RUN_ORPHANED and isinstance(revived, Mapping):
+            at = _num(revived.get("at"))
+            if at is not None and _status(view) != sc.STATE_ORPHANED:
+                return at
         candidates = [view.get("ended_at"), view.get("updated_at")]
     elif alertname == sc.ALERT_COMPENSATION_STARTED:
         candidates = [view.get("unwind_started_at"), view.get("updated_at")]
@@ -482,11 +487,21 @@ def _describe(alertname: str, view: View, action: Action) -> tuple[str, str]:
     pending = f"{len(stack)} compensation{'s' if len(stack) != 1 else ''} pending"
     if action is Action.RESOLVE:
         resolution = view.get("resolution")
-        how = (
-            f"resolved by a person: {resolution.get('note') or 'no note'}"
-            if isinstance(resolution, Mapping) and resolution
-            else f"run is {_status(view) or 'gone'}"
-        )
+        revived = view.get("revived")
+        if isinstance(resolution, Mapping) and resolution:
+            how = f"resolved by a person: {resolution.get('note') or 'no note'}"
+        elif (
+            alertname == sc.ALERT_RUN_ORPHANED
+            and isinstance(revived, Mapping)
+            and _status(view) in (sc.STATE_RUNNING, sc.STATE_UNWINDING)
+        ):
+            late = (_num(revived.get("at")) or 0.0) - (_num(revived.get("orphaned_at")) or 0.0)
+            how = (
+                f"is {_status(view)} again: its agent was heard from {late:.1f} s after the "
+                "orphan mark, so it was late, not dead (its spans arrive batched or delayed)"
+            )
+        else:
+            how = f"run is {_status(view) or 'gone'}"
         return f"{saga} run {run}: {alertname} resolved", f"{saga} run {run} {how}"
     if alertname == sc.ALERT_COMPENSATION_STARTED:
         return (

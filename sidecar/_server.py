@@ -303,6 +303,17 @@ class Sidecar:
         listeners = self._listeners
         every = any(not facts_only for _, facts_only in listeners)
         applied = self.state.apply(decoded.spans, now, keep_before=bool(listeners), owners=owners)
+        revived = [t.run_id for t in applied.transitions if t.before == sc.STATE_ORPHANED]
+        if revived:
+            log.warning(
+                "%d orphaned run(s) heard from again (late delivery, not a death): %s",
+                len(revived),
+                ", ".join(revived[:5]),
+            )
+            try:
+                store.clear_orphaned(revived)
+            except StoreError:
+                log.exception("could not clear orphan marks; the next heartbeat clears them")
         self._spans_counter(transport, "accepted").inc(len(decoded.spans))
         if decoded.ignored:
             self._spans_counter(transport, "ignored").inc(decoded.ignored)

@@ -96,6 +96,13 @@ class Resolution(NamedTuple):
     at: float
 
 
+class Revived(NamedTuple):
+    """An orphaned run whose owner was heard from again (a late delivery, not a death)."""
+
+    orphaned_at: float
+    at: float
+
+
 class Drop(NamedTuple):
     """A marker span sent in place of a span the sidecar refused (``saga.export.dropped``)."""
 
@@ -125,6 +132,14 @@ _RECOVERED_FROM_OR_RECOVERED = frozenset({sc.STATUS_COMPENSATED, sc.STATE_RECOVE
 # A run that finished forward (or never wrote) needs no page for an unstored undo.
 _NO_ESCALATION = frozenset({sc.STATUS_COMPLETED, sc.STATUS_REJECTED})
 _intern = sys.intern
+
+# Heartbeat delivery (docs/semantic-conventions.md, "Orphaned"). An instance is dead when
+# no heartbeat has arrived for its window: max(3 intervals, the delivery gap it has shown
+# + 2 intervals). Until it has shown one, the gap is presumed to be an OpenTelemetry SDK's
+# default batch delay; a learned gap is capped, so a dead agent is always noticed.
+DEFAULT_BATCH_DELAY = 5.0  # BatchSpanProcessor's default schedule delay (every SDK)
+MAX_DELIVERY_GAP = 30.0  # the OTLP exporters' default timeout: no cadence counts past it
+_GAP_SAMPLES = 8  # the window follows the largest of the last few delivery gaps
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,6 +224,7 @@ class _Run:
         "owned",
         "owner_seen",
         "resolution",
+        "revived",
         "run_id",
         "run_spans",
         "saga",
@@ -238,6 +254,8 @@ class _Run:
         self.first_comp_start: float | None = None
         self.escalation: Escalation | None = None
         self.orphaned_at: float | None = None
+        # (orphaned_at, at): the owner was heard from again after the orphan mark.
+        self.revived: Revived | None = None
         self.resolution: Resolution | None = None
         self.status: RunStatus = sc.STATE_RUNNING
         # Set from the stored owner: then no span may change trace, instance or service.
@@ -554,6 +572,11 @@ class RunState:
                 for d in run.drops
             ],
             "recovery": lease_view(lease) if lease is not None else None,
+            "revived": (
+                {"orphaned_at": run.revived.orphaned_at, "at": run.revived.at}
+                if run.revived
+                else None
+            ),
         }
 
     def _escalation(self, run: _Run, steps: list[StepView]) -> EscalationView:
@@ -643,32 +666,54 @@ class RunState:
         before_facts: dict[str, Facts] = {}
         runs = self._runs
         fold = self._fold
+        beats: dict[str, list[SpanRecord]] = {}
+        heard: set[str] = set()  # runs whose owner spoke in this batch
+
+        def touch(run_id: str) -> _Run:
+            found = runs.get(run_id)
+            before_status[run_id] = found.status if found else None
+            if keep_before:
+                snapshots[run_id] = found.copy() if found else None
+                before_facts[run_id] = _facts(found) if found else _NEW_RUN_FACTS
+            if found is None:
+                found = runs[run_id] = _Run(_intern(run_id))
+                owner = owners.get(run_id) if owners else None
+                if owner is not None:
+                    self.set_owner(run_id, owner)
+            touched[run_id] = found
+            return found
+
         for span in spans:
             attrs = span.attributes
             phase = attrs.get(sc.SAGA_PHASE)
             if phase == sc.PHASE_HEARTBEAT:
-                self._heartbeat(span, now)
+                beats.setdefault(_intern(span.instance), []).append(span)
                 continue
             run_id = attrs.get(sc.SAGA_RUN_ID)
             if not isinstance(run_id, str) or not run_id:
                 continue  # validation rejects these; never trust it blindly
             run = touched.get(run_id)
             if run is None:  # first span of this run in the batch
-                found = runs.get(run_id)
-                before_status[run_id] = found.status if found else None
-                if keep_before:
-                    snapshots[run_id] = found.copy() if found else None
-                    before_facts[run_id] = _facts(found) if found else _NEW_RUN_FACTS
-                if found is None:
-                    found = runs[run_id] = _Run(_intern(run_id))
-                    owner = owners.get(run_id) if owners else None
-                    if owner is not None:
-                        self.set_owner(run_id, owner)
-                run = touched[run_id] = found
+                run = touch(run_id)
             if fold(run, span, phase):
                 changed[run_id] = None
-            if run.instance == span.instance and now > run.owner_seen:
-                run.owner_seen = now
+            if run.instance == span.instance:
+                heard.add(run_id)
+                if now > run.owner_seen:
+                    run.owner_seen = now
+        # After the runs' own spans: a heartbeat may name a run this batch opened.
+        for instance, group in beats.items():
+            for run_id in self._heartbeats(instance, group, now):
+                if run_id not in touched:
+                    touch(run_id)
+                heard.add(run_id)
+        for run_id in heard:
+            run = touched[run_id]
+            if run.orphaned_at is not None and not run.has_ended() and not run.recovering():
+                # Heard from again: it was late, not dead. The orphan mark goes.
+                run.revived = Revived(run.orphaned_at, now)
+                run.orphaned_at = None
+                changed[run_id] = None
         idle = self._idle
         # Once per run, not per span: every run of the batch was seen at ``now``, so
         # their order among themselves in the idle queue does not matter.
@@ -695,20 +740,44 @@ class RunState:
             {k: snapshots[k] for k in changed} if keep_before else {},
         )
 
-    def _heartbeat(self, span: SpanRecord, now: float) -> None:
-        interval = float(span.attributes.get(sc.SAGA_HEARTBEAT_INTERVAL_S, 1.0))
-        instance = _intern(span.instance)
-        self._instances[instance] = _Watch(now, interval)
-        for run_id in span.attributes.get(sc.SAGA_HEARTBEAT_OPEN_RUNS, ()):
-            run = self._runs.get(run_id)
-            # Only the owner's heartbeat keeps a run alive: a stranger naming it must not
-            # hold off its orphan watch (a recoverer is watched through its lease).
-            if run is not None and run.instance == instance:
-                run.last_seen = max(run.last_seen, now)
-                run.owner_seen = max(run.owner_seen, now)
-                if run_id in self._idle:  # still alive: to the young end of the queue
-                    del self._idle[run_id]
-                    self._idle[run_id] = None
+    def _heartbeats(self, instance: str, beats: list[SpanRecord], now: float) -> list[str]:
+        """One delivery's heartbeats of one instance; the owned runs they name (in order).
+
+        Learns the instance's delivery cadence: the receipt gap since its previous
+        delivery is a sample when the agent beat without a break in between (this
+        delivery's first beat follows the last one seen within 1.5 intervals, by the
+        spans' own times), so a pause with no open runs teaches nothing.
+        """
+        last_span = max(beats, key=_span_end)
+        interval = float(last_span.attributes.get(sc.SAGA_HEARTBEAT_INTERVAL_S, 1.0))
+        first, last = min(b.end for b in beats), last_span.end
+        watch = self._instances.get(instance)
+        if watch is None:
+            watch = self._instances[instance] = _Watch(now, interval)
+        elif now > watch.at:
+            continuous = watch.beat is not None and first - watch.beat <= 1.5 * interval
+            if continuous:
+                watch.gaps = (*watch.gaps, now - watch.at)[-_GAP_SAMPLES:]
+            watch.at = now
+            watch.dead = False
+        watch.interval = interval
+        watch.spread = max(watch.spread, last - first)
+        watch.beat = last if watch.beat is None else max(watch.beat, last)
+        named: dict[str, None] = {}
+        for span in beats:
+            for run_id in span.attributes.get(sc.SAGA_HEARTBEAT_OPEN_RUNS, ()):
+                run = self._runs.get(run_id)
+                # Only the owner's heartbeat keeps a run alive: a stranger naming it must
+                # not hold off its orphan watch (a recoverer is watched through its lease).
+                if run is not None and run.instance == instance:
+                    run.last_seen = max(run.last_seen, now)
+                    run.owner_seen = max(run.owner_seen, now)
+                    if run_id in self._idle:  # still alive: to the young end of the queue
+                        del self._idle[run_id]
+                        self._idle[run_id] = None
+                    if run.orphaned_at is not None:
+                        named[run_id] = None
+        return list(named)
 
     def _fold(self, run: _Run, span: SpanRecord, phase: object) -> bool:
         """Fold one span; False when it was a duplicate that changed nothing."""
@@ -850,7 +919,7 @@ class RunState:
         transitions: list[Transition] = []
         dead: set[str] = set()
         for instance, hb in self._instances.items():
-            if not hb.dead and now - hb.at > 3 * hb.interval:
+            if not hb.dead and now - hb.at > hb.window():
                 hb.dead = True
                 dead.add(instance)
         if dead:  # rare: one scan of the open runs per process death
@@ -942,7 +1011,7 @@ class RunState:
             alive = False
             window = self.idle_timeout
         elif watch is not None:
-            window = 3 * watch.interval
+            window = watch.window()
             alive = not watch.dead and now - watch.at <= window
         else:
             window = self.idle_timeout
@@ -1009,11 +1078,31 @@ def _summary_key(summary: RunSummary) -> tuple[float | None, str]:
 
 @dataclass(slots=True)
 class _Watch:
-    """An instance that heart-beats: when it last did, how often it should, and if it died."""
+    """An instance that heart-beats: when its last delivery arrived, how often it beats,
+    how its deliveries have been spaced, and whether it died."""
 
-    at: float
+    at: float  # receipt time (sidecar clock) of the last delivery with a heartbeat
     interval: float
     dead: bool = False
+    beat: float | None = None  # the latest heartbeat span's own time (agent clock)
+    gaps: tuple[float, ...] = ()  # recent receipt gaps between continuous deliveries
+    spread: float = 0.0  # widest span-time spread of the heartbeats of one delivery
+
+    def delivery_gap(self) -> float:
+        """How far apart this instance's deliveries may be: what it has shown, capped;
+        an SDK's default batch delay until it has shown anything."""
+        if not self.gaps and not self.spread:
+            return DEFAULT_BATCH_DELAY
+        shown = max((*self.gaps, self.spread + self.interval if self.spread else 0.0))
+        return min(shown, MAX_DELIVERY_GAP)
+
+    def window(self) -> float:
+        """Silence past this many seconds since the last delivery means the process died."""
+        return max(3 * self.interval, self.delivery_gap() + 2 * self.interval)
+
+
+def _span_end(span: SpanRecord) -> float:
+    return span.end
 
 
 def _finite(value: float) -> float | None:

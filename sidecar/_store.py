@@ -193,6 +193,12 @@ class Store:
             list(marks),
         )
 
+    def clear_orphaned(self, run_ids: Iterable[str]) -> None:
+        """Drop the orphan marks of runs whose agent was heard from again."""
+        self._marks(
+            "UPDATE run_marks SET orphaned_at = NULL WHERE run_id = ?", [(r,) for r in run_ids]
+        )
+
     def resolve(self, run_id: str, note: str, at: float) -> None:
         self._marks(
             "INSERT INTO run_marks(run_id, resolution_note, resolution_at) VALUES (?, ?, ?) "

@@ -89,6 +89,13 @@ class ResolutionView(TypedDict):
     at: float
 
 
+class RevivedView(TypedDict):
+    """The run was marked orphaned, then its agent was heard from again (late, not dead)."""
+
+    orphaned_at: float
+    at: float
+
+
 class DroppedSpanView(TypedDict):
     """A marker span sent in place of a span the sidecar refused (``saga.export.dropped``)."""
 
@@ -137,6 +144,7 @@ class RunView(TypedDict):
     resolution: ResolutionView | None
     dropped_spans: list[DroppedSpanView]
     recovery: LeaseView | None
+    revived: RevivedView | None
 
 
 class RunSummary(TypedDict):

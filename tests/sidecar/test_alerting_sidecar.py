@@ -188,6 +188,8 @@ async def test_a_dead_agent_pages_orphaned_with_its_stack(
     sidecar, _ = alerted
     run = open_run(instance="agent-7")
     await export_http(sidecar, [*run.spans(), *heartbeat_spans("agent-7", [run.run_id], clock.now)])
+    clock.now += 1.0  # a second delivery a second later: the agent sends at once
+    await export_http(sidecar, heartbeat_spans("agent-7", [run.run_id], clock.now))
     clock.now += 3.5  # three 1 s heartbeats missed
     sidecar.tick()
     orphaned = await hook.wait(sc.ALERT_RUN_ORPHANED, "firing")

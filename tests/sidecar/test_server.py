@@ -245,7 +245,9 @@ async def test_two_processes_without_instance_id_never_share_one(
             # One dies; the other lives on and keeps beating: only the dead one's run orphans.
             agents[0].kill()
             await agents[0].wait()
-            clock.now += 4.0
+            # Past the window of an instance that has shown no delivery cadence yet
+            # (an SDK's default batch delay + 2 intervals).
+            clock.now += 8.0
             live = agents[1]
             assert live.stdin is not None and live.stdout is not None
             live.stdin.write(b"hb\n")

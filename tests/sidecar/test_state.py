@@ -232,3 +232,125 @@ def test_keep_before_gives_before_views() -> None:
     before = state.view_before(second, run_id)
     assert before is not None and before["status"] == sc.STATE_RUNNING
     assert second.facts_changed == (run_id,)  # running -> stuck moves the facts
+
+
+# --- delivery cadence: batching exporters are late, not dead -----------------------------
+
+
+def beats(open_runs: list[str], times: list[float], instance: str = "agent-b") -> list[SpanRecord]:
+    """Heartbeats at ``times`` (the agent's clock), as one delivery."""
+    out: list[SpanRecord] = []
+    for t in times:
+        out += records(heartbeat_spans(instance, open_runs, t))
+    return out
+
+
+def batched_agent(
+    state: RunState, run_id: str, start: float, seconds: float, delay: float = 5.0
+) -> tuple[float, list[Any]]:
+    """An agent beating every second behind a BatchSpanProcessor: a delivery each ``delay``
+    (+0.2 s to export), carrying the beats since the last one. The first delivery holds one
+    beat (the run opened just before the timer fired). Ticks every 0.1 s; returns the last
+    delivery's receipt time and every transition."""
+    transitions: list[Any] = []
+    beat, receipt = start, start
+    state.apply(beats([run_id], [beat]), receipt)
+    now = receipt
+    while now < start + seconds:
+        now = round(now + 0.1, 3)
+        transitions += state.tick(now)
+        if now >= receipt + delay + 0.2:
+            times = []
+            while beat + 1.0 <= now:
+                beat += 1.0
+                times.append(beat)
+            applied = state.apply(beats([run_id], times), now)
+            transitions += applied.transitions
+            receipt = now
+    return receipt, transitions
+
+
+def test_an_agent_delivering_every_5_s_is_never_orphaned_while_alive() -> None:
+    state = RunState(idle_timeout=60)
+    run = open_run(instance="agent-b")
+    state.apply(records(run.spans()), T)
+    last, transitions = batched_agent(state, run.run_id, T, seconds=60)
+    assert transitions == [] and state.status(run.run_id) == sc.STATE_RUNNING
+    # Then it dies: noticed once silent past its learned gap + 2 intervals, where the gap
+    # is the widest of the receipt gaps (5.3 s) and a delivery's beat spread + 1 interval
+    # (six beats, 5 s apart: 6 s).
+    assert state.tick(last + 7.9) == []
+    (t,) = state.tick(last + 8.1)
+    assert (t.run_id, t.after) == (run.run_id, sc.STATE_ORPHANED)
+
+
+def test_an_agent_sending_at_once_keeps_the_three_interval_rule() -> None:
+    state = RunState(idle_timeout=60)
+    run = open_run(instance="agent-b")
+    state.apply(records(run.spans()), T)
+    state.apply(beats([run.run_id], [T]), T)
+    # One delivery only: no cadence shown yet, so an SDK's default batching is presumed.
+    assert state.tick(T + 6.9) == []
+    state.apply(beats([run.run_id], [T + 7]), T + 7)  # continuous? no: a 7 s break
+    state.apply(beats([run.run_id], [T + 8]), T + 8)
+    assert state.tick(T + 8 + 2.9) == []
+    (t,) = state.tick(T + 8 + 3.1)
+    assert t.after == sc.STATE_ORPHANED
+
+
+def test_a_learned_gap_is_capped() -> None:
+    state = RunState(idle_timeout=600)
+    run = open_run(instance="agent-b")
+    state.apply(records(run.spans()), T)
+    # Beats every second, delivered every 100 s: the gap counts only up to 30 s.
+    state.apply(beats([run.run_id], [T]), T)
+    state.apply(beats([run.run_id], [T + i for i in range(1, 101)]), T + 100)
+    state.apply(beats([run.run_id], [T + i for i in range(101, 201)]), T + 200)
+    assert state.tick(T + 200 + 31.9) == []
+    (t,) = state.tick(T + 200 + 32.1)
+    assert t.after == sc.STATE_ORPHANED
+
+
+def test_an_orphaned_run_heard_from_again_runs_again_and_its_alert_resolves() -> None:
+    from sidecar._alerting import Action, evaluate
+
+    state = RunState(idle_timeout=60)
+    run = open_run(instance="agent-b")
+    state.apply(records(run.spans()), T)
+    state.apply(beats([run.run_id], [T]), T)
+    state.apply(beats([run.run_id], [T + 1]), T + 1)  # learned: sends at once
+    (t,) = state.tick(T + 4.5)  # then a 6 s hiccup in its exporter
+    assert t.after == sc.STATE_ORPHANED
+    orphaned = state.view(run.run_id)
+    applied = state.apply(
+        beats([run.run_id], [T + 2, T + 3, T + 4, T + 5, T + 6]), T + 7, keep_before=True
+    )
+    (back,) = applied.transitions
+    assert (back.before, back.after) == (sc.STATE_ORPHANED, sc.STATE_RUNNING)
+    view = state.view(run.run_id)
+    assert view is not None and view["revived"] == {"orphaned_at": T + 4.5, "at": T + 7}
+    assert state.view_before(applied, run.run_id) == orphaned
+    (event,) = evaluate(orphaned, view, T + 7)
+    assert (event.action, event.alertname) == (Action.RESOLVE, sc.ALERT_RUN_ORPHANED)
+    assert "heard from 2.5 s after the orphan mark" in event.annotations["resolution"]
+    assert "late, not dead" in event.annotations["resolution"]
+    assert event.at == T + 7
+    # And it is watched again: silence orphans it anew (its learned gap is now 6 s).
+    assert state.tick(T + 7 + 7.9) == []
+    (again,) = state.tick(T + 7 + 8.1)
+    assert again.after == sc.STATE_ORPHANED
+
+
+def test_a_span_of_the_run_also_brings_it_back_but_a_strangers_heartbeat_does_not() -> None:
+    state = RunState(idle_timeout=5)
+    run = open_run(instance="agent-1")
+    state.apply(records(run.spans()), T)
+    (t,) = state.tick(T + 6)  # no heartbeats: the idle rule
+    assert t.after == sc.STATE_ORPHANED
+    assert state.apply(beats([run.run_id], [T + 7], instance="intruder"), T + 7).transitions == ()
+    assert state.status(run.run_id) == sc.STATE_ORPHANED
+    run.do(2, "tag_ticket", "reversible", comp=("untag", {"t": 1}, "untag"))
+    applied = state.apply(records(run.spans()[-1:]), T + 8)
+    assert [(x.before, x.after) for x in applied.transitions] == [
+        (sc.STATE_ORPHANED, sc.STATE_RUNNING)
+    ]
