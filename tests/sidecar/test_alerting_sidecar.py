@@ -322,3 +322,79 @@ async def test_a_whole_run_in_one_request_still_pages_its_compensation(
                 assert "arrived batched" in alert["annotations"]["description"]
     finally:
         receiver.stop()
+
+
+# An agent on the OpenTelemetry SDK's defaults: a BatchSpanProcessor (5 s schedule delay)
+# and the stock OTLP/HTTP exporter. It opens a run, then beats every second until killed.
+_BATCHING_AGENT = """
+import sys, time
+from opentelemetry import trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from saga_otel import semconv as sc
+
+provider = TracerProvider(resource=Resource.create({sc.SERVICE_NAME: "batching-agent"}))
+provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=sys.argv[1])))
+tracer = provider.get_tracer("agent")
+run = tracer.start_span("saga.run refund")
+run_id = f"{run.get_span_context().trace_id:032x}"
+tracer.start_span("saga.do issue_credit", context=trace.set_span_in_context(run), attributes={
+    sc.SAGA_RUN_ID: run_id, sc.SAGA_NAME: "refund", sc.SAGA_CONTRACT_VERSION: 1,
+    sc.SAGA_PHASE: sc.PHASE_DO, sc.SAGA_STEP_NAME: "issue_credit", sc.SAGA_STEP_INDEX: 0,
+    sc.SAGA_STEP_CLASS: "compensable", sc.SAGA_STEP_ATTEMPT: 1,
+    sc.SAGA_COMPENSATION_TOOL: "reverse_credit", sc.SAGA_COMPENSATION_ARGS: '{"id": 1}',
+}).end()
+print(run_id, flush=True)
+while True:
+    tracer.start_span(sc.HEARTBEAT_SPAN_NAME, attributes={
+        sc.SAGA_PHASE: sc.PHASE_HEARTBEAT, sc.SAGA_CONTRACT_VERSION: 1,
+        sc.SAGA_HEARTBEAT_OPEN_RUNS: [run_id], sc.SAGA_HEARTBEAT_INTERVAL_S: 1.0,
+    }).end()
+    time.sleep(1.0)
+"""
+
+
+async def test_a_batching_agent_is_not_orphaned_while_alive_and_is_when_killed(
+    tmp_path: Path,
+) -> None:
+    script = tmp_path / "agent.py"
+    script.write_text(_BATCHING_AGENT)
+    receiver = AlertReceiver()
+    sidecar = Sidecar(settings_for(tmp_path, tick_interval=0.1))  # the real clock
+    install_alerting(sidecar, AlertSettings(webhook_urls=(receiver.url,), log_sink=False))
+    try:
+        async with sidecar:
+            agent = await asyncio.create_subprocess_exec(
+                sys.executable,
+                str(script),
+                f"http://127.0.0.1:{sidecar.otlp_http_port}/v1/traces",
+                stdout=asyncio.subprocess.PIPE,
+            )
+            try:
+                assert agent.stdout is not None
+                run_id = (await agent.stdout.readline()).decode().strip()
+                loop = asyncio.get_running_loop()
+                # Three batches and more: deliveries 5 s apart, beats 1 s apart.
+                alive_until = loop.time() + 16.0
+                statuses = set()
+                while loop.time() < alive_until:
+                    statuses.add(sidecar.state.status(run_id))
+                    await asyncio.sleep(0.1)
+                assert statuses - {None} == {sc.STATE_RUNNING}
+                assert receiver.find(sc.ALERT_RUN_ORPHANED, run_id) is None
+                agent.kill()  # SIGKILL: nothing is flushed
+                await agent.wait()
+                for _ in range(300):  # bounded by the learned window: well inside 30 s
+                    if receiver.find(sc.ALERT_RUN_ORPHANED, run_id):
+                        break
+                    await asyncio.sleep(0.1)
+                assert sidecar.state.status(run_id) == sc.STATE_ORPHANED
+                assert receiver.find(sc.ALERT_RUN_ORPHANED, run_id) is not None
+            finally:
+                if agent.returncode is None:
+                    agent.kill()
+                    await agent.wait()
+    finally:
+        receiver.stop()
