@@ -221,6 +221,25 @@ M_SIDECAR_SPANS_REFUSED: Final = "saga_sidecar_spans_refused_total"
 # agent_alive|held|not_holder|unknown_run|bad_request}
 M_SIDECAR_LEASE_REQUESTS: Final = "saga_sidecar_lease_requests_total"
 
+# --- saga metrics the sidecar derives from the spans it receives --------------
+# The same story as the agent-side metrics above, for agents in any language: every
+# one is labelled saga and service (never a run id). runs_finished{status=completed|
+# compensated|compensation_failed|stuck|rejected|recovered}; compensations{step, tool,
+# outcome=ok|failed}; compensation_failures{step}; pivots{step}; steps{step, phase,
+# outcome=ok|error}; step_duration{step, phase}; step_retries{step, phase}.
+M_STREAM_RUNS_STARTED: Final = "saga_stream_runs_started_total"
+M_STREAM_RUNS_FINISHED: Final = "saga_stream_runs_finished_total"
+M_STREAM_RUNS_IN_PROGRESS: Final = "saga_stream_runs_in_progress"
+M_STREAM_RUNS_ORPHANED: Final = "saga_stream_runs_orphaned_total"
+M_STREAM_UNWINDS: Final = "saga_stream_unwinds_total"
+M_STREAM_UNWIND_DURATION: Final = "saga_stream_unwind_duration_seconds"
+M_STREAM_COMPENSATIONS: Final = "saga_stream_compensations_total"
+M_STREAM_COMPENSATION_FAILURES: Final = "saga_stream_compensation_failures_total"
+M_STREAM_PIVOTS: Final = "saga_stream_pivots_total"
+M_STREAM_STEPS: Final = "saga_stream_steps_total"
+M_STREAM_STEP_DURATION: Final = "saga_stream_step_duration_seconds"
+M_STREAM_STEP_RETRIES: Final = "saga_stream_step_retries_total"
+
 # --- structlog events ------------------------------------------------------
 EV_STEP_STARTED: Final = "saga.step.started"
 EV_STEP_FINISHED: Final = "saga.step.finished"

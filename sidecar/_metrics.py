@@ -8,6 +8,7 @@ from saga_otel import semconv as sc
 
 from ._leases import SPAN_REFUSAL_REASONS
 from ._state import ALL_STATES, RunState
+from ._stream_metrics import StreamMetrics
 
 
 class SidecarMetrics:
@@ -57,6 +58,8 @@ class SidecarMetrics:
             ["action", "outcome"],
             registry=self.registry,
         )
+        # Saga metrics derived from the received spans (any agent, any language).
+        self.stream = StreamMetrics(self.registry)
         for state in ALL_STATES:
             self.runs.labels(state=state)
         for transport in ("http", "grpc"):
@@ -70,4 +73,5 @@ class SidecarMetrics:
         for name, count in state.counts().items():
             self.runs.labels(state=name).set(count)
         self.orphaned_runs.set(state.orphaned_unresolved())
+        self.stream.render(state)
         return generate_latest(self.registry)

@@ -284,7 +284,7 @@ class Sidecar:
         store = self.store
         if store is None:
             raise StoreError("the sidecar is not running: start it before sending spans")
-        decoded, owners = self._screen(decoded, transport)
+        decoded, owners, resent = self._screen(decoded, transport)
         now = self.clock()
         rows = []
         heartbeats = []
@@ -303,6 +303,9 @@ class Sidecar:
         listeners = self._listeners
         every = any(not facts_only for _, facts_only in listeners)
         applied = self.state.apply(decoded.spans, now, keep_before=bool(listeners), owners=owners)
+        stream = self.metrics.stream
+        stream.spans((s for s in decoded.spans if (s.run_id, s.span_id) not in resent), self.state)
+        stream.transitions(applied.transitions, self.state)
         revived = [t.run_id for t in applied.transitions if t.before == sc.STATE_ORPHANED]
         if revived:
             log.warning(
@@ -333,9 +336,12 @@ class Sidecar:
             self.forwarder.offer(body, content_type, decoded.total)
         return decoded
 
-    def _screen(self, decoded: Decoded, transport: str) -> tuple[Decoded, dict[str, Owner]]:
+    def _screen(
+        self, decoded: Decoded, transport: str
+    ) -> tuple[Decoded, dict[str, Owner], set[tuple[str, str]]]:
         """Apply the run id, ownership, fencing and duplicate rules (``_leases.py``) to each
         saga span; refused spans are left out, so nothing stored changes because of them.
+        Also returns the (run id, span id) of the accepted resends (counted once only).
 
         Duplicates: a span id already stored for the run is taken again only with the
         same bytes (a resend); other content is refused, so the first stored wins, live
@@ -348,6 +354,7 @@ class Sidecar:
         spans, raws = [], []
         errors = list(decoded.errors)
         refused = 0
+        resent: set[tuple[str, str]] = set()
         for span, raw in zip(decoded.spans, decoded.raw, strict=True):
             attrs = span.attributes
             if attrs.get(sc.SAGA_PHASE) == sc.PHASE_HEARTBEAT:
@@ -374,7 +381,9 @@ class Sidecar:
                 prior = seen.get(key)
                 if prior is None and owner is not None and run_id not in owners:
                     prior = store.stored_span(run_id, span.span_id)
-                if prior is not None and prior != raw:
+                if prior is not None and prior == raw:
+                    resent.add(key)
+                elif prior is not None:
                     refusal = SpanRefusal(
                         "conflicting_duplicate",
                         f"run {run_id!r}: span {span.span_id} was already received with other "
@@ -392,7 +401,7 @@ class Sidecar:
             spans.append(span)
             raws.append(raw)
         if not refused:
-            return decoded, owners
+            return decoded, owners, resent
         log.warning("refused %d saga span(s): %s", refused, "; ".join(errors[-refused:]))
         return (
             replace(
@@ -403,6 +412,7 @@ class Sidecar:
                 errors=tuple(errors),
             ),
             owners,
+            resent,
         )
 
     def _spans_counter(self, transport: str, outcome: str) -> Counter:
@@ -437,6 +447,7 @@ class Sidecar:
         transitions = self.state.tick(now)
         if not transitions:
             return transitions
+        self.metrics.stream.transitions(transitions, self.state)
         if self.store is not None:
             try:
                 self.store.mark_orphaned((t.run_id, t.at) for t in transitions)

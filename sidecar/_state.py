@@ -451,6 +451,44 @@ class RunState:
             counts[run.status] = counts.get(run.status, 0) + 1
         return counts
 
+    def labels(self, run_id: str) -> tuple[str, str]:
+        """The run's (saga, service): the labels of the metrics derived from the stream."""
+        run = self._runs.get(run_id)
+        return (run.saga, run.service) if run else ("", "")
+
+    def in_progress(self) -> dict[tuple[str, str], int]:
+        """Open runs (running or unwinding) by (saga, service)."""
+        out: dict[tuple[str, str], int] = {}
+        for run in self._runs.values():
+            if run.status == sc.STATE_RUNNING or run.status == sc.STATE_UNWINDING:
+                key = (run.saga, run.service)
+                out[key] = out.get(key, 0) + 1
+        return out
+
+    def unwind_duration(self, run_id: str) -> float | None:
+        """From the unwind's start to the run's end, for an ended run that unwound."""
+        run = self._runs.get(run_id)
+        if run is None:
+            return None
+        final = run.final_run_span()
+        start = run.unwind.start if run.unwind else run.first_comp_start
+        if final is None or start is None:
+            return None
+        return max(0.0, final.end - start)
+
+    def failed_compensations(self, run_id: str) -> list[str]:
+        """Steps whose effect stands: every compensation failed, or no undo was stored."""
+        run = self._runs.get(run_id)
+        if run is None:
+            return []
+        ended = run.has_ended()
+        lowest = min((s.index for s in run.steps if s.comps), default=None)
+        return [
+            s.name
+            for s in run.steps
+            if _comp_failed(s, ended, lowest) or s.unstorable() is not None
+        ]
+
     def orphaned_unresolved(self) -> int:
         return sum(
             1 for r in self._runs.values() if r.status == sc.STATE_ORPHANED and r.resolution is None

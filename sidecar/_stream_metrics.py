@@ -1,0 +1,157 @@
+"""Saga metrics derived from the spans the sidecar receives, for agents in any language.
+
+The agent-side library exports its own Prometheus metrics; an agent written with
+another OpenTelemetry SDK exports none. These tell the same story from the span
+stream alone (names in ``saga_otel.semconv``, ``M_STREAM_*``), labelled by saga and
+service, never by run id. Counted once per span: a resent span (same id, same bytes)
+is not counted again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from saga_otel import semconv as sc
+from saga_otel.records import is_pivot
+
+from ._otlp import SpanRecord
+from ._state import RunState, Transition
+
+# Statuses a run ends in (runs_finished{status}); orphaned is a counter of its own.
+FINISHED = frozenset(
+    {
+        sc.STATUS_COMPLETED,
+        sc.STATUS_COMPENSATED,
+        sc.STATUS_COMPENSATION_FAILED,
+        sc.STATUS_STUCK,
+        sc.STATUS_REJECTED,
+        sc.STATE_RECOVERED,
+    }
+)
+_STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+_UNWIND_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 1800, 3600)
+
+
+class StreamMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._seen: set[tuple[str, str]] = set()
+
+        def counter(name: str, doc: str, *labels: str) -> Counter:
+            return Counter(name, doc, ["saga", "service", *labels], registry=registry)
+
+        self.runs_started = counter(sc.M_STREAM_RUNS_STARTED, "Runs seen for the first time.")
+        self.runs_finished = counter(
+            sc.M_STREAM_RUNS_FINISHED,
+            "Runs reaching an end status (completed, compensated, compensation_failed, stuck, "
+            "rejected, recovered).",
+            "status",
+        )
+        self.runs_in_progress = Gauge(
+            sc.M_STREAM_RUNS_IN_PROGRESS,
+            "Runs running or unwinding now.",
+            ["saga", "service"],
+            registry=registry,
+        )
+        self.runs_orphaned = counter(sc.M_STREAM_RUNS_ORPHANED, "Runs marked orphaned.")
+        self.unwinds = counter(sc.M_STREAM_UNWINDS, "Unwinds begun (unwind spans received).")
+        self.unwind_duration = Histogram(
+            sc.M_STREAM_UNWIND_DURATION,
+            "From an unwind's start to its run's end, by the spans' times.",
+            ["saga", "service"],
+            buckets=_UNWIND_BUCKETS,
+            registry=registry,
+        )
+        self.compensations = counter(
+            sc.M_STREAM_COMPENSATIONS,
+            "Compensation attempts (compensate spans), by step, tool and outcome.",
+            "step",
+            "tool",
+            "outcome",
+        )
+        self.compensation_failures = counter(
+            sc.M_STREAM_COMPENSATION_FAILURES,
+            "Steps whose effect stands when their run ends compensation_failed.",
+            "step",
+        )
+        self.pivots = counter(sc.M_STREAM_PIVOTS, "Pivot steps crossed (OK).", "step")
+        self.steps = counter(
+            sc.M_STREAM_STEPS,
+            "Step attempts (do and compensate spans).",
+            "step",
+            "phase",
+            "outcome",
+        )
+        self.step_duration = Histogram(
+            sc.M_STREAM_STEP_DURATION,
+            "Step attempt duration, by the spans' times.",
+            ["saga", "service", "step", "phase"],
+            buckets=_STEP_BUCKETS,
+            registry=registry,
+        )
+        self.step_retries = counter(
+            sc.M_STREAM_STEP_RETRIES, "Step attempts after the first.", "step", "phase"
+        )
+
+    def spans(self, spans: Iterable[SpanRecord], state: RunState) -> None:
+        """Count newly stored saga spans (folded into ``state`` already)."""
+        for span in spans:
+            attrs = span.attributes
+            phase = attrs.get(sc.SAGA_PHASE)
+            if phase not in (sc.PHASE_DO, sc.PHASE_COMPENSATE, sc.PHASE_UNWIND):
+                continue
+            saga, service = self._labels(span, state)
+            if phase == sc.PHASE_UNWIND:
+                self.unwinds.labels(saga, service).inc()
+                continue
+            step = str(attrs.get(sc.SAGA_STEP_NAME) or "")
+            ok = span.ok
+            self.steps.labels(saga, service, step, phase, "ok" if ok else "error").inc()
+            self.step_duration.labels(saga, service, step, phase).observe(
+                max(0.0, span.end - span.start)
+            )
+            if int(attrs.get(sc.SAGA_STEP_ATTEMPT, 1)) > 1:
+                self.step_retries.labels(saga, service, step, phase).inc()
+            if phase == sc.PHASE_COMPENSATE:
+                tool = str(attrs.get(sc.SAGA_COMPENSATION_TOOL) or "")
+                outcome = "ok" if ok else "failed"
+                self.compensations.labels(saga, service, step, tool, outcome).inc()
+            elif ok and is_pivot(
+                attrs.get(sc.SAGA_STEP_CLASS), attrs.get(sc.SAGA_STEP_PIVOT) is True
+            ):
+                self.pivots.labels(saga, service, step).inc()
+
+    def transitions(self, transitions: Iterable[Transition], state: RunState) -> None:
+        """Count status changes: runs started, finished by status, orphaned."""
+        for t in transitions:
+            saga, service = state.labels(t.run_id)
+            if t.before is None:
+                self.runs_started.labels(saga, service).inc()
+            if t.after == sc.STATE_ORPHANED:
+                self.runs_orphaned.labels(saga, service).inc()
+            elif t.after in FINISHED:
+                self.runs_finished.labels(saga, service, t.after).inc()
+                duration = state.unwind_duration(t.run_id)
+                if duration is not None and t.after != sc.STATUS_COMPLETED:
+                    self.unwind_duration.labels(saga, service).observe(duration)
+                if t.after == sc.STATUS_COMPENSATION_FAILED:
+                    for step in state.failed_compensations(t.run_id):
+                        self.compensation_failures.labels(saga, service, step).inc()
+
+    def render(self, state: RunState) -> None:
+        """Set the gauges (at scrape time)."""
+        # A (saga, service) once seen stays, at 0 when nothing is open: a panel shows a
+        # flat line rather than no data. Bounded by sagas x services.
+        counts = state.in_progress()
+        self._seen.update(counts)
+        for key in self._seen:
+            self.runs_in_progress.labels(*key).set(counts.get(key, 0))
+
+    @staticmethod
+    def _labels(span: SpanRecord, state: RunState) -> tuple[str, str]:
+        saga = span.attributes.get(sc.SAGA_NAME)
+        known_saga, known_service = state.labels(span.run_id)
+        return (saga if isinstance(saga, str) and saga else known_saga), (
+            span.service or known_service
+        )
