@@ -3,6 +3,11 @@
     python -m dashboards.generate            # rewrite the committed JSON
     python -m dashboards.generate --check    # exit 1 when the committed JSON is stale
 
+The saga panels read the metrics the sidecar derives from the span stream
+(``saga_stream_*``, labelled saga and service), so they work for agents in any
+language; the library's own ``saga_*`` metrics tell the same story per agent
+process (docs/semantic-conventions.md, "Metrics").
+
 Built with grafana-foundation-sdk (pinned in the dev extra: its output is what the
 committed file is compared against). Every panel and query names the data source
 through the ``datasource`` template variable, so file provisioning works in any
@@ -83,7 +88,10 @@ def build() -> dict[str, Any]:
     board = (
         dashboard.Dashboard("Saga overview")
         .uid(UID)
-        .description("Saga runs, unwinds and compensations (agents) and the saga sidecar.")
+        .description(
+            "Saga runs, unwinds and compensations (from the span stream the sidecar receives, "
+            "any agent language) and the saga sidecar."
+        )
         .tags(["saga", "saga-otel"])
         .editable()
         .refresh("30s")
@@ -95,7 +103,7 @@ def build() -> dict[str, Any]:
             dashboard.QueryVariable("saga")
             .label("Saga")
             .datasource(DS)
-            .query(f"label_values({sc.M_RUNS_STARTED}, saga)")
+            .query(f"label_values({sc.M_STREAM_RUNS_STARTED}, saga)")
             .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED)
             .sort(VariableSort.ALPHABETICAL_ASC)
             .multi(True)
@@ -110,7 +118,7 @@ def build() -> dict[str, Any]:
                 "Runs ending per second, by final status.",
                 "ops",
                 _query(
-                    f"sum by (status) (rate({sc.M_RUNS_FINISHED}{{{SAGA}}}{RATE}))",
+                    f"sum by (status) (rate({sc.M_STREAM_RUNS_FINISHED}{{{SAGA}}}{RATE}))",
                     "{{status}}",
                 ),
             )
@@ -121,11 +129,11 @@ def build() -> dict[str, Any]:
                 "Runs starting per second, and runs open right now.",
                 "short",
                 _query(
-                    f"sum by (saga) (rate({sc.M_RUNS_STARTED}{{{SAGA}}}{RATE}))",
+                    f"sum by (saga) (rate({sc.M_STREAM_RUNS_STARTED}{{{SAGA}}}{RATE}))",
                     "started/s {{saga}}",
                 ),
                 _query(
-                    f"sum by (saga) ({sc.M_RUNS_IN_PROGRESS}{{{SAGA}}})",
+                    f"sum by (saga) ({sc.M_STREAM_RUNS_IN_PROGRESS}{{{SAGA}}})",
                     "in progress {{saga}}",
                     "B",
                 ),
@@ -136,7 +144,7 @@ def build() -> dict[str, Any]:
                 "Unwinds started",
                 "Runs that began unwinding their compensation stack, per second.",
                 "ops",
-                _query(f"sum by (saga) (rate({sc.M_UNWINDS}{{{SAGA}}}{RATE}))", "{{saga}}"),
+                _query(f"sum by (saga) (rate({sc.M_STREAM_UNWINDS}{{{SAGA}}}{RATE}))", "{{saga}}"),
             )
         )
         .with_panel(
@@ -145,8 +153,8 @@ def build() -> dict[str, Any]:
                 "Unwinds started / runs started. Alert SagaCompensationRatioHigh watches this.",
                 "percentunit",
                 _query(
-                    f"sum by (saga) (rate({sc.M_UNWINDS}{{{SAGA}}}{RATE}))"
-                    f" / sum by (saga) (rate({sc.M_RUNS_STARTED}{{{SAGA}}}{RATE}))",
+                    f"sum by (saga) (rate({sc.M_STREAM_UNWINDS}{{{SAGA}}}{RATE}))"
+                    f" / sum by (saga) (rate({sc.M_STREAM_RUNS_STARTED}{{{SAGA}}}{RATE}))",
                     "{{saga}}",
                 ),
             )
@@ -154,11 +162,12 @@ def build() -> dict[str, Any]:
         .with_panel(
             _timeseries(
                 "Compensations by outcome",
-                "Compensation attempts per second, by step and outcome.",
+                "Compensation attempts per second, by step, undo tool and outcome.",
                 "ops",
                 _query(
-                    f"sum by (step, outcome) (rate({sc.M_COMPENSATIONS}{{{SAGA}}}{RATE}))",
-                    "{{step}} {{outcome}}",
+                    f"sum by (step, tool, outcome) "
+                    f"(rate({sc.M_STREAM_COMPENSATIONS}{{{SAGA}}}{RATE}))",
+                    "{{step}} {{tool}} {{outcome}}",
                 ),
             )
         )
@@ -168,9 +177,30 @@ def build() -> dict[str, Any]:
                 "Runs that crossed their point of no return, per second, by step.",
                 "ops",
                 _query(
-                    f"sum by (step) (rate({sc.M_PIVOTS}{{{SAGA}}}{RATE}))",
+                    f"sum by (step) (rate({sc.M_STREAM_PIVOTS}{{{SAGA}}}{RATE}))",
                     "{{step}}",
                 ),
+            )
+        )
+        .with_panel(
+            _timeseries(
+                "Unwind duration p90",
+                "90th percentile time from an unwind's start to its run's end.",
+                "s",
+                _query(_quantile(0.9, sc.M_STREAM_UNWIND_DURATION, "saga", SAGA), "{{saga}}"),
+                width=12,
+            )
+        )
+        .with_panel(
+            _timeseries(
+                "Runs orphaned",
+                "Runs whose agent went silent mid-run (SagaRunOrphaned), by saga.",
+                "short",
+                _query(
+                    f"sum by (saga) (increase({sc.M_STREAM_RUNS_ORPHANED}{{{SAGA}}}{RATE}))",
+                    "{{saga}}",
+                ),
+                width=12,
             )
         )
         # --- needs a person -----------------------------------------------
@@ -181,7 +211,7 @@ def build() -> dict[str, Any]:
                 "Compensations that could not be completed, by step. Each needs a person.",
                 "short",
                 _query(
-                    f"sum by (saga, step) (increase({sc.M_COMPENSATION_FAILURES}{{{SAGA}}}{RATE}))",
+                    f"sum by (saga, step) (increase({sc.M_STREAM_COMPENSATION_FAILURES}{{{SAGA}}}{RATE}))",
                     "{{saga}} {{step}}",
                 ),
                 width=12,
@@ -193,7 +223,8 @@ def build() -> dict[str, Any]:
                 "Runs that ended stuck. Each needs a person.",
                 "short",
                 _query(
-                    f"sum by (saga) (increase({sc.M_STUCK_RUNS}{{{SAGA}}}{RATE}))",
+                    f"sum by (saga) (increase({sc.M_STREAM_RUNS_FINISHED}"
+                    f'{{{SAGA}, status="{sc.STATUS_STUCK}"}}{RATE}))',
                     "{{saga}}",
                 ),
                 width=12,
@@ -207,7 +238,7 @@ def build() -> dict[str, Any]:
                 "Median step duration by step and phase.",
                 "s",
                 _query(
-                    _quantile(0.5, sc.M_STEP_DURATION, "step, phase", SAGA),
+                    _quantile(0.5, sc.M_STREAM_STEP_DURATION, "step, phase", SAGA),
                     "{{step}} {{phase}}",
                 ),
             )
@@ -218,7 +249,7 @@ def build() -> dict[str, Any]:
                 "99th percentile step duration by step and phase.",
                 "s",
                 _query(
-                    _quantile(0.99, sc.M_STEP_DURATION, "step, phase", SAGA),
+                    _quantile(0.99, sc.M_STREAM_STEP_DURATION, "step, phase", SAGA),
                     "{{step}} {{phase}}",
                 ),
             )
@@ -229,7 +260,7 @@ def build() -> dict[str, Any]:
                 "Retried attempts per second, by step and phase.",
                 "ops",
                 _query(
-                    f"sum by (step, phase) (rate({sc.M_STEP_RETRIES}{{{SAGA}}}{RATE}))",
+                    f"sum by (step, phase) (rate({sc.M_STREAM_STEP_RETRIES}{{{SAGA}}}{RATE}))",
                     "{{step}} {{phase}}",
                 ),
             )

@@ -21,7 +21,13 @@ ALERTMANAGER = REPO / "alerts" / "alertmanager.example.yml"
 DASHBOARD = REPO / "dashboards" / "saga-overview.json"
 OPERATIONS = REPO / "docs" / "operations.md"
 
-HISTOGRAMS = (sc.M_STEP_DURATION, sc.M_SIDECAR_REQUEST_DURATION, sc.M_SIDECAR_ALERT_DELAY)
+HISTOGRAMS = (
+    sc.M_STEP_DURATION,
+    sc.M_SIDECAR_REQUEST_DURATION,
+    sc.M_SIDECAR_ALERT_DELAY,
+    sc.M_STREAM_STEP_DURATION,
+    sc.M_STREAM_UNWIND_DURATION,
+)
 SIDECAR_ALERTS = (
     sc.ALERT_COMPENSATION_STARTED,
     sc.ALERT_COMPENSATION_FAILED,
@@ -50,6 +56,19 @@ LABELS: dict[str, frozenset[str]] = {
     sc.M_SIDECAR_ALERTS: frozenset({"alertname", "sink", "outcome"}),
     sc.M_SIDECAR_ALERT_DELAY: frozenset({"sink"}),
     sc.M_SIDECAR_OUTBOX_DEPTH: frozenset(),
+    # Derived by the sidecar from the span stream: saga and service on every one.
+    sc.M_STREAM_RUNS_STARTED: frozenset({"saga", "service"}),
+    sc.M_STREAM_RUNS_FINISHED: frozenset({"saga", "service", "status"}),
+    sc.M_STREAM_RUNS_IN_PROGRESS: frozenset({"saga", "service"}),
+    sc.M_STREAM_RUNS_ORPHANED: frozenset({"saga", "service"}),
+    sc.M_STREAM_UNWINDS: frozenset({"saga", "service"}),
+    sc.M_STREAM_UNWIND_DURATION: frozenset({"saga", "service"}),
+    sc.M_STREAM_COMPENSATIONS: frozenset({"saga", "service", "step", "tool", "outcome"}),
+    sc.M_STREAM_COMPENSATION_FAILURES: frozenset({"saga", "service", "step"}),
+    sc.M_STREAM_PIVOTS: frozenset({"saga", "service", "step"}),
+    sc.M_STREAM_STEPS: frozenset({"saga", "service", "step", "phase", "outcome"}),
+    sc.M_STREAM_STEP_DURATION: frozenset({"saga", "service", "step", "phase"}),
+    sc.M_STREAM_STEP_RETRIES: frozenset({"saga", "service", "step", "phase"}),
 }
 TARGET_LABELS = frozenset({"job", "instance"})
 METRIC_RE = re.compile(r"\b(saga_[a-z0-9_]+|up)\b")

@@ -26,6 +26,8 @@ PANELS = {
     "Compensation ratio",
     "Compensations by outcome",
     "Pivots crossed",
+    "Unwind duration p90",
+    "Runs orphaned",
     "Compensation failures",
     "Stuck runs",
     "Step latency p50",
@@ -93,7 +95,7 @@ def test_latency_panels_use_histogram_quantile(dashboard: dict[str, Any]) -> Non
     assert exprs["Step latency p50"].startswith("histogram_quantile(0.5,")
     assert exprs["Step latency p99"].startswith("histogram_quantile(0.99,")
     for title in ("Step latency p50", "Step latency p99"):
-        assert "saga_step_duration_seconds_bucket" in exprs[title]
+        assert "saga_stream_step_duration_seconds_bucket" in exprs[title]
         assert "by (le, step, phase)" in exprs[title]
     assert exprs["Alert delay p99"].startswith("histogram_quantile(0.99,")
 
