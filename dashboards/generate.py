@@ -211,7 +211,8 @@ def build() -> dict[str, Any]:
                 "Compensations that could not be completed, by step. Each needs a person.",
                 "short",
                 _query(
-                    f"sum by (saga, step) (increase({sc.M_STREAM_COMPENSATION_FAILURES}{{{SAGA}}}{RATE}))",
+                    f"sum by (saga, step) "
+                    f"(increase({sc.M_STREAM_COMPENSATION_FAILURES}{{{SAGA}}}{RATE}))",
                     "{{saga}} {{step}}",
                 ),
                 width=12,

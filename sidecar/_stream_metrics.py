@@ -128,6 +128,9 @@ class StreamMetrics:
             saga, service = state.labels(t.run_id)
             if t.before is None:
                 self.runs_started.labels(saga, service).inc()
+                # At 0 from a saga's first run: "none orphaned" is data, not a gap.
+                self.runs_orphaned.labels(saga, service)
+                self.unwinds.labels(saga, service)
             if t.after == sc.STATE_ORPHANED:
                 self.runs_orphaned.labels(saga, service).inc()
             elif t.after in FINISHED:

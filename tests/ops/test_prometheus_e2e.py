@@ -181,14 +181,16 @@ def _agent_port(proc: _Proc) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def _prometheus_config(tmp: Path, agent: str, sidecar: str) -> Path:
+def _prometheus_config(tmp: Path, agent: str | None, sidecar: str) -> Path:
     shutil.copy(RULES, tmp / "saga-rules.yml")
+    jobs = {"saga-agents": agent, "saga-sidecar": sidecar}
     config = {
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
         "rule_files": ["saga-rules.yml"],
         "scrape_configs": [
-            {"job_name": "saga-agents", "static_configs": [{"targets": [agent]}]},
-            {"job_name": "saga-sidecar", "static_configs": [{"targets": [sidecar]}]},
+            {"job_name": job, "static_configs": [{"targets": [target]}]}
+            for job, target in jobs.items()
+            if target is not None
         ],
     }
     path = tmp / "prometheus.yml"
@@ -338,3 +340,130 @@ def test_rules_load_evaluate_and_match_live_series(stack: Stack) -> None:
 
 def test_sidecar_delivered_alerts(stack: Stack) -> None:
     _wait("an alert at the webhook", lambda: stack.webhook, DATA_S, stack.procs)
+
+
+# --- a sidecar fed by spans only: an agent in another language ------------------------------
+# No saga_otel library and no agent /metrics: contract spans written with the plain
+# OpenTelemetry SDK (tests/sidecar/sidecar_testkit.py) and sent with the stock OTLP/HTTP
+# exporter stand in for a Node.js agent. Every dashboard panel must still have data.
+
+
+class _SpanAgent:
+    """A thread sending a completed, compensated, compensation_failed and stuck refund,
+    and a run its process abandons (orphaned by the idle timeout), every round."""
+
+    def __init__(self, endpoint: str) -> None:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        self.exporter = OTLPSpanExporter(endpoint=endpoint, timeout=10)
+        self.stop = threading.Event()
+        self.rounds = 0
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        from tests.sidecar.sidecar_testkit import (
+            compensated_run,
+            compensation_failed_run,
+            completed_run,
+            open_run,
+            stuck_run,
+        )
+
+        kinds = (completed_run, compensated_run, compensation_failed_run, stuck_run, open_run)
+        while not self.stop.is_set():
+            spans: list[Any] = []
+            for kind in kinds:
+                run = kind(
+                    service="refund-agent-node",
+                    instance=f"node-{self.rounds}-{kind.__name__}",
+                    t0=time.time(),
+                )
+                spans += run.spans()
+            self.exporter.export(spans)
+            self.rounds += 1
+            self.stop.wait(0.5)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(timeout=15)
+        self.exporter.shutdown()
+
+
+@pytest.fixture(scope="module")
+def spans_only(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    tmp = tmp_path_factory.mktemp("prometheus-e2e-spans-only")
+    procs: list[_Proc] = []
+    received: list[Any] = []
+    agent: _SpanAgent | None = None
+    try:
+        args = [*_sidecar_args(tmp, "http://127.0.0.1:9/unused"), "--idle-timeout", "2s"]
+        args[args.index("--webhook") : args.index("--webhook") + 2] = []
+        sidecar = _start("sidecar", args, tmp)
+        procs.append(sidecar)
+        listening = _wait(
+            "the sidecar's listening line",
+            lambda: _json_line(sidecar, "event", "sidecar.listening"),
+            STARTUP_S,
+            procs,
+        )
+        api, otlp_http = listening["api"], listening["otlp_http"]
+        sidecar_metrics = f"http://127.0.0.1:{api}/metrics"
+        _wait("the sidecar's /metrics", lambda: _get(sidecar_metrics), STARTUP_S, procs)
+        agent = _SpanAgent(f"http://127.0.0.1:{otlp_http}/v1/traces")
+        prom_port = free_port()
+        config = _prometheus_config(tmp, None, f"127.0.0.1:{api}")
+        prom_args = [
+            tool("prometheus"),
+            f"--config.file={config}",
+            f"--storage.tsdb.path={tmp / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{prom_port}",
+        ]
+        procs.append(_start("prometheus", prom_args, tmp))
+        prometheus = f"http://127.0.0.1:{prom_port}"
+        _wait("Prometheus to be ready", lambda: _get(f"{prometheus}/-/ready"), STARTUP_S, procs)
+        yield Stack(prometheus, "", sidecar_metrics, procs, received)
+    finally:
+        if agent is not None:
+            agent.close()
+        for proc in reversed(procs):
+            proc.stop()
+
+
+def test_every_dashboard_panel_has_data_from_spans_only(spans_only: Stack) -> None:
+    """The whole dashboard for an agent that has no saga_otel and no /metrics of its own."""
+    assert {s["metric"]["job"] for s in spans_only.query("up")} <= {"saga-sidecar"}
+    queries = [
+        (title, substitute(expr, RATE_INTERVAL))
+        for title, expr in dashboard_exprs(load_dashboard())
+    ]
+    missing: list[str] = []
+
+    def all_have_data() -> bool:
+        missing[:] = [f"{t}: {q}" for t, q in queries if not _finite(spans_only.query(q))]
+        return not missing
+
+    _wait(
+        "every dashboard query to return a finite value from spans only",
+        all_have_data,
+        DATA_S,
+        spans_only.procs,
+        lambda: "panels without data:\n" + "\n".join(missing),
+    )
+    # Labelled by the agent's service and saga, never by run id.
+    series = spans_only.api('/api/v1/series?match[]={__name__=~"saga_stream_.*"}')
+    assert series and all(s["service"] == "refund-agent-node" for s in series)
+    assert not any("run_id" in s for s in series)
+
+
+def test_saga_rules_fire_from_spans_only(spans_only: Stack) -> None:
+    """The agents' trend rules work for any language (all but the library's export rule)."""
+    expected = {"SagaCompensationFailuresHigh", "SagaStuckRunsHigh", "SagaCompensationRatioHigh"}
+
+    def active() -> set[str]:
+        alerts = spans_only.api("/api/v1/alerts")["alerts"]
+        names = {a["labels"]["alertname"] for a in alerts}
+        return names if expected <= names else set()
+
+    names = _wait("the saga rules to go pending", active, DATA_S, spans_only.procs)
+    assert "SagaSidecarDown" not in names
