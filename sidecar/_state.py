@@ -424,6 +424,9 @@ class RunState:
         self._runs: dict[str, _Run] = {}
         # Open runs (no run span, not orphaned), oldest activity first.
         self._idle: dict[str, None] = {}
+        # Open runs that left the idle queue because their process heart-beats: the
+        # heartbeat rule orphans them when that process dies.
+        self._watched: dict[str, None] = {}
         self._instances: dict[str, _Watch] = {}
 
     # --- queries ---------------------------------------------------------------
@@ -761,6 +764,7 @@ class RunState:
             if now > run.last_seen:
                 run.last_seen = now
             idle.pop(run_id, None)
+            self._watched.pop(run_id, None)
             if not run.has_ended() and run.orphaned_at is None:
                 idle[run_id] = None
         transitions = []
@@ -961,7 +965,9 @@ class RunState:
                 hb.dead = True
                 dead.add(instance)
         if dead:  # rare: one scan of the open runs per process death
-            for run_id in [r for r in self._idle if self._runs[r].instance in dead]:
+            runs = self._runs
+            open_runs = [*self._idle, *self._watched]
+            for run_id in [r for r in open_runs if runs[r].instance in dead]:
                 transitions.extend(self._orphan(run_id, now))
         while self._idle:
             run_id = next(iter(self._idle))
@@ -973,12 +979,14 @@ class RunState:
                 # Watched by heartbeats instead: leave the idle queue; the heartbeat rule
                 # above finds it when its process dies.
                 del self._idle[run_id]
+                self._watched[run_id] = None
                 continue
             transitions.extend(self._orphan(run_id, now))
         return transitions
 
     def _orphan(self, run_id: str, now: float) -> list[Transition]:
         self._idle.pop(run_id, None)
+        self._watched.pop(run_id, None)
         run = self._runs[run_id]
         if run.has_ended() or run.orphaned_at is not None or run.recovering():
             return []
@@ -994,6 +1002,7 @@ class RunState:
             run.orphaned_at = at
             run.status = run.derive()
             self._idle.pop(run_id, None)
+            self._watched.pop(run_id, None)
 
     def restore_instance(self, instance: str, at: float, interval: float) -> None:
         self._instances[_intern(instance)] = _Watch(at, interval)
@@ -1071,13 +1080,18 @@ class RunState:
     def forget_instances(self, instances: Iterable[str]) -> None:
         # A run of a forgotten instance falls back to the idle-timeout rule, which has
         # long since applied: its process has been silent for the whole retention.
-        for instance in instances:
+        gone = set(instances)
+        for instance in gone:
             self._instances.pop(instance, None)
+        for run_id in [r for r in self._watched if self._runs[r].instance in gone]:
+            del self._watched[run_id]
+            self._idle[run_id] = None
 
     def forget(self, run_ids: Iterable[str]) -> None:
         for run_id in run_ids:
             self._runs.pop(run_id, None)
             self._idle.pop(run_id, None)
+            self._watched.pop(run_id, None)
 
 
 _A = TypeVar("_A", DoAttempt, CompAttempt)

@@ -109,3 +109,24 @@ def test_slow_client_limits_are_flags_with_env_vars_and_are_validated(tmp_path: 
         Settings(max_receiving=0)
     with pytest.raises(ConfigError, match="body_timeout=0"):
         Settings(body_timeout=0)
+
+
+def test_late_compensation_alerts_flag_and_env() -> None:
+    import click
+
+    from sidecar._alert_settings import AlertSettings, alert_options, settings_from_options
+
+    got: list[AlertSettings] = []
+
+    @click.command()
+    @alert_options
+    def cmd(**options: object) -> None:
+        got.append(settings_from_options(dict(options)))
+
+    runner = CliRunner()
+    assert runner.invoke(cmd, []).exit_code == 0
+    assert runner.invoke(cmd, ["--no-late-compensation-alerts"]).exit_code == 0
+    env = {"SAGA_SIDECAR_LATE_COMPENSATION_ALERTS": "false"}
+    assert runner.invoke(cmd, [], env=env).exit_code == 0
+    assert [s.late_compensation for s in got] == [True, False, False]
+    assert [s.rule_config().late_compensation for s in got] == [True, False, False]

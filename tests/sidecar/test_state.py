@@ -354,3 +354,16 @@ def test_a_span_of_the_run_also_brings_it_back_but_a_strangers_heartbeat_does_no
     assert [(x.before, x.after) for x in applied.transitions] == [
         (sc.STATE_ORPHANED, sc.STATE_RUNNING)
     ]
+
+
+def test_a_run_past_the_idle_timeout_is_still_orphaned_when_its_process_dies() -> None:
+    # Idle timeout shorter than the heartbeat window: the run leaves the idle queue while
+    # its process is still believed alive, and the heartbeat rule must still find it.
+    state = RunState(idle_timeout=3)
+    run = open_run(instance="agent-b")
+    state.apply(records(run.spans()), T)
+    state.apply(beats([run.run_id], [T]), T)  # one beat, then SIGKILL: window 7 s
+    assert state.tick(T + 3.5) == []
+    assert state.tick(T + 6.9) == []
+    (t,) = state.tick(T + 7.1)
+    assert (t.run_id, t.after) == (run.run_id, sc.STATE_ORPHANED)
