@@ -799,11 +799,12 @@ class RunState:
         elif now > watch.at:
             continuous = watch.beat is not None and first - watch.beat <= 1.5 * interval
             if continuous:
-                watch.gaps = (*watch.gaps, now - watch.at)[-_GAP_SAMPLES:]
+                watch.learn(now - watch.at)
             watch.at = now
             watch.dead = False
         watch.interval = interval
-        watch.spread = max(watch.spread, last - first)
+        if last > first:  # beats that waited together: the batch spans this much
+            watch.learn(last - first + interval)
         watch.beat = last if watch.beat is None else max(watch.beat, last)
         named: dict[str, None] = {}
         for span in beats:
@@ -1137,16 +1138,19 @@ class _Watch:
     interval: float
     dead: bool = False
     beat: float | None = None  # the latest heartbeat span's own time (agent clock)
-    gaps: tuple[float, ...] = ()  # recent receipt gaps between continuous deliveries
-    spread: float = 0.0  # widest span-time spread of the heartbeats of one delivery
+    # Recent delivery gaps shown: receipt gaps between continuous deliveries, and the
+    # span-time spread of one delivery's heartbeats + 1 interval.
+    gaps: tuple[float, ...] = ()
+
+    def learn(self, gap: float) -> None:
+        self.gaps = (*self.gaps, gap)[-_GAP_SAMPLES:]
 
     def delivery_gap(self) -> float:
-        """How far apart this instance's deliveries may be: what it has shown, capped;
-        an SDK's default batch delay until it has shown anything."""
-        if not self.gaps and not self.spread:
+        """How far apart this instance's deliveries may be: the largest recent gap it has
+        shown, capped; an SDK's default batch delay until it has shown one."""
+        if not self.gaps:
             return DEFAULT_BATCH_DELAY
-        shown = max((*self.gaps, self.spread + self.interval if self.spread else 0.0))
-        return min(shown, MAX_DELIVERY_GAP)
+        return min(max(self.gaps), MAX_DELIVERY_GAP)
 
     def window(self) -> float:
         """Silence past this many seconds since the last delivery means the process died."""
