@@ -16,6 +16,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from saga_otel import semconv as sc
 from saga_otel._logging import Logger
+from saga_otel._presence import Presence
 from saga_otel._state import STATE
 
 __all__ = ["Heartbeat", "open_run_ids", "register_open_run", "unregister_open_run"]
@@ -50,8 +51,11 @@ class Heartbeat:
         interval: float,
         logger: Logger,
         wait: Callable[[threading.Event, float], bool] | None = None,
+        presence: Presence | None = None,
     ) -> None:
         self._provider = provider
+        # The live connection whose close tells the sidecar this process died.
+        self._presence = presence
         self._tracer = provider.get_tracer("saga_otel")
         self._interval = float(interval)
         self._log = logger
@@ -80,6 +84,8 @@ class Heartbeat:
             self._stop.set()
         # A tracer caches the provider's resource; take a new one (see _config's fork hook).
         self._tracer = self._provider.get_tracer("saga_otel")
+        if self._presence is not None:
+            self._presence.forget_after_fork()
 
     def stop(self, timeout: float) -> None:
         self._stop.set()
@@ -88,6 +94,8 @@ class Heartbeat:
         thread = self._thread
         if thread is not None:
             thread.join(timeout)
+        if self._presence is not None and (thread is None or not thread.is_alive()):
+            self._presence.close()  # a goodbye: shutting down is not dying
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -98,6 +106,8 @@ class Heartbeat:
             if self._stop.is_set():
                 return
             self.emit(runs)
+            if self._presence is not None:
+                self._presence.beat()
             self._wait(self._stop, self._interval)
 
     def emit(self, runs: list[str]) -> None:

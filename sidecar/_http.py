@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import TypeVar
 
+import aiohttp
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 from prometheus_client import CONTENT_TYPE_LATEST, Histogram
@@ -265,7 +266,51 @@ def build_otlp_app(service: Service) -> web.Application:
             receiving.bytes -= taken
 
     app.router.add_post("/v1/traces", traces)
+    app.router.add_post(PRESENCE_PATH, presence)
     return app
+
+
+PRESENCE_PATH = "/v1/saga/presence"
+_PRESENCE_HELLO_MAX = 4096
+
+
+async def presence(request: web.Request) -> web.StreamResponse:
+    """One agent process's live connection (saga_otel holds it open while it runs).
+
+    The body is a never-ending stream of lines: first ``{"instance": id}``, then one
+    line per heartbeat, and ``bye`` before a clean close. When the connection ends
+    without ``bye`` the kernel has closed it for a process that died: the sidecar
+    marks the instance's connection lost, and the orphan rule confirms (no reconnect,
+    no heartbeat) before paging. See docs/semantic-conventions.md ("Presence").
+    """
+    sidecar = request.app[SERVICE]
+    try:
+        async with asyncio.timeout(sidecar.settings.body_timeout):
+            hello = await request.content.readuntil(b"\n")
+    except (TimeoutError, ValueError, aiohttp.ClientError, ConnectionError):
+        return error(400, 'send {"instance": "<service.instance.id>"} and a newline first')
+    try:
+        data = jsontext.loads(hello[:_PRESENCE_HELLO_MAX])
+        instance = data["instance"] if isinstance(data, dict) else None
+    except (ValueError, KeyError, jsontext.TooDeep):
+        instance = None
+    if not isinstance(instance, str) or not instance or len(instance) > 1024:
+        return error(400, 'the first line must be {"instance": "<service.instance.id>"}')
+    if not sidecar.presence_opened(instance):
+        return error(429, "the sidecar holds as many presence connections as it accepts")
+    clean = False
+    try:
+        while True:
+            chunk = await request.content.readany()
+            if not chunk:
+                break
+            if b"bye" in chunk:
+                clean = True
+    except (aiohttp.ClientError, ConnectionError):
+        pass  # the connection broke: not a goodbye
+    finally:
+        sidecar.presence_closed(instance, clean)
+    return web.Response(status=204)
 
 
 def _decode_and_ingest(

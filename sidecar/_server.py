@@ -88,6 +88,8 @@ class Sidecar:
         self._grpc: aio.Server | None = None
         self._started = False
         self._span_counters: dict[tuple[str, str], Counter] = {}
+        # Live connections per agent instance (saga_otel's presence streams).
+        self._presence: dict[str, int] = {}
 
     # --- hooks for the alerting side --------------------------------------------
 
@@ -439,6 +441,27 @@ class Sidecar:
             except Exception:
                 # A listener bug must never cost intake: the change is already stored.
                 log.exception("run listener %r failed for run %s", fn, after["run_id"])
+
+    # --- presence: a live connection per agent process ----------------------------------
+
+    def presence_opened(self, instance: str) -> bool:
+        """An agent process opened its live connection; False at the bound (answer 429)."""
+        if len(self._presence) >= self.settings.max_presence and instance not in self._presence:
+            return False
+        self._presence[instance] = self._presence.get(instance, 0) + 1
+        self.state.presence_opened(instance)
+        return True
+
+    def presence_closed(self, instance: str, clean: bool) -> None:
+        """It closed: with a goodbye (the process is shutting down), or not (it died, or its
+        connection broke); the orphan rule confirms a death with the heartbeats."""
+        left = self._presence.get(instance, 0) - 1
+        if left > 0:
+            self._presence[instance] = left
+            return
+        self._presence.pop(instance, None)
+        if not clean:
+            self.state.presence_lost(instance, self.clock())
 
     # --- orphans, resolution, retention ---------------------------------------------
 

@@ -73,6 +73,14 @@ class Service(Protocol):
         """
         ...
 
+    def presence_opened(self, instance: str) -> bool:
+        """An agent process opened its live connection; False at the bound (answer 429)."""
+        ...
+
+    def presence_closed(self, instance: str, clean: bool) -> None:
+        """Its live connection closed, with a goodbye (``clean``) or not."""
+        ...
+
     def resolve(self, run_id: str, note: str) -> RunView | None: ...
 
     def lease(self, run_id: str, action: LeaseAction, data: object) -> Lease | LeaseRefusal:

@@ -129,6 +129,8 @@ class Settings:
     body_timeout: float = DEFAULT_BODY_TIMEOUT
     body_min_rate: int = DEFAULT_BODY_MIN_RATE
     max_receiving: int = DEFAULT_MAX_RECEIVING
+    # Agent processes holding a live presence connection at once (one each).
+    max_presence: int = 10_000
 
     def __post_init__(self) -> None:
         self.validate()
@@ -164,6 +166,7 @@ class Settings:
             "max_in_flight",
             "body_min_rate",
             "max_receiving",
+            "max_presence",
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")

@@ -140,6 +140,10 @@ _intern = sys.intern
 DEFAULT_BATCH_DELAY = 5.0  # BatchSpanProcessor's default schedule delay (every SDK)
 MAX_DELIVERY_GAP = 30.0  # the OTLP exporters' default timeout: no cadence counts past it
 _GAP_SAMPLES = 8  # the window follows the largest of the last few delivery gaps
+# A live connection (saga_otel's presence stream) that closes without a goodbye means
+# the process died, unless it reconnects or a heartbeat arrives within the grace.
+PRESENCE_GRACE = 0.5
+PRESENCE_SETTLE = 0.1  # a heartbeat this soon after the close was sent before it
 
 
 @dataclass(frozen=True, slots=True)
@@ -797,6 +801,8 @@ class RunState:
         if watch is None:
             watch = self._instances[instance] = _Watch(now, interval)
         elif now > watch.at:
+            if watch.lost_at is not None and now > watch.lost_at + PRESENCE_SETTLE:
+                watch.lost_at = None  # beating after its connection closed: alive
             continuous = watch.beat is not None and first - watch.beat <= 1.5 * interval
             if continuous:
                 watch.learn(now - watch.at)
@@ -962,7 +968,10 @@ class RunState:
         transitions: list[Transition] = []
         dead: set[str] = set()
         for instance, hb in self._instances.items():
-            if not hb.dead and now - hb.at > hb.window():
+            if hb.dead:
+                continue
+            lost = hb.lost_at is not None and now - hb.lost_at > PRESENCE_GRACE
+            if lost or now - hb.at > hb.window():
                 hb.dead = True
                 dead.add(instance)
         if dead:  # rare: one scan of the open runs per process death
@@ -1004,6 +1013,19 @@ class RunState:
             run.status = run.derive()
             self._idle.pop(run_id, None)
             self._watched.pop(run_id, None)
+
+    def presence_opened(self, instance: str) -> None:
+        """The instance (re)opened its live connection: any loss is forgotten."""
+        watch = self._instances.get(instance)
+        if watch is not None:
+            watch.lost_at = None
+
+    def presence_lost(self, instance: str, now: float) -> None:
+        """The instance's last live connection closed without a goodbye: its process has
+        likely died. ``tick`` confirms (no reconnect, no heartbeat) after PRESENCE_GRACE."""
+        watch = self._instances.get(instance)
+        if watch is not None and not watch.dead:
+            watch.lost_at = now
 
     def restore_instance(self, instance: str, at: float, interval: float) -> None:
         self._instances[_intern(instance)] = _Watch(at, interval)
@@ -1141,6 +1163,7 @@ class _Watch:
     # Recent delivery gaps shown: receipt gaps between continuous deliveries, and the
     # span-time spread of one delivery's heartbeats + 1 interval.
     gaps: tuple[float, ...] = ()
+    lost_at: float | None = None  # its live connection closed uncleanly, not yet confirmed
 
     def learn(self, gap: float) -> None:
         self.gaps = (*self.gaps, gap)[-_GAP_SAMPLES:]

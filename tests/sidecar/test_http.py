@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import json
 import random
@@ -379,3 +380,61 @@ async def test_metrics_endpoint(sidecar: Sidecar) -> None:
     )
     assert "saga_sidecar_forward_dropped_spans_total 0.0" in text
     assert json.dumps("x")
+
+
+# --- the presence stream (POST /v1/saga/presence) ------------------------------------------
+
+
+async def _presence(port: int, hello: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(
+        b"POST /v1/saga/presence HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+        + b"%x\r\n%s\r\n" % (len(hello), hello)
+    )
+    await writer.drain()
+    return reader, writer
+
+
+async def _until(probe: Any) -> None:
+    for _ in range(500):
+        if probe():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("gave up waiting")
+
+
+async def test_presence_closed_without_goodbye_is_a_loss_and_with_one_is_not(
+    sidecar: Sidecar, clock: Any
+) -> None:
+    lost: list[str] = []
+    real = sidecar.state.presence_lost
+    sidecar.state.presence_lost = lambda i, now: (lost.append(i), real(i, now))  # type: ignore[method-assign]
+    port = sidecar.otlp_http_port
+    assert port is not None
+    # Two connections of one instance (a reconnect racing the old one): one closing is
+    # no loss while the other stays.
+    _, first = await _presence(port, b'{"instance": "agent-x"}\n')
+    _, second = await _presence(port, b'{"instance": "agent-x"}\n')
+    await _until(lambda: sidecar._presence.get("agent-x") == 2)
+    first.transport.abort()  # as the kernel does for a killed process
+    await _until(lambda: sidecar._presence.get("agent-x") == 1)
+    assert lost == []
+    second.transport.abort()
+    await _until(lambda: lost == ["agent-x"])
+    # A goodbye: a clean shutdown is not a death.
+    _, writer = await _presence(port, b'{"instance": "agent-y"}\n')
+    await _until(lambda: "agent-y" in sidecar._presence)
+    writer.write(b"4\r\nbye\n\r\n0\r\n\r\n")
+    await writer.drain()
+    await _until(lambda: "agent-y" not in sidecar._presence)
+    writer.close()
+    assert lost == ["agent-x"]
+
+
+async def test_presence_hello_must_name_the_instance(sidecar: Sidecar) -> None:
+    port = sidecar.otlp_http_port
+    assert port is not None
+    reader, writer = await _presence(port, b'{"who": 1}\n')
+    answer = await reader.read(200)
+    writer.close()
+    assert answer.startswith(b"HTTP/1.1 400") and sidecar._presence == {}

@@ -367,3 +367,48 @@ def test_a_run_past_the_idle_timeout_is_still_orphaned_when_its_process_dies() -
     assert state.tick(T + 6.9) == []
     (t,) = state.tick(T + 7.1)
     assert (t.run_id, t.after) == (run.run_id, sc.STATE_ORPHANED)
+
+
+# --- presence: a live connection whose close says the process died -------------------------
+
+
+def _watched_run(state: RunState) -> str:
+    run = open_run(instance="agent-p")
+    state.apply(records(run.spans()), T)
+    state.apply(beats([run.run_id], [T], instance="agent-p"), T)
+    state.apply(beats([run.run_id], [T + 1], instance="agent-p"), T + 1)  # sends at once
+    return run.run_id
+
+
+def test_a_lost_connection_orphans_after_the_grace_unless_a_heartbeat_confirms_life() -> None:
+    state = RunState(idle_timeout=60)
+    run_id = _watched_run(state)
+    state.presence_lost("agent-p", T + 1.2)
+    assert state.tick(T + 1.6) == []
+    (t,) = state.tick(T + 1.75)  # 0.55 s after the close, 2.2 s before the heartbeat rule
+    assert (t.run_id, t.after) == (run_id, sc.STATE_ORPHANED)
+
+    alive = RunState(idle_timeout=60)
+    run_id = _watched_run(alive)
+    alive.presence_lost("agent-p", T + 1.2)
+    # A heartbeat sent before the close may arrive just after it: no proof of life.
+    alive.apply(beats([run_id], [T + 1.15], instance="agent-p"), T + 1.25)
+    assert alive.tick(T + 1.71) != []
+
+    alive = RunState(idle_timeout=60)
+    run_id = _watched_run(alive)
+    alive.presence_lost("agent-p", T + 1.2)
+    alive.apply(beats([run_id], [T + 1.5], instance="agent-p"), T + 1.5)  # beating: alive
+    assert alive.tick(T + 1.8) == [] and alive.tick(T + 4.4) == []
+    (t,) = alive.tick(T + 4.6)  # then the heartbeat rule alone
+    assert t.after == sc.STATE_ORPHANED
+
+
+def test_a_reconnect_cancels_a_lost_connection() -> None:
+    state = RunState(idle_timeout=60)
+    _watched_run(state)
+    state.presence_lost("agent-p", T + 1.2)
+    state.presence_opened("agent-p")
+    assert state.tick(T + 2.0) == []
+    state.presence_lost("unknown-instance", T + 1.2)  # no heartbeats known: nothing to do
+    assert state.tick(T + 3.9) == []

@@ -1,0 +1,106 @@
+"""The presence stream: a killed agent's open runs are orphaned once its connection closes,
+confirmed by the heartbeats, long before three heartbeat intervals would pass."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from saga_otel import semconv as sc
+from saga_otel._presence import presence_url
+from sidecar import Settings, Sidecar
+
+AGENT = r"""
+import asyncio, json, sys
+import saga_otel
+from saga_otel import Saga, ToolRegistry, tool
+from saga_otel._config import instance_id
+
+@tool("compensable", compensate="reverse_credit", compensate_args=lambda i: {"id": 1})
+def issue_credit(idempotency_key: str) -> dict:
+    return {"id": 1}
+
+@tool("convergent")
+def reverse_credit(id: int, idempotency_key: str) -> None:
+    pass
+
+saga_otel.configure(sys.argv[1], presence=sys.argv[2] == "on")
+saga = Saga("refund", tools=ToolRegistry([issue_credit, reverse_credit]))
+
+async def main() -> None:
+    async with saga.run() as run:
+        await run.call("issue_credit")
+        print(json.dumps({"run_id": run.run_id, "instance": instance_id()}), flush=True)
+        await asyncio.sleep(3600)  # killed here
+
+asyncio.run(main())
+"""
+
+
+class Clock:
+    now = 1_700_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_presence_url_sits_beside_the_traces_url() -> None:
+    assert (
+        presence_url("http://127.0.0.1:4318/v1/traces") == "http://127.0.0.1:4318/v1/saga/presence"
+    )
+    assert (
+        presence_url("https://proxy/sidecar/v1/traces") == "https://proxy/sidecar/v1/saga/presence"
+    )
+
+
+@pytest.mark.parametrize("presence", ["on", "off"])
+async def test_a_killed_agent_is_orphaned_half_a_second_after_its_connection_closes(
+    tmp_path: Path, presence: str
+) -> None:
+    script = tmp_path / "agent.py"
+    script.write_text(AGENT)
+    clock = Clock()  # the sidecar's: the test moves it, never waits for it
+    settings = Settings(otlp_http_port=0, otlp_grpc_port=0, api_port=0, db_path=tmp_path / "db")
+    async with Sidecar(settings, clock=clock) as sidecar:
+        agent = await asyncio.create_subprocess_exec(
+            sys.executable,
+            str(script),
+            f"http://127.0.0.1:{sidecar.otlp_http_port}",
+            presence,
+            stdout=asyncio.subprocess.PIPE,
+        )
+        assert agent.stdout is not None
+        hello = json.loads(await agent.stdout.readline())
+        run_id, instance = hello["run_id"], hello["instance"]
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 30
+        base, started = clock.now, loop.time()
+        # Two heartbeats (it sends at once: the three-interval rule) and, when on, its
+        # live connection open.
+        while (
+            sidecar.state.instance_count() == 0
+            or not sidecar.state._instances[instance].gaps
+            or (presence == "on" and instance not in sidecar._presence)
+        ):
+            assert loop.time() < deadline, "the agent never beat twice / never connected"
+            await asyncio.sleep(0.02)
+            clock.now = base + loop.time() - started  # in step until the kill, then frozen
+        agent.kill()  # SIGKILL: no goodbye, no last span
+        await agent.wait()
+        if presence == "on":
+            while instance in sidecar._presence:  # the kernel closed its connection
+                assert loop.time() < deadline
+                await asyncio.sleep(0.01)
+        else:
+            await asyncio.sleep(0.3)  # nothing to wait for: no connection to close
+        clock.now += 0.6  # past the 0.5 s grace, well inside three 1 s intervals
+        sidecar.tick()
+        expected = sc.STATE_ORPHANED if presence == "on" else sc.STATE_RUNNING
+        assert sidecar.state.status(run_id) == expected
+        clock.now += 3.0  # heartbeats alone: three intervals
+        sidecar.tick()
+        assert sidecar.state.status(run_id) == sc.STATE_ORPHANED
