@@ -10,6 +10,7 @@ is not counted again.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -30,6 +31,7 @@ FINISHED = frozenset(
         sc.STATE_RECOVERED,
     }
 )
+_COUNTED = frozenset({sc.PHASE_DO, sc.PHASE_COMPENSATE, sc.PHASE_UNWIND})
 _STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 _UNWIND_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 1800, 3600)
 
@@ -37,6 +39,7 @@ _UNWIND_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 1800, 3600)
 class StreamMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self._seen: set[tuple[str, str]] = set()
+        self._children: dict[tuple[Any, ...], Any] = {}
 
         def counter(name: str, doc: str, *labels: str) -> Counter:
             return Counter(name, doc, ["saga", "service", *labels], registry=registry)
@@ -95,32 +98,61 @@ class StreamMetrics:
         )
 
     def spans(self, spans: Iterable[SpanRecord], state: RunState) -> None:
-        """Count newly stored saga spans (folded into ``state`` already)."""
+        """Count newly stored saga spans (folded into ``state`` already).
+
+        Counts are summed per label set over the batch first: one increment per
+        label set, not per span (a Prometheus increment takes a lock).
+        """
+        counts: dict[tuple[Any, ...], int] = {}
+        observe = self._observe
+        labelled: dict[tuple[object, str], tuple[str, str]] = {}  # a batch is a few runs
         for span in spans:
             attrs = span.attributes
             phase = attrs.get(sc.SAGA_PHASE)
-            if phase not in (sc.PHASE_DO, sc.PHASE_COMPENSATE, sc.PHASE_UNWIND):
+            if phase not in _COUNTED:
                 continue
-            saga, service = self._labels(span, state)
+            where = (attrs.get(sc.SAGA_RUN_ID), span.service)
+            found = labelled.get(where)
+            if found is None:
+                found = labelled[where] = self._labels(span, state)
+            saga, service = found
             if phase == sc.PHASE_UNWIND:
-                self.unwinds.labels(saga, service).inc()
+                key: tuple[Any, ...] = (self.unwinds, saga, service)
+                counts[key] = counts.get(key, 0) + 1
                 continue
             step = str(attrs.get(sc.SAGA_STEP_NAME) or "")
             ok = span.ok
-            self.steps.labels(saga, service, step, phase, "ok" if ok else "error").inc()
-            self.step_duration.labels(saga, service, step, phase).observe(
-                max(0.0, span.end - span.start)
-            )
+            keys: list[tuple[Any, ...]] = [
+                (self.steps, saga, service, step, phase, "ok" if ok else "error")
+            ]
+            observe(self.step_duration, (saga, service, step, phase), span.end - span.start)
             if int(attrs.get(sc.SAGA_STEP_ATTEMPT, 1)) > 1:
-                self.step_retries.labels(saga, service, step, phase).inc()
+                keys.append((self.step_retries, saga, service, step, phase))
             if phase == sc.PHASE_COMPENSATE:
                 tool = str(attrs.get(sc.SAGA_COMPENSATION_TOOL) or "")
                 outcome = "ok" if ok else "failed"
-                self.compensations.labels(saga, service, step, tool, outcome).inc()
+                keys.append((self.compensations, saga, service, step, tool, outcome))
             elif ok and is_pivot(
                 attrs.get(sc.SAGA_STEP_CLASS), attrs.get(sc.SAGA_STEP_PIVOT) is True
             ):
-                self.pivots.labels(saga, service, step).inc()
+                keys.append((self.pivots, saga, service, step))
+            for key in keys:
+                counts[key] = counts.get(key, 0) + 1
+        child = self._child
+        for (metric, *labels), n in counts.items():
+            child(metric, *labels).inc(n)
+
+    def _observe(self, metric: Histogram, labels: tuple[str, ...], value: float) -> None:
+        self._child(metric, *labels).observe(max(0.0, value))
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        # labels() costs more than the increment, per span on the intake path: keep the
+        # children (bounded by the label sets: sagas x services x steps).
+        key = (id(metric), *labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found
 
     def transitions(self, transitions: Iterable[Transition], state: RunState) -> None:
         """Count status changes: runs started, finished by status, orphaned."""
