@@ -239,9 +239,7 @@ def test_no_page_while_alive_then_orphaned_after_kill_9(setup: Setup, tmp_path: 
     finally:
         agent.kill()
     assert agent.proc.returncode == -signal.SIGKILL
-    page = wait_until(
-        lambda: setup.sink.find(sc.ALERT_RUN_ORPHANED, run_id), 30, "SagaRunOrphaned"
-    )
+    page = wait_until(lambda: setup.sink.find(sc.ALERT_RUN_ORPHANED, run_id), 30, "SagaRunOrphaned")
     assert isinstance(page, dict) and page["severity"] == "critical"
     view = setup.view(run_id)
     assert view["status"] == "orphaned"
