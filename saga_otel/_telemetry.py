@@ -317,6 +317,7 @@ class Instrumentation:
                 span.set_status(Status(StatusCode.OK))
             else:
                 span.record_exception(exc)
+                span.set_attribute(sc.ERROR_TYPE, type(exc).__qualname__)
                 span.set_status(Status(StatusCode.ERROR, describe_error(exc)))
             span.end()
 

@@ -123,6 +123,10 @@ SAGA_HEARTBEAT_INTERVAL_S: Final = "saga.heartbeat.interval_s"
 GEN_AI_OPERATION_NAME: Final = "gen_ai.operation.name"
 GEN_AI_OPERATION_EXECUTE_TOOL: Final = "execute_tool"
 GEN_AI_TOOL_NAME: Final = "gen_ai.tool.name"
+# The model's id for the tool call (optional; on do spans of calls a model made).
+GEN_AI_TOOL_CALL_ID: Final = "gen_ai.tool.call.id"
+# OpenTelemetry's general attribute: the failure's class, on a do/compensate span with status ERROR.
+ERROR_TYPE: Final = "error.type"
 
 # --- values ---------------------------------------------------------------
 STATUS_COMPLETED: Final = "completed"

@@ -76,7 +76,9 @@ def test_library_only_install_has_no_server_stack_and_runs_an_agent(
 
     # A folder with the examples and nothing else: saga_otel must come from the venv.
     agent_dir = tmp_path / "agent"
-    shutil.copytree(ROOT / "examples", agent_dir / "examples")
+    shutil.copytree(
+        ROOT / "examples", agent_dir / "examples", ignore=shutil.ignore_patterns("node_modules")
+    )
     env = {"PATH": "/usr/bin:/bin", "SAGA_OTEL_LOG_LEVEL": "ERROR"}
 
     listed = _run([py, "-c", LIST_DISTRIBUTIONS], agent_dir, env)
