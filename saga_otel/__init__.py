@@ -22,6 +22,7 @@ from saga_otel._recovery import (
     NothingToRecoverError,
     RecoveryRefusedError,
     fetch_run,
+    find_run_id,
     recover,
 )
 from saga_otel._registry import CallInfo, Tool, ToolRegistry, tool
@@ -70,6 +71,7 @@ __all__ = [
     "configure",
     "current_call",
     "fetch_run",
+    "find_run_id",
     "idempotency_key",
     "observed",
     "observed_run",

@@ -12,7 +12,7 @@ import json
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from saga_otel import __version__
 from saga_otel._config import configure
@@ -24,6 +24,7 @@ from saga_otel._recovery import (
     ENV_SIDECAR_API,
     NothingToRecoverError,
     RecoveryRefusedError,
+    find_run_id,
     recover_with_hints,
 )
 from saga_otel._registry import ToolRegistry
@@ -73,6 +74,8 @@ def load_registry(spec: str) -> ToolRegistry:
                 f"{spec!r} is a callable that needs arguments ({exc}); point at a "
                 "ToolRegistry or a factory that takes none"
             ) from exc
+        except Exception as exc:  # the user's factory: its error, in one line
+            raise _BadTools(f"the factory {spec!r} failed: {type(exc).__name__}: {exc}") from exc
     if not isinstance(obj, ToolRegistry):
         raise _BadTools(f"{spec!r} is a {type(obj).__name__}, not a ToolRegistry")
     return obj
@@ -95,13 +98,22 @@ def _lease_ttl(text: str) -> float:
     return value
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage mistakes in one line naming the fix (``-h`` shows the whole usage)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} -h)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The whole command line; defaults read the environment when it is built."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="saga-otel", description="saga-otel: compensation stacks for agents' tool calls."
     )
     parser.add_argument("--version", action="version", version=f"saga-otel {__version__}")
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    commands = parser.add_subparsers(
+        dest="command", metavar="COMMAND", required=True, parser_class=_Parser
+    )
     rec = commands.add_parser(
         "recover",
         help="unwind a dead agent's run from this process",
@@ -188,9 +200,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     token: str | None = args.token
     headers = {"Authorization": f"Bearer {token}"} if token else None
     export = configure(args.otlp, headers=headers)
+    run_id = args.run_id
     try:
+        # Any unique prefix of the id, as `saga-sidecar runs list` prints it.
+        run_id = find_run_id(args.run_id, args.sidecar, token=token, cli=True)
         report = recover_with_hints(
-            args.run_id,
+            run_id,
             tools=tools,
             sidecar=args.sidecar,
             token=token,
@@ -207,7 +222,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     except NothingToRecoverError as exc:
         if args.as_json:
-            outcome = {"run_id": args.run_id, "outcome": "nothing_to_do", "status": exc.status}
+            outcome = {"run_id": run_id, "outcome": "nothing_to_do", "status": exc.status}
             print(json.dumps({**outcome, "message": str(exc)}))
         else:
             print(f"saga-otel: {exc}")

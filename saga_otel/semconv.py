@@ -7,6 +7,7 @@ contract itself is ``docs/semantic-conventions.md``.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Final
 from urllib.parse import quote
 
@@ -107,6 +108,27 @@ def run_id_segment(run_id: str) -> str:
     """
     segment = quote(run_id, safe="")
     return segment.replace(".", "%2E") if segment in (".", "..") else segment
+
+
+def run_id_match_problem(given: str, known: Iterable[str]) -> tuple[str | None, str | None]:
+    """The one rule for naming a run by a prefix of its id, as people type it.
+
+    ``known`` are run ids the sidecar has that start with ``given``. Returns
+    ``(run_id, None)`` for ``given`` itself or its one match, else ``(None, problem)``
+    naming the candidates or saying none matched.
+    """
+    ids = sorted(set(known))
+    if given in ids:
+        return given, None
+    if len(ids) == 1:
+        return ids[0], None
+    if not ids:
+        return None, (
+            f"no run {given!r}, and no run id starts with it: check the id with "
+            "`saga-sidecar runs list` (finished runs are pruned after the retention)"
+        )
+    shown = ", ".join(ids[:10]) + (f" and {len(ids) - 10} more" if len(ids) > 10 else "")
+    return None, f"run id prefix {given!r} matches {len(ids)} runs ({shown}): give more characters"
 
 
 # --- unwind / escalate ----------------------------------------------------

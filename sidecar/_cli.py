@@ -310,22 +310,12 @@ def _request(api: str, token: str | None, method: str, path: str, **kw: Any) -> 
 
 
 def _full_id(api: str, token: str | None, given: str) -> str:
-    """The run id ``given`` names: itself when known, else the one run it is a prefix of."""
+    """The run id ``given`` names (any unique prefix; the rule is the contract's)."""
     body = _request(api, token, "GET", "/runs", params={"id_prefix": given, "limit": 1000})
-    ids = [r["run_id"] for r in body["runs"]]
-    if given in ids:
-        return given
-    if len(ids) == 1:
-        return str(ids[0])
-    if not ids:
-        raise ApiError(
-            f"no run {given!r}, and no run id starts with it: list runs with "
-            "`saga-sidecar runs list` (finished runs are pruned after the retention)"
-        )
-    shown = ", ".join(sorted(ids)[:10]) + (f" and {len(ids) - 10} more" if len(ids) > 10 else "")
-    raise ApiError(
-        f"run id prefix {given!r} matches {len(ids)} runs ({shown}): give more characters"
-    )
+    run_id, problem = sc.run_id_match_problem(given, (str(r["run_id"]) for r in body["runs"]))
+    if run_id is None:
+        raise ApiError(problem)
+    return run_id
 
 
 @main.group()

@@ -16,7 +16,8 @@ SAGA_OTEL = [
     "RecoveryRefusedError", "RetryPolicy", "Run",
     "RunStatus", "Saga", "SagaError", "SagaReport", "SidecarExport", "Step", "StepClass",
     "StepRecord", "StepRefusedError", "SyncRun", "Tool", "ToolRegistry", "UnknownToolError",
-    "ValidationRejectedError", "configure", "current_call", "fetch_run", "idempotency_key",
+    "ValidationRejectedError", "configure", "current_call", "fetch_run", "find_run_id",
+    "idempotency_key",
     "observed", "observed_run", "recover", "start_metrics_server", "tool",
 ]  # fmt: skip
 SIDECAR = [
