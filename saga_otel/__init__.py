@@ -20,6 +20,7 @@ from saga_otel._metrics import start_metrics_server
 from saga_otel._observe import ObservedRun, observed, observed_run
 from saga_otel._recovery import fetch_run, recover
 from saga_otel._registry import CallInfo, Tool, ToolRegistry, tool
+from saga_otel._telemetry import tool_call_id
 from saga_otel.records import (
     Compensation,
     CompensationOutcome,
@@ -69,4 +70,5 @@ __all__ = [
     "recover",
     "start_metrics_server",
     "tool",
+    "tool_call_id",
 ]

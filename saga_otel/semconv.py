@@ -86,6 +86,8 @@ SAGA_HEARTBEAT_INTERVAL_S: Final = "saga.heartbeat.interval_s"
 GEN_AI_OPERATION_NAME: Final = "gen_ai.operation.name"
 GEN_AI_OPERATION_EXECUTE_TOOL: Final = "execute_tool"
 GEN_AI_TOOL_NAME: Final = "gen_ai.tool.name"
+# The id the model (or framework) gave this tool call; on do spans run through an adapter.
+GEN_AI_TOOL_CALL_ID: Final = "gen_ai.tool.call.id"
 
 # --- values ---------------------------------------------------------------
 STATUS_COMPLETED: Final = "completed"
