@@ -35,6 +35,13 @@ def test_refund_agent_example_escalates_a_stuck_run() -> None:
     assert "You must decide" in out
 
 
+def test_mcp_refund_agent_example_unwinds_through_the_mcp_tools() -> None:
+    out = run("examples.mcp_refund_agent", "--mail-down")
+    assert "reverse_credit(credit_id=result.credit_id)" in out  # the review came first
+    assert ": compensated" in out and "'amount': -2500" in out and "'T-9104': 'open'" in out
+    assert ": completed" in run("examples.mcp_refund_agent")
+
+
 def test_release_saga_example_validates_up_front() -> None:
     assert ": rejected" in run("examples.release_saga", "--bad-metadata")
     out = run("examples.release_saga", "--flag-down")
@@ -63,6 +70,7 @@ def test_every_example_reaches_a_sidecar_through_the_environment(tmp_path: Path)
         "examples.refund_agent": ("refund", ["--mail-down"]),
         "examples.release_saga": ("release", []),
         "examples.own_runner": ("refund", []),
+        "examples.mcp_refund_agent": ("refund", ["--mail-down"]),
         "examples.metrics_agent": ("refund", ["--scenarios", "1", "--interval", "0"]),
     }
     with start_sidecar(tmp_path) as sc:
