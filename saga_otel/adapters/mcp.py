@@ -28,9 +28,9 @@ from __future__ import annotations
 import inspect
 import json
 import keyword
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any, Literal, Protocol
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 try:
     import mcp.types as mcp_types
@@ -40,15 +40,24 @@ except ImportError as exc:  # pragma: no cover - exercised by the library-only i
     ) from exc
 
 from saga_otel import (
-    CallInfo,
     ConfigurationError,
-    RetryPolicy,
     Run,
     SagaError,
     StepClass,
     Tool,
     ToolRegistry,
     tool_call_id,
+)
+from saga_otel.adapters._declare import (
+    Declare,
+    Described,
+    ToolMapping,
+    Unannotated,
+    describe,
+    map_declared,
+    refusal,
+    review,
+    undo_recipe,
 )
 
 __all__ = [
@@ -64,10 +73,6 @@ __all__ = [
     "map_tools",
     "review",
 ]
-
-IDEMPOTENCY_PARAM = "idempotency_key"
-_PATH_ROOTS = ("args", "result", "snapshot")
-Unannotated = Literal["refuse", "irreversible"]
 
 
 class McpSession(Protocol):
@@ -88,51 +93,6 @@ class McpToolError(SagaError):
         super().__init__(f"MCP tool {tool!r} returned an error: {text or '(no text)'}")
         self.tool = tool
         self.result = result
-
-
-ArgsSpec = Mapping[str, Any] | Callable[[CallInfo], Mapping[str, Any]]
-
-
-@dataclass(frozen=True, slots=True)
-class Declare:
-    """What the user says about one MCP tool, overriding or completing its annotations.
-
-    ``undo`` names another tool of the same server that undoes this one.
-    ``undo_args`` maps the undo's parameters to paths into the call,
-    ``"result.credit_id"``, ``"args.ticket_id"``, ``"snapshot.status"`` (a
-    non-string value is a constant), or is a function of the
-    :class:`~saga_otel.CallInfo` (whose ``result`` is the decoded result).
-    Without it, the undo's parameters are filled by name from the snapshot,
-    the result and the arguments. ``snapshot`` names a read tool called with the
-    do's arguments before the write: the tool becomes ``reversible``.
-    """
-
-    step_class: StepClass | str | None = None
-    undo: str | None = None
-    undo_args: ArgsSpec | None = None
-    snapshot: str | None = None
-    describe: str | Callable[[CallInfo], str] | None = None
-    pivot: bool = False
-    retry: RetryPolicy | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class ToolMapping:
-    """One tool's row in the review: its class, where the class came from, its undo."""
-
-    name: str
-    step_class: StepClass | None  # None: unclassified
-    source: Literal["annotations", "declared", "default", "unclassified"]
-    hints: str
-    pivot: bool = False
-    undo: str | None = None
-    undo_args: str = ""
-    snapshot: str | None = None
-    destructive: bool = False
-
-    @property
-    def is_pivot(self) -> bool:
-        return self.pivot or self.step_class is StepClass.IRREVERSIBLE
 
 
 def _hints(ann: mcp_types.ToolAnnotations | None) -> dict[str, bool]:
@@ -180,25 +140,6 @@ def _hint_text(ann: mcp_types.ToolAnnotations | None) -> str:
     return ",".join(f"{k[: -len('Hint')]}={'y' if v else 'n'}" for k, v in hints.items()) or "-"
 
 
-def _args_text(spec: ArgsSpec | None) -> str:
-    if spec is None:
-        return "(by name)"
-    if callable(spec):
-        return f"{getattr(spec, '__name__', 'function')}(call)"
-    return ", ".join(f"{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in spec.items())
-
-
-def _check_paths(name: str, spec: ArgsSpec | None) -> None:
-    if spec is None or callable(spec):
-        return
-    for key, value in spec.items():
-        if isinstance(value, str) and value.split(".", 1)[0] not in _PATH_ROOTS:
-            raise ConfigurationError(
-                f"MCP tool {name!r}: undo_args[{key!r}]={value!r} is not a path into the call; "
-                "start it with result., args. or snapshot (e.g. 'result.credit_id')"
-            )
-
-
 def map_tools(
     tools: Sequence[mcp_types.Tool],
     declare: Mapping[str, Declare] | None = None,
@@ -211,118 +152,13 @@ def map_tools(
     hold: an unknown tool or undo, or a destructive tool mapped to anything but
     ``irreversible`` without an undo.
     """
-    declare = dict(declare or {})
-    names = {t.name for t in tools}
-    unknown = sorted(set(declare) - names)
-    if unknown:
-        raise ConfigurationError(
-            f"declarations name tools the MCP server does not offer: {', '.join(unknown)} "
-            f"(it offers: {', '.join(sorted(names)) or 'none'}); fix the names"
+    described = [
+        Described(
+            t.name, classify(t.annotations), _destructive(t.annotations), _hint_text(t.annotations)
         )
-    if unannotated not in ("refuse", "irreversible"):
-        raise ConfigurationError(
-            f"unannotated={unannotated!r}: use 'refuse' (the default) or 'irreversible'"
-        )
-    rows: list[ToolMapping] = []
-    for t in tools:
-        d = declare.get(t.name)
-        hints, destructive = _hint_text(t.annotations), _destructive(t.annotations)
-        derived = classify(t.annotations)
-        if d is None:
-            if derived is None and unannotated == "irreversible":
-                rows.append(
-                    ToolMapping(t.name, StepClass.IRREVERSIBLE, "default", hints, destructive=True)
-                )
-            elif derived is None:
-                rows.append(ToolMapping(t.name, None, "unclassified", hints))
-            else:
-                rows.append(
-                    ToolMapping(t.name, derived, "annotations", hints, destructive=destructive)
-                )
-            continue
-        for role, other in (("undo", d.undo), ("snapshot", d.snapshot)):
-            if other is not None and other not in names:
-                raise ConfigurationError(
-                    f"MCP tool {t.name!r} names {other!r} as its {role}, which the server does "
-                    f"not offer (it offers: {', '.join(sorted(names))}); name one of its tools"
-                )
-        if d.snapshot is not None and d.undo is None:
-            raise ConfigurationError(
-                f"MCP tool {t.name!r} has a snapshot but no undo: add undo='<tool that writes "
-                "the value back>' (often the tool itself)"
-            )
-        _check_paths(t.name, d.undo_args)
-        if d.step_class is not None:
-            cls = StepClass.parse(d.step_class)
-        elif d.undo is not None:
-            cls = StepClass.REVERSIBLE if d.snapshot is not None else StepClass.COMPENSABLE
-        elif derived is not None:
-            cls = derived
-        elif unannotated == "irreversible":
-            cls = StepClass.IRREVERSIBLE
-        else:
-            rows.append(ToolMapping(t.name, None, "unclassified", hints, pivot=d.pivot))
-            continue
-        if d.undo is not None and not cls.pushes:
-            raise ConfigurationError(
-                f"MCP tool {t.name!r} declares undo={d.undo!r} but class {cls.value}, which "
-                "keeps no undo: declare it compensable (or reversible with a snapshot)"
-            )
-        if cls.pushes and d.undo is None:
-            raise ConfigurationError(
-                f"MCP tool {t.name!r} is declared {cls.value} but names no undo: add "
-                "undo='<tool of the same server that undoes it>'"
-            )
-        if destructive and d.undo is None and cls is not StepClass.IRREVERSIBLE:
-            raise ConfigurationError(
-                f"MCP tool {t.name!r} is destructive ({hints}) and has no undo, so it can only "
-                f"be irreversible, not {cls.value}: declare undo='<tool that undoes it>' or "
-                "drop the class override"
-            )
-        rows.append(
-            ToolMapping(
-                t.name,
-                cls,
-                "declared",
-                hints,
-                pivot=d.pivot,
-                undo=d.undo,
-                undo_args=_args_text(d.undo_args) if d.undo else "",
-                snapshot=d.snapshot,
-                destructive=destructive,
-            )
-        )
-    return rows
-
-
-def review(rows: Iterable[ToolMapping]) -> str:
-    """The mapping as a table a person reads before the agent runs."""
-    head = ("tool", "class", "pivot", "from", "hints", "undo")
-    lines = [head]
-    for r in rows:
-        undo = "-"
-        if r.undo:
-            undo = f"{r.undo}({r.undo_args})"
-            if r.snapshot:
-                undo += f" after snapshot {r.snapshot}"
-        cls = r.step_class.value if r.step_class else "UNCLASSIFIED"
-        lines.append((r.name, cls, "yes" if r.is_pivot else "", r.source, r.hints, undo))
-    widths = [max(len(line[i]) for line in lines) for i in range(len(head) - 1)]
-    return "\n".join(
-        "  ".join(c.ljust(w) for c, w in zip(line[:-1], widths, strict=True)) + "  " + line[-1]
-        for line in lines
-    )
-
-
-def _refusal(rows: Sequence[ToolMapping]) -> str | None:
-    missing = [r.name for r in rows if r.step_class is None]
-    if not missing:
-        return None
-    return (
-        f"MCP tools with no annotations and no declaration: {', '.join(missing)}. Declare "
-        "each one's class (declare={name: Declare(step_class=...)}), or pass "
-        "unannotated='irreversible' to treat them all as pivots"
-    )
+        for t in tools
+    ]
+    return map_declared(described, declare, unannotated=unannotated, where="the MCP server")
 
 
 def decode_result(result: mcp_types.CallToolResult) -> Any:
@@ -338,54 +174,13 @@ def decode_result(result: mcp_types.CallToolResult) -> Any:
         return texts[0]
 
 
-def _lookup(info: CallInfo, path: str) -> Any:
-    root, *rest = path.split(".")
-    value: Any = {"args": info.args, "result": info.result, "snapshot": info.snapshot}[root]
-    for part in rest:
-        if isinstance(value, Mapping):
-            value = value[part]
-        elif isinstance(value, list | tuple) and part.isdigit():
-            value = value[int(part)]
-        else:
-            raise KeyError(f"{path!r}: {part!r} not found in {value!r}")
-    return value
-
-
-def _decoded(info: CallInfo) -> CallInfo:
-    result = info.result
-    return replace(
-        info,
-        result=decode_result(result) if isinstance(result, mcp_types.CallToolResult) else result,
-    )
-
-
-def _undo_recipe(spec: ArgsSpec | None, undo_params: Sequence[str]) -> Callable[..., Any]:
-    def recipe(info: CallInfo) -> Mapping[str, Any]:
-        info = _decoded(info)
-        if callable(spec):
-            return dict(spec(info))
-        if spec is not None:
-            return {k: _lookup(info, v) if isinstance(v, str) else v for k, v in dict(spec).items()}
-        # By name: the snapshot's fields, then the result's, then the do's own arguments.
-        pool: dict[str, Any] = dict(info.args)
-        for source in (info.result, info.snapshot):
-            if isinstance(source, Mapping):
-                pool.update(source)
-        return {p: pool[p] for p in undo_params if p in pool and p != IDEMPOTENCY_PARAM}
-
-    return recipe
-
-
-def _describe(d: Declare) -> str | Callable[[CallInfo], str] | None:
-    if callable(d.describe):
-        user = d.describe
-        return lambda info: user(_decoded(info))
-    return d.describe
-
-
 def _params(t: mcp_types.Tool) -> list[str]:
     props = t.input_schema.get("properties") or {}
     return [str(p) for p in props]
+
+
+def _decode(result: Any) -> Any:
+    return decode_result(result) if isinstance(result, mcp_types.CallToolResult) else result
 
 
 def _caller(session: McpSession, t: mcp_types.Tool) -> Callable[..., Any]:
@@ -495,9 +290,9 @@ def build_tools(
     """:func:`load_tools` on tool definitions already listed."""
     declare = dict(declare or {})
     rows = map_tools(definitions, declare, unannotated=unannotated)
-    refusal = _refusal(rows)
-    if refusal is not None:
-        raise ConfigurationError(refusal)
+    refused = refusal(rows)
+    if refused is not None:
+        raise ConfigurationError(refused)
     by_name = {t.name: t for t in definitions}
     registry = ToolRegistry()
     for row in rows:
@@ -510,9 +305,11 @@ def build_tools(
                 step_class=row.step_class,
                 compensate=row.undo,
                 compensate_args=(
-                    _undo_recipe(d.undo_args, _params(by_name[row.undo])) if row.undo else None
+                    undo_recipe(d.undo_args, _params(by_name[row.undo]), _decode)
+                    if row.undo
+                    else None
                 ),
-                describe=_describe(d),
+                describe=describe(d, _decode),
                 snapshot=_snapshotter(session, by_name[row.snapshot]) if row.snapshot else None,
                 retry=d.retry,
                 pivot=row.pivot,
@@ -578,4 +375,4 @@ async def review_command(
     async with Client(params) as client:
         definitions = await list_all_tools(client.session)
     rows = map_tools(definitions, declare, unannotated=unannotated)
-    return rows, _refusal(rows)
+    return rows, refusal(rows)

@@ -113,7 +113,7 @@ async def test_load_refuses_unclassified_tools_naming_each() -> None:
         assert {r.name: r.source for r in tools.mappings} == {"ping": "default", "wipe": "default"}
         assert tools.registry.get("ping").step_class is StepClass.IRREVERSIBLE
         declared = {"ping": Declare(step_class="read")}
-        with pytest.raises(ConfigurationError, match="declaration: wipe\\."):
+        with pytest.raises(ConfigurationError, match=r"no declaration\): wipe\."):
             await load_tools(bare.session, declared)
         declared["wipe"] = Declare(step_class="irreversible")
         tools = await load_tools(bare.session, declared)
@@ -313,7 +313,7 @@ def test_cli_exits_1_listing_unclassified_tools(capsys: pytest.CaptureFixture[st
     captured = capsys.readouterr()
     assert "UNCLASSIFIED" in captured.out
     (line,) = captured.err.splitlines()
-    assert "no annotations and no declaration: ping, wipe" in line
+    assert "(no annotations, no declaration): ping, wipe" in line
     args = ["mcp-tools", "--unannotated", "irreversible", sys.executable, "-c", BARE_SERVER]
     assert main(args) == 0
 
