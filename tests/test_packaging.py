@@ -133,7 +133,10 @@ def test_library_only_install_has_no_server_stack_and_runs_an_agent(
     assert "pip install 'saga-otel[sidecar]'" in line and "aiohttp" in line, line
 
     # An adapter without its extra says in one line which extra to install.
-    for module, extra in (("saga_otel.adapters.mcp", "mcp"),):
+    for module, extra in (
+        ("saga_otel.adapters.mcp", "mcp"),
+        ("saga_otel.adapters.pydantic_ai", "pydantic-ai"),
+    ):
         imported = _run([py, "-c", f"import {module}"], agent_dir, env)
         assert imported.returncode == 1
         assert f"pip install 'saga-otel[{extra}]'" in imported.stderr.splitlines()[-1]

@@ -10,10 +10,8 @@ import asyncio
 import itertools
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
-import httpx
 import mcp.types as mt
 import pytest
 from mcp import Client
@@ -329,38 +327,3 @@ def test_cli_refuses_a_declare_that_is_not_declarations(
     assert "not a dict of tool name to Declare" in capsys.readouterr().err
     assert main(["mcp-tools", "/nonexistent/server"]) == 2
     assert "cannot list the tools" in capsys.readouterr().err
-
-
-def test_the_sidecar_shows_the_mcp_run_as_it_shows_the_native_one(tmp_path: Path) -> None:
-    """The same refund, native (run.call) and through MCP, folds into the same run view."""
-    import subprocess
-
-    from saga_otel.testing import start_sidecar
-
-    def shape(view: dict[str, Any]) -> Any:
-        steps = [
-            (s["name"], s["class"], s["pivot"], s["ok"], s["compensated"],
-             (s["compensation"] or {}).get("tool"))
-            for s in view["steps"]
-        ]  # fmt: skip
-        return view["status"], view["failed_step"], steps
-
-    root = Path(__file__).resolve().parents[3]
-    views = []
-    with start_sidecar(tmp_path) as sidecar:
-        for module in ("examples.refund_agent", "examples.mcp_refund_agent"):
-            env = {
-                "PATH": "/usr/bin:/bin",
-                "SAGA_OTEL_LOG_LEVEL": "ERROR",
-                "SAGA_OTEL_SIDECAR_ENDPOINT": sidecar.otlp,
-            }
-            out = subprocess.run(
-                [sys.executable, "-m", module, "--mail-down"],
-                cwd=root, env=env, capture_output=True, text=True, timeout=120, check=True,
-            ).stdout  # fmt: skip
-            run_id = next(line for line in out.splitlines() if line.startswith("run ")).split()[1]
-            run_id = run_id.rstrip(":")
-            views.append(httpx.get(f"{sidecar.api}/runs/{run_id}", timeout=5).json())
-    native, over_mcp = views
-    assert shape(native) == shape(over_mcp)
-    assert over_mcp["status"] == "compensated"
