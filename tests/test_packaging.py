@@ -42,6 +42,7 @@ FRAMEWORKS = {
     "pydantic",
     "langchain-core",
     "langgraph",
+    "langsmith",
     "openai-agents",
     "openai",
 }
@@ -136,6 +137,7 @@ def test_library_only_install_has_no_server_stack_and_runs_an_agent(
     for module, extra in (
         ("saga_otel.adapters.mcp", "mcp"),
         ("saga_otel.adapters.pydantic_ai", "pydantic-ai"),
+        ("saga_otel.adapters.langchain", "langchain"),
     ):
         imported = _run([py, "-c", f"import {module}"], agent_dir, env)
         assert imported.returncode == 1

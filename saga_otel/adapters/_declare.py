@@ -12,11 +12,16 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal, NamedTuple
 
-from saga_otel import CallInfo, ConfigurationError, RetryPolicy, StepClass
+from saga_otel import CallInfo, ConfigurationError, RetryPolicy, SagaError, StepClass
 
 IDEMPOTENCY_PARAM = "idempotency_key"
 _PATH_ROOTS = ("args", "result", "snapshot")
 Unannotated = Literal["refuse", "irreversible"]
+
+
+class ToolErrorUnwind(SagaError):
+    """A tool error the framework would hand to the model, raised to unwind the run instead
+    (``unwind_on_tool_error=True``)."""
 
 
 ArgsSpec = Mapping[str, Any] | Callable[[CallInfo], Mapping[str, Any]]

@@ -40,10 +40,11 @@ except ImportError as exc:  # pragma: no cover - exercised by the library-only i
         "saga_otel.adapters.pydantic_ai needs pydantic-ai: pip install 'saga-otel[pydantic-ai]'"
     ) from exc
 
-from saga_otel import ConfigurationError, Run, SagaError, Tool, ToolRegistry, tool_call_id
+from saga_otel import ConfigurationError, Run, Tool, ToolRegistry, tool_call_id
 from saga_otel.adapters._declare import (
     Declare,
     Described,
+    ToolErrorUnwind,
     ToolMapping,
     Unannotated,
     describe,
@@ -54,10 +55,6 @@ from saga_otel.adapters._declare import (
 )
 
 __all__ = ["Declare", "SagaTools", "ToolErrorUnwind", "ToolMapping"]
-
-
-class ToolErrorUnwind(SagaError):
-    """A tool error the framework would hand to the model, raised to unwind the run instead."""
 
 
 # (tool name, toolset, ctx, toolset tool) of the model's call in flight, for the registry tool.
