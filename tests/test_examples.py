@@ -56,6 +56,13 @@ def test_langgraph_refund_agent_example_unwinds_through_the_langchain_tools() ->
     assert ": completed" in run("examples.langgraph_refund_agent")
 
 
+def test_openai_agents_refund_agent_example_unwinds_through_the_function_tools() -> None:
+    out = run("examples.openai_agents_refund_agent", "--mail-down")
+    assert "reverse_credit(credit_id=result.credit_id)" in out  # the review came first
+    assert ": compensated" in out and "'amount': -2500" in out and "'T-9104': 'open'" in out
+    assert ": completed" in run("examples.openai_agents_refund_agent")
+
+
 def test_release_saga_example_validates_up_front() -> None:
     assert ": rejected" in run("examples.release_saga", "--bad-metadata")
     out = run("examples.release_saga", "--flag-down")
@@ -87,6 +94,7 @@ def test_every_example_reaches_a_sidecar_through_the_environment(tmp_path: Path)
         "examples.mcp_refund_agent": ("refund", ["--mail-down"]),
         "examples.pydantic_ai_refund_agent": ("refund", ["--mail-down"]),
         "examples.langgraph_refund_agent": ("refund", ["--mail-down"]),
+        "examples.openai_agents_refund_agent": ("refund", ["--mail-down"]),
         "examples.metrics_agent": ("refund", ["--scenarios", "1", "--interval", "0"]),
     }
     with start_sidecar(tmp_path) as sc:
@@ -131,6 +139,7 @@ FRAMEWORK_EXAMPLES = [
     "examples.mcp_refund_agent",
     "examples.pydantic_ai_refund_agent",
     "examples.langgraph_refund_agent",
+    "examples.openai_agents_refund_agent",
 ]
 
 

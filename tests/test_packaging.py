@@ -138,6 +138,7 @@ def test_library_only_install_has_no_server_stack_and_runs_an_agent(
         ("saga_otel.adapters.mcp", "mcp"),
         ("saga_otel.adapters.pydantic_ai", "pydantic-ai"),
         ("saga_otel.adapters.langchain", "langchain"),
+        ("saga_otel.adapters.openai_agents", "openai-agents"),
     ):
         imported = _run([py, "-c", f"import {module}"], agent_dir, env)
         assert imported.returncode == 1
