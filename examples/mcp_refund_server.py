@@ -2,11 +2,14 @@
 
 ``refund_server(world)`` builds it in process (tests and the example connect to it
 through memory streams); ``python -m examples.mcp_refund_server`` serves a fresh
-world over stdio, for ``saga-otel mcp-tools`` to review.
+world over stdio, for ``saga-otel mcp-tools`` to review, and ``--http PORT`` over
+streamable HTTP on 127.0.0.1 (``http://127.0.0.1:PORT/mcp``), so an agent and a
+recovery process use the same server.
 """
 
 from __future__ import annotations
 
+import argparse
 from typing import Any
 
 from mcp.server.mcpserver import MCPServer
@@ -35,6 +38,10 @@ def refund_server(world: World) -> MCPServer:
     def get_ticket(ticket_id: str) -> dict[str, Any]:
         return {"ticket_id": ticket_id, "status": world.ticket_status(ticket_id)}
 
+    @server.tool(annotations=READ)
+    def get_balance(order_id: int) -> dict[str, Any]:
+        return {"order_id": order_id, "balance": world.balance(order_id)}
+
     @server.tool(annotations=ToolAnnotations(destructive_hint=False, idempotent_hint=False))
     def issue_credit(order_id: int, amount: int, idempotency_key: str = "") -> dict[str, Any]:
         return world.issue_credit(order_id, amount, idempotency_key or None)
@@ -60,5 +67,16 @@ def refund_server(world: World) -> MCPServer:
     return server
 
 
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--http", type=int, metavar="PORT", help="serve HTTP on 127.0.0.1:PORT")
+    ns = parser.parse_args()
+    server = refund_server(World())
+    if ns.http is None:
+        server.run("stdio")
+    else:
+        server.run("streamable-http", host="127.0.0.1", port=ns.http)
+
+
 if __name__ == "__main__":
-    refund_server(World()).run("stdio")
+    main()

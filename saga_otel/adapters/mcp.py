@@ -25,10 +25,16 @@ request id is the client's own), so the caller passes the framework's id as
 
 from __future__ import annotations
 
+import asyncio
+import atexit
+import concurrent.futures
+import dataclasses
 import inspect
 import json
 import keyword
+import threading
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -67,6 +73,7 @@ __all__ = [
     "McpToolError",
     "McpTools",
     "ToolMapping",
+    "blocking_registry",
     "classify",
     "decode_result",
     "load_tools",
@@ -351,6 +358,64 @@ async def load_tools(
         unannotated=unannotated,
         unwind_on_tool_error=unwind_on_tool_error,
     )
+
+
+def blocking_registry(
+    connect: Callable[[], AbstractAsyncContextManager[Any]],
+    declare: Mapping[str, Declare] | None = None,
+    *,
+    unannotated: Unannotated = "refuse",
+    timeout: float = 30.0,
+) -> ToolRegistry:
+    """The server's tools as a registry of plain (blocking) functions: for ``saga-otel recover``.
+
+    ``connect()`` opens a session (an ``mcp.Client``, or anything whose
+    ``async with`` yields a session); it is held open on a background thread's
+    event loop until the process exits, and each call waits at most ``timeout``
+    seconds. The classes, undos and arguments are :func:`load_tools`'s.
+    """
+    loop = asyncio.new_event_loop()
+    ready: concurrent.futures.Future[tuple[McpTools, asyncio.Event]] = concurrent.futures.Future()
+
+    async def hold() -> None:
+        try:
+            async with connect() as opened:
+                session = getattr(opened, "session", opened)
+                tools = await load_tools(session, declare, unannotated=unannotated)
+                stop = asyncio.Event()
+                ready.set_result((tools, stop))
+                await stop.wait()
+        except BaseException as exc:
+            if ready.done():
+                raise
+            ready.set_exception(exc)
+
+    thread = threading.Thread(
+        target=loop.run_until_complete, args=(hold(),), name="saga-otel-mcp", daemon=True
+    )
+    thread.start()
+    tools, stop = ready.result(timeout)
+
+    def close() -> None:
+        loop.call_soon_threadsafe(stop.set)
+        thread.join(timeout)
+
+    atexit.register(close)
+
+    def blocking(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(**kwargs: Any) -> Any:
+            return asyncio.run_coroutine_threadsafe(fn(**kwargs), loop).result(timeout)
+
+        call.__signature__ = inspect.signature(fn)  # type: ignore[attr-defined]
+        call.__name__ = getattr(fn, "__name__", "mcp_tool")
+        return call
+
+    registry = ToolRegistry()
+    for name in tools.registry:
+        t = tools.registry.get(name)
+        snapshot = blocking(t.snapshot) if t.snapshot is not None else None
+        registry.register(dataclasses.replace(t, fn=blocking(t.fn), snapshot=snapshot))
+    return registry
 
 
 async def review_command(
