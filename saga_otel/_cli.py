@@ -62,6 +62,8 @@ def load_registry(spec: str) -> ToolRegistry:
                 f"{spec!r} is a callable that needs arguments ({exc}); point at a "
                 "ToolRegistry or a factory that takes none"
             ) from exc
+        except SagaError as exc:  # e.g. an MCP registry whose server is down
+            raise _BadTools(f"{spec!r} could not build the registry: {exc}") from exc
     if not isinstance(obj, ToolRegistry):
         raise _BadTools(f"{spec!r} is a {type(obj).__name__}, not a ToolRegistry")
     return obj

@@ -65,6 +65,7 @@ from saga_otel.adapters._declare import (
     review,
     undo_recipe,
 )
+from saga_otel.records import describe_error
 
 __all__ = [
     "BoundSession",
@@ -394,7 +395,15 @@ def blocking_registry(
         target=loop.run_until_complete, args=(hold(),), name="saga-otel-mcp", daemon=True
     )
     thread.start()
-    tools, stop = ready.result(timeout)
+    try:
+        tools, stop = ready.result(timeout)
+    except SagaError:
+        raise
+    except Exception as exc:  # the server is down, the URL wrong, the handshake failed
+        raise ConfigurationError(
+            f"cannot open the MCP session for the registry ({describe_error(exc)}); check that "
+            "the server is up and connect() points at it"
+        ) from exc
 
     def close() -> None:
         loop.call_soon_threadsafe(stop.set)

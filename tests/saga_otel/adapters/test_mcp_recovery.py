@@ -99,3 +99,12 @@ def test_a_killed_mcp_agent_is_recovered_through_the_same_server(
     again = recover(sc, run_id, mcp_server)
     assert again.returncode == 0, again.stderr
     assert world_state(mcp_server) == (0, "open")  # nothing undone twice
+
+
+def test_recover_with_the_mcp_server_down_says_so_in_one_line(
+    sidecar_process: Any, port: int
+) -> None:
+    sc: SidecarProcess = sidecar_process()
+    out = recover(sc, "0" * 32, f"http://127.0.0.1:{port}/mcp")  # nothing listens there
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "cannot open the MCP session" in out.stderr.splitlines()[-1]
