@@ -26,6 +26,7 @@ from saga_otel._recovery import (
     recover,
 )
 from saga_otel._registry import CallInfo, Tool, ToolRegistry, tool
+from saga_otel._telemetry import tool_call_id
 from saga_otel.records import (
     Compensation,
     CompensationOutcome,
@@ -78,4 +79,5 @@ __all__ = [
     "recover",
     "start_metrics_server",
     "tool",
+    "tool_call_id",
 ]

@@ -17,8 +17,8 @@ SAGA_OTEL = [
     "RunStatus", "Saga", "SagaError", "SagaReport", "SidecarExport", "Step", "StepClass",
     "StepRecord", "StepRefusedError", "SyncRun", "Tool", "ToolRegistry", "UnknownToolError",
     "ValidationRejectedError", "configure", "current_call", "fetch_run", "find_run_id",
-    "idempotency_key",
-    "observed", "observed_run", "recover", "start_metrics_server", "tool",
+    "idempotency_key", "observed", "observed_run", "recover", "start_metrics_server", "tool",
+    "tool_call_id",
 ]  # fmt: skip
 SIDECAR = [
     "ApiError", "ConfigError", "DecodeError", "Listener", "RunState", "Settings", "Sidecar",

@@ -419,3 +419,17 @@ async def test_observed_undo_that_cannot_be_stored_is_marked(mode: Driver, bad: 
     assert len(world.ledger) == 1
     # The effect stands with no stored undo: never "compensated".
     assert _one(cap, "run")[sc.SAGA_RUN_STATUS] == "compensation_failed"
+
+
+async def test_tool_call_id_marks_the_do_spans_inside_it_only(cap: Captured) -> None:
+    from saga_otel import tool_call_id
+
+    saga = cap.saga("refund", tools=refund_tools(World()))
+    async with saga.run() as run:
+        with tool_call_id("call_7"):
+            await run.call("get_order", order_id=4921)
+        await run.call("get_order", order_id=4921)
+    first, second = (span_attrs(s) for s in cap.spans(phase="do"))
+    assert first[sc.GEN_AI_TOOL_CALL_ID] == "call_7"
+    assert sc.GEN_AI_TOOL_CALL_ID not in second
+    assert contract_violations(cap.spans()) == []
