@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
 import random
 import sqlite3
 import threading
@@ -36,11 +35,12 @@ from saga_otel.records import backoff_seconds
 
 from ._alerting import Action, AlertEvent
 from ._errors import ConfigError, StoreError
+from ._log import get_logger
 from ._sinks import SINK_KINDS, DeliveryRejected, DeliveryRetry, Sink
 from ._store import prepare_db_file
 
 # Operational logs go with the sidecar's own (stdlib, stderr); alerts use the log sink.
-log = logging.getLogger("sidecar.alerts")
+log = get_logger("sidecar.alerts")
 
 PENDING: Final = "pending"
 DELIVERED: Final = "delivered"
@@ -480,11 +480,13 @@ class Outbox:
                 self._mark(row.id, FAILED, str(exc), sent=False)
                 self._count(row.event.alertname, sink.kind, OUTCOME_FAILED)
                 log.error(
-                    "configuration error: %s refused %s %s for good, not retrying: %s",
-                    sink.name,
-                    row.action,
-                    row.dedup_key,
-                    exc,
+                    "sidecar.alert.rejected",
+                    sink=sink.name,
+                    action=row.action,
+                    dedup_key=row.dedup_key,
+                    error=str(exc),
+                    fix="a configuration error (routing key, URL, token): fix the sink's "
+                    "settings; this alert is not retried",
                 )
             except Exception as exc:
                 # DeliveryRetry, or a bug in a sink: keep the row, never lose the alert.
@@ -493,18 +495,22 @@ class Outbox:
                 delay = self.backoff.delay(failures, self._rng, retry_after)
                 self._mark(row.id, PENDING, f"{type(exc).__name__}: {exc}", sent=False)
                 self._count(row.event.alertname, sink.kind, OUTCOME_RETRIED)
-                log.warning(
-                    "alert %s %s to %s failed (%d in a row), retrying in %.3f s: %s",
-                    row.action,
-                    row.dedup_key,
-                    sink.name,
-                    failures,
-                    delay,
-                    exc,
-                    exc_info=not isinstance(exc, DeliveryRetry),
-                )
+                if failures == 1:
+                    # Once per outage (and once when it ends): the retries are counted
+                    # in saga_sidecar_alerts_total{outcome="retried"}.
+                    log.warning(
+                        "sidecar.sink.down",
+                        sink=sink.name,
+                        action=row.action,
+                        dedup_key=row.dedup_key,
+                        error=f"{type(exc).__name__}: {exc}",
+                        retry_in_s=round(delay, 3),
+                        exc_info=not isinstance(exc, DeliveryRetry),
+                    )
                 await self._sleep(delay)
             else:
+                if failures:
+                    log.info("sidecar.sink.up", sink=sink.name, failed_attempts=failures)
                 failures = 0
                 self._mark(row.id, DELIVERED, None, sent=True)
                 self._count(row.event.alertname, sink.kind, OUTCOME_DELIVERED)
@@ -553,7 +559,8 @@ class Outbox:
             try:
                 await sink.send(_load(text))
             except Exception as exc:
-                log.warning("re-sending firing alerts to %s failed: %s", sink.name, exc)
+                error = f"{type(exc).__name__}: {exc}"
+                log.warning("sidecar.alert.resend_failed", sink=sink.name, error=error)
                 # Try again next interval; the first delivery already succeeded.
             with self._lock:
                 self._db.execute(

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import replace
@@ -38,6 +37,7 @@ from ._leases import (
     renew,
     screen_span,
 )
+from ._log import get_logger
 from ._metrics import SidecarMetrics
 from ._otlp import MAX_ERROR_MESSAGES, Decoded, SpanRecord, span_from_stored
 from ._redact import Redactor
@@ -46,7 +46,7 @@ from ._state import RunState, Transition
 from ._store import Store
 from ._views import RunView
 
-log = logging.getLogger("sidecar")
+log = get_logger("sidecar")
 
 Listener = Callable[[RunView | None, RunView, float], None]
 """``fn(before, after, now)``: called after each committed change to a run view."""
@@ -178,7 +178,7 @@ class Sidecar:
         except BaseException:
             await self.stop()
             raise
-        log.info("sidecar listening %s", self.listening())
+        log.info("sidecar.started", **{k: v for k, v in self.listening().items() if k != "event"})
 
     async def _serve_app(self, app: web.Application, host: str, port: int) -> int:
         # auto_decompress=False: the OTLP handler inflates gzip itself, with a bound
@@ -209,7 +209,9 @@ class Sidecar:
             except asyncio.CancelledError:
                 raise
             except Exception:
-                log.exception("background task %r failed", factory)
+                log.exception(
+                    "sidecar.task.failed", task=getattr(factory, "__qualname__", str(factory))
+                )
 
         self._tasks.append(asyncio.create_task(guarded()))
 
@@ -247,7 +249,7 @@ class Sidecar:
             try:
                 batch.append(span_from_stored(stored.data, stored.service, stored.instance))
             except SidecarError as exc:
-                log.warning("skipping stored span %s: %s", stored.span_id, exc)
+                log.warning("sidecar.rebuild.span_skipped", span_id=stored.span_id, error=str(exc))
             count += 1
         if batch:
             self.state.apply(batch, now)
@@ -261,7 +263,7 @@ class Sidecar:
         for lease in self.store.leases():
             self.state.set_lease(lease)
         if count:
-            log.info("rebuilt %d runs from %d stored spans", len(self.state), count)
+            log.info("sidecar.rebuilt", runs=len(self.state), spans=count)
 
     # --- intake ---------------------------------------------------------------------
 
@@ -310,15 +312,15 @@ class Sidecar:
         stream.transitions(applied.transitions, self.state)
         revived = [t.run_id for t in applied.transitions if t.before == sc.STATE_ORPHANED]
         if revived:
-            log.warning(
-                "%d orphaned run(s) heard from again (late delivery, not a death): %s",
-                len(revived),
-                ", ".join(revived[:5]),
-            )
+            # Late, not dead: their agent spoke again after the orphan mark.
+            log.warning("sidecar.runs.revived", count=len(revived), run_ids=revived[:5])
             try:
                 store.clear_orphaned(revived)
             except StoreError:
-                log.exception("could not clear orphan marks; the next heartbeat clears them")
+                log.exception(
+                    "sidecar.orphan_marks.not_cleared",
+                    fix="they come back at restart, until the agent is heard from again",
+                )
         self._spans_counter(transport, "accepted").inc(len(decoded.spans))
         if decoded.ignored:
             self._spans_counter(transport, "ignored").inc(decoded.ignored)
@@ -404,7 +406,7 @@ class Sidecar:
             raws.append(raw)
         if not refused:
             return decoded, owners, resent
-        log.warning("refused %d saga span(s): %s", refused, "; ".join(errors[-refused:]))
+        log.warning("sidecar.spans.refused", count=refused, errors=errors[-refused:])
         return (
             replace(
                 decoded,
@@ -440,7 +442,11 @@ class Sidecar:
                 fn(before, after, now)
             except Exception:
                 # A listener bug must never cost intake: the change is already stored.
-                log.exception("run listener %r failed for run %s", fn, after["run_id"])
+                log.exception(
+                    "sidecar.listener.failed",
+                    listener=getattr(fn, "__qualname__", str(fn)),
+                    run_id=after["run_id"],
+                )
 
     # --- presence: a live connection per agent process ----------------------------------
 
@@ -475,7 +481,9 @@ class Sidecar:
             try:
                 self.store.mark_orphaned((t.run_id, t.at) for t in transitions)
             except StoreError:
-                log.exception("could not store orphan marks; they are re-derived on restart")
+                log.exception(
+                    "sidecar.orphan_marks.not_stored", fix="they are derived again at restart"
+                )
         if self._listeners:
             for t in transitions:
                 after = self.state.view(t.run_id)
@@ -513,7 +521,7 @@ class Sidecar:
             with contextlib.suppress(StoreError):
                 pruned = self.prune()
                 if pruned:
-                    log.info("pruned %d finished runs past retention", len(pruned))
+                    log.info("sidecar.pruned", runs=len(pruned))
 
     def lease(self, run_id: str, action: LeaseAction, data: object) -> Lease | LeaseRefusal:
         """Grant, renew or release ``run_id``'s recovery lease (rules: ``_leases.py``).
@@ -560,10 +568,10 @@ class Sidecar:
                 self._notify(before, after, now)
             if outcome.override is not None and outcome.override.at == now:
                 log.warning(
-                    "run %r: recovery lease forced behind a live agent by %s: %s",
-                    run_id,
-                    outcome.holder,
-                    outcome.override.reason,
+                    "sidecar.lease.forced",
+                    run_id=run_id,
+                    holder=outcome.holder,
+                    reason=outcome.override.reason,
                 )
         return outcome
 

@@ -7,7 +7,6 @@ spans themselves (the state machine is a function of them) rather than views.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import sqlite3
 import stat
@@ -17,10 +16,11 @@ from pathlib import Path
 
 from ._errors import StoreError
 from ._leases import Lease, LeaseRefusal, Override, Owner
+from ._log import get_logger
 
 SCHEMA_VERSION = 1
 
-log = logging.getLogger("sidecar")
+log = get_logger("sidecar")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -103,11 +103,11 @@ def prepare_db_file(path: Path, *, warn: bool = True) -> None:
     mode = stat.S_IMODE(path.parent.stat().st_mode)
     if warn and not missing and mode & 0o077:
         log.warning(
-            "the database folder %s has mode %s: other users may read the stored tool "
-            "arguments; run `chmod 700 %s` or pick another --db folder",
-            path.parent,
-            oct(mode),
-            path.parent,
+            "sidecar.db_folder.open_to_others",
+            folder=str(path.parent),
+            mode=oct(mode),
+            problem="other users may read the stored tool arguments",
+            fix=f"run `chmod 700 {path.parent}` or pick another --db folder",
         )
     # Create the file 0600 before SQLite does (it would use the umask's mode).
     fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
