@@ -2,12 +2,58 @@
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from saga_otel.testing import AlertReceiver, SidecarProcess, start_sidecar
 
-__all__ = ["AlertReceiver", "SidecarProcess", "start_sidecar", "wait_until"]
+__all__ = [
+    "AlertReceiver",
+    "SidecarProcess",
+    "install_node_agent",
+    "start_sidecar",
+    "wait_until",
+]
+
+NODE_AGENT_DIR = Path(__file__).resolve().parents[1] / "examples" / "node_agent"
+
+
+def _node_installed(folder: Path) -> bool:
+    marker = folder / "node_modules" / ".package-lock.json"  # npm writes it on every install
+    lock = folder / "package-lock.json"
+    return marker.exists() and marker.stat().st_mtime >= lock.stat().st_mtime
+
+
+def install_node_agent() -> Path:
+    """examples/node_agent/agent.mjs with its npm packages installed (``npm ci`` when
+    node_modules is missing or older than package-lock.json; ``--prefer-offline``).
+
+    Raises RuntimeError naming the fix when node/npm are missing or npm ci fails.
+    """
+    npm = shutil.which("npm")
+    if shutil.which("node") is None or npm is None:
+        raise RuntimeError(
+            "the Node.js agent needs node and npm on PATH: run scripts/debian-deps "
+            "(or apt-get install nodejs npm)"
+        )
+    if not _node_installed(NODE_AGENT_DIR):
+        done = subprocess.run(
+            [npm, "ci", "--no-audit", "--no-fund", "--prefer-offline", "--ignore-scripts"],
+            cwd=NODE_AGENT_DIR,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,
+        )
+        if done.returncode != 0:
+            raise RuntimeError(
+                f"npm ci in {NODE_AGENT_DIR} failed ({done.returncode}): "
+                f"{done.stderr.strip()[-2000:]}"
+            )
+    return NODE_AGENT_DIR / "agent.mjs"
 
 
 def wait_until(probe: Callable[[], object], timeout: float = 30.0, what: str = "") -> object:

@@ -6,6 +6,10 @@ sidecar; the sidecar delivers its alerts to a webhook served here. Prometheus
 (scrape and rule evaluation every 1 s) loads alerts/saga-rules.yml. Then every
 dashboard query must return a finite value, every metric the rules and the
 dashboard name must be in the live /metrics output, and the rules must evaluate.
+
+A second stack has no Python agent at all: the Node.js example agent feeds a
+sidecar, Prometheus scrapes only the sidecar, and every panel must have data and
+the saga rules must fire from the metrics the sidecar derives from the spans.
 """
 
 from __future__ import annotations
@@ -343,51 +347,58 @@ def test_sidecar_delivered_alerts(stack: Stack) -> None:
 
 
 # --- a sidecar fed by spans only: an agent in another language ------------------------------
-# No saga_otel library and no agent /metrics: contract spans written with the plain
-# OpenTelemetry SDK (tests/sidecar/sidecar_testkit.py) and sent with the stock OTLP/HTTP
-# exporter stand in for a Node.js agent. Every dashboard panel must still have data.
+# No saga_otel library and no agent /metrics: the Node.js example agent
+# (examples/node_agent, official OpenTelemetry JS packages, OTLP/HTTP protobuf) runs a
+# completed, a compensated, a compensation_failed and a stuck refund every round, and one
+# it abandons mid-run (SIGKILLed: orphaned). Every dashboard panel must still have data.
+
+_NODE_SCENARIOS: tuple[tuple[str, ...], ...] = (
+    (),
+    ("--fail", "send_reply"),
+    ("--fail", "send_reply", "--undo-fail", "reverse_credit"),
+    ("--fail", "close_ticket"),
+)
 
 
-class _SpanAgent:
-    """A thread sending a completed, compensated, compensation_failed and stuck refund,
-    and a run its process abandons (orphaned by the idle timeout), every round."""
+class _NodeAgent:
+    """A thread running the Node.js agent through the scenarios, round after round."""
 
-    def __init__(self, endpoint: str) -> None:
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    def __init__(self, endpoint: str, log: Path) -> None:
+        from support import install_node_agent
 
-        self.exporter = OTLPSpanExporter(endpoint=endpoint, timeout=10)
+        self.command = [
+            "node", str(install_node_agent()), "--endpoint", endpoint,
+            "--heartbeat-interval", "0.5", "--ack-timeout-ms", "5000",
+        ]  # fmt: skip
+        self.log = log
         self.stop = threading.Event()
         self.rounds = 0
         self.thread = threading.Thread(target=self._loop, daemon=True)
         self.thread.start()
 
     def _loop(self) -> None:
-        from tests.sidecar.sidecar_testkit import (
-            compensated_run,
-            compensation_failed_run,
-            completed_run,
-            open_run,
-            stuck_run,
-        )
-
-        kinds = (completed_run, compensated_run, compensation_failed_run, stuck_run, open_run)
-        while not self.stop.is_set():
-            spans: list[Any] = []
-            for kind in kinds:
-                run = kind(
-                    service="refund-agent-node",
-                    instance=f"node-{self.rounds}-{kind.__name__}",
-                    t0=time.time(),
+        with self.log.open("a", encoding="utf-8") as out:
+            while not self.stop.is_set():
+                for args in _NODE_SCENARIOS:
+                    subprocess.run(
+                        [*self.command, *args], stdout=out, stderr=out, timeout=60, check=False
+                    )
+                paused = subprocess.Popen(
+                    [*self.command, "--pause-after", "issue_credit"],
+                    stdout=subprocess.PIPE,
+                    stderr=out,
+                    text=True,
                 )
-                spans += run.spans()
-            self.exporter.export(spans)
-            self.rounds += 1
-            self.stop.wait(0.5)
+                assert paused.stdout is not None
+                out.write(paused.stdout.readline())
+                paused.kill()  # dies mid-run: the sidecar orphans it
+                paused.wait(10)
+                self.rounds += 1
+                self.stop.wait(0.5)
 
     def close(self) -> None:
         self.stop.set()
-        self.thread.join(timeout=15)
-        self.exporter.shutdown()
+        self.thread.join(timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -395,9 +406,9 @@ def spans_only(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("prometheus-e2e-spans-only")
     procs: list[_Proc] = []
     received: list[Any] = []
-    agent: _SpanAgent | None = None
+    agent: _NodeAgent | None = None
     try:
-        args = [*_sidecar_args(tmp, "http://127.0.0.1:9/unused"), "--idle-timeout", "2s"]
+        args = _sidecar_args(tmp, "http://127.0.0.1:9/unused")
         args[args.index("--webhook") : args.index("--webhook") + 2] = []
         sidecar = _start("sidecar", args, tmp)
         procs.append(sidecar)
@@ -410,7 +421,7 @@ def spans_only(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         api, otlp_http = listening["api"], listening["otlp_http"]
         sidecar_metrics = f"http://127.0.0.1:{api}/metrics"
         _wait("the sidecar's /metrics", lambda: _get(sidecar_metrics), STARTUP_S, procs)
-        agent = _SpanAgent(f"http://127.0.0.1:{otlp_http}/v1/traces")
+        agent = _NodeAgent(f"http://127.0.0.1:{otlp_http}", tmp / "node-agent.log")
         prom_port = free_port()
         config = _prometheus_config(tmp, None, f"127.0.0.1:{api}")
         prom_args = [
@@ -430,8 +441,8 @@ def spans_only(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             proc.stop()
 
 
-def test_every_dashboard_panel_has_data_from_spans_only(spans_only: Stack) -> None:
-    """The whole dashboard for an agent that has no saga_otel and no /metrics of its own."""
+def test_every_dashboard_panel_has_data_from_a_node_agent_only(spans_only: Stack) -> None:
+    """The whole dashboard for a Node.js agent: no saga_otel, no /metrics of its own."""
     assert {s["metric"]["job"] for s in spans_only.query("up")} <= {"saga-sidecar"}
     queries = [
         (title, substitute(expr, RATE_INTERVAL))
@@ -456,7 +467,7 @@ def test_every_dashboard_panel_has_data_from_spans_only(spans_only: Stack) -> No
     assert not any("run_id" in s for s in series)
 
 
-def test_saga_rules_fire_from_spans_only(spans_only: Stack) -> None:
+def test_saga_rules_fire_from_a_node_agent_only(spans_only: Stack) -> None:
     """The agents' trend rules work for any language (all but the library's export rule)."""
     expected = {"SagaCompensationFailuresHigh", "SagaStuckRunsHigh", "SagaCompensationRatioHigh"}
 
