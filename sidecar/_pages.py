@@ -15,6 +15,7 @@ since a browser's Basic credentials travel with cross-site requests too.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import io
@@ -316,7 +317,13 @@ async def run_page(
     resolution = view["resolution"]
     started = view["started_at"]
     try:
-        alerts = history(alert_history(service.db_path, run_id))
+        target = service.database
+        rows = (
+            alert_history(target, run_id)
+            if target.backend == "sqlite"
+            else await asyncio.to_thread(alert_history, target, run_id)
+        )
+        alerts = history(rows)
     except StoreError as exc:
         alerts, problem = [], problem or str(exc)
     auth = '-H "Authorization: Bearer $SAGA_SIDECAR_TOKEN" ' if token else ""
@@ -384,7 +391,7 @@ async def resolve(request: web.Request) -> web.StreamResponse:
             f"was not saved: {note}", status=409,
         )  # fmt: skip
     try:
-        view = service.resolve(run_id, note)
+        view = await service.resolve(run_id, note)
     except StoreError as exc:
         return await run_page(request, note=note, problem=str(exc), status=503)
     if view is None:

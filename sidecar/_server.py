@@ -1,20 +1,27 @@
 """The Sidecar service object: store, state, listeners, orphan ticker and the servers.
 
-One asyncio loop runs everything. Intake is synchronous inside a request
-handler (decode, one SQLite transaction, fold into the state, notify), which
-keeps a change, its commit and its listeners in one order with no locks.
+One asyncio loop runs everything. On SQLite intake is synchronous inside a
+request handler (decode, one SQLite transaction, fold into the state, notify),
+which keeps a change, its commit and its listeners in one order with no locks.
+On PostgreSQL (``store.inline`` False) every database call runs on one worker
+thread of the sidecar, in submission order, and intake holds an asyncio lock
+from screening to folding: the same order, without the loop waiting on the
+network.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from types import TracebackType
+from typing import TypeVar
 
 from aiohttp import web
 from grpc import aio
@@ -30,6 +37,8 @@ from ._leases import (
     Lease,
     LeaseAction,
     LeaseRefusal,
+    LeaseRequest,
+    Liveness,
     Owner,
     SpanRefusal,
     grant,
@@ -43,8 +52,10 @@ from ._otlp import MAX_ERROR_MESSAGES, Decoded, SpanRecord, span_from_stored
 from ._redact import Redactor
 from ._settings import LINGERING_TIME, Settings
 from ._state import RunState, Transition
-from ._store import Store
+from ._storage import DbTarget, HeartbeatRow, SpanRow, Store, open_store
 from ._views import RunView
+
+T = TypeVar("T")
 
 log = logging.getLogger("sidecar")
 
@@ -88,12 +99,20 @@ class Sidecar:
         self._grpc: aio.Server | None = None
         self._started = False
         self._span_counters: dict[tuple[str, str], Counter] = {}
+        # A store that is not inline (PostgreSQL): its calls, one at a time, in order.
+        self._db_thread: ThreadPoolExecutor | None = None
+        self._intake = asyncio.Lock()
 
     # --- hooks for the alerting side --------------------------------------------
 
     @property
     def db_path(self) -> Path:
+        """The SQLite file (see :attr:`database` for PostgreSQL)."""
         return self.settings.resolved_db_path
+
+    @property
+    def database(self) -> DbTarget:
+        return self.settings.database
 
     def add_listener(self, fn: Listener, *, facts_only: bool = False) -> None:
         """Call ``fn(before, after, now)`` after every committed change to a run view.
@@ -129,7 +148,7 @@ class Sidecar:
             "otlp_http": self.otlp_http_port,
             "otlp_grpc": self.otlp_grpc_port,
             "api": self.api_port,
-            "db": str(self.db_path),
+            "db": self.database.shown,
         }
 
     # --- lifecycle -----------------------------------------------------------------
@@ -150,8 +169,15 @@ class Sidecar:
         if self._started:
             return
         self.settings.validate()
-        self.store = Store(self.db_path)
-        self._rebuild()
+        target = self.database
+        if target.backend == "sqlite":
+            self.store = open_store(target)
+            self._rebuild()
+        else:
+            self.store = await asyncio.to_thread(open_store, target)
+            self._db_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="saga-db")
+            # Nothing listens yet: the state is ours alone while the thread folds it.
+            await self._call(self._rebuild)
         self._started = True
         try:
             host = self.settings.host
@@ -224,9 +250,38 @@ class Sidecar:
         for runner in self._runners:
             await runner.cleanup()
         self._runners.clear()
-        if self.store is not None:
-            self.store.close()
-            self.store = None
+        async with self._intake:
+            if self._db_thread is not None:
+                # Orphan marks and prunes submitted without waiting commit first.
+                await asyncio.to_thread(self._db_thread.shutdown, wait=True)
+                self._db_thread = None
+            if self.store is not None:
+                self.store.close()
+                self.store = None
+
+    # --- the database, inline or on its thread -----------------------------------
+
+    async def _call(self, fn: Callable[..., T], *args: object) -> T:
+        """``fn(*args)`` inline (SQLite) or on the database thread (PostgreSQL)."""
+        if self._db_thread is None:
+            return fn(*args)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._db_thread, functools.partial(fn, *args))
+
+    def _submit(self, what: str, fn: Callable[..., object], *args: object) -> None:
+        """``fn(*args)`` without waiting for it on PostgreSQL (in order with every other
+        call); at once on SQLite. Failures are logged (``what`` failed): only for writes
+        the state re-derives after a restart (orphan marks, prunes)."""
+        if self._db_thread is None:
+            fn(*args)
+            return
+
+        def done(future: Future[object]) -> None:
+            exc = future.exception()
+            if exc is not None:
+                log.error("could not %s (re-derived at the next start): %s", what, exc)
+
+        self._db_thread.submit(fn, *args).add_done_callback(done)
 
     def _rebuild(self) -> None:
         """Fold every stored span back into the state (clocks restart now: we were deaf)."""
@@ -273,21 +328,57 @@ class Sidecar:
     def leave(self) -> None:
         self.in_flight -= 1
 
-    def ingest(
+    async def ingest(
         self, decoded: Decoded, transport: str, body: bytes | None = None, content_type: str = ""
     ) -> Decoded:
         """Screen, store, fold and announce one request's spans. Raises StoreError (503).
 
         Returns ``decoded`` less the spans the ownership, fencing and id rules refused
-        (counted in its ``rejected`` and ``errors``: answer with those).
+        (counted in its ``rejected`` and ``errors``: answer with those). The spans are
+        committed before this returns.
         """
         store = self.store
         if store is None:
             raise StoreError("the sidecar is not running: start it before sending spans")
-        decoded, owners = self._screen(decoded, transport)
-        now = self.clock()
-        rows = []
-        heartbeats = []
+        if store.inline:
+            prior = store.stored_spans(self._known_keys(decoded))
+            decoded, owners = self._screen(decoded, transport, prior)
+            now = self.clock()
+            rows, heartbeats = self._rows(decoded, now)
+            if rows or heartbeats:
+                # committed before anyone hears "stored"
+                store.write(rows, heartbeats, list(owners.items()))
+            return self._fold(decoded, transport, body, content_type, owners, now)
+        async with self._intake:
+            if self.store is None:
+                raise StoreError("the sidecar is stopping: retry against another replica")
+            keys = self._known_keys(decoded)
+            prior = await self._call(store.stored_spans, keys) if keys else {}
+            decoded, owners = self._screen(decoded, transport, prior)
+            now = self.clock()
+            rows, heartbeats = self._rows(decoded, now)
+            if rows or heartbeats:
+                await self._call(store.write, rows, heartbeats, list(owners.items()))
+            return self._fold(decoded, transport, body, content_type, owners, now)
+
+    def _known_keys(self, decoded: Decoded) -> list[tuple[str, str]]:
+        """(run_id, span_id) of saga spans of runs already owned: their duplicates are
+        checked against the stored bytes."""
+        state = self.state
+        keys = []
+        for span in decoded.spans:
+            attrs = span.attributes
+            if attrs.get(sc.SAGA_PHASE) == sc.PHASE_HEARTBEAT:
+                continue
+            run_id = attrs[sc.SAGA_RUN_ID]
+            if state.owner(run_id) is not None:
+                keys.append((run_id, span.span_id))
+        return keys
+
+    @staticmethod
+    def _rows(decoded: Decoded, now: float) -> tuple[list[SpanRow], list[HeartbeatRow]]:
+        rows: list[SpanRow] = []
+        heartbeats: list[HeartbeatRow] = []
         for span, raw in zip(decoded.spans, decoded.raw, strict=True):
             attrs = span.attributes
             if attrs.get(sc.SAGA_PHASE) == sc.PHASE_HEARTBEAT:
@@ -297,9 +388,18 @@ class Sidecar:
                 rows.append(
                     (attrs[sc.SAGA_RUN_ID], span.span_id, now, span.service, span.instance, raw)
                 )
-        if rows or heartbeats:
-            # committed before anyone hears "stored"
-            store.write(rows, heartbeats, list(owners.items()))
+        return rows, heartbeats
+
+    def _fold(
+        self,
+        decoded: Decoded,
+        transport: str,
+        body: bytes | None,
+        content_type: str,
+        owners: dict[str, Owner],
+        now: float,
+    ) -> Decoded:
+        """Fold committed spans into the state, count them, tell the listeners, forward."""
         listeners = self._listeners
         every = any(not facts_only for _, facts_only in listeners)
         applied = self.state.apply(decoded.spans, now, keep_before=bool(listeners), owners=owners)
@@ -322,7 +422,9 @@ class Sidecar:
             self.forwarder.offer(body, content_type, decoded.total)
         return decoded
 
-    def _screen(self, decoded: Decoded, transport: str) -> tuple[Decoded, dict[str, Owner]]:
+    def _screen(
+        self, decoded: Decoded, transport: str, stored: dict[tuple[str, str], bytes]
+    ) -> tuple[Decoded, dict[str, Owner]]:
         """Apply the run id, ownership, fencing and duplicate rules (``_leases.py``) to each
         saga span; refused spans are left out, so nothing stored changes because of them.
 
@@ -330,8 +432,7 @@ class Sidecar:
         same bytes (a resend); other content is refused, so the first stored wins, live
         and after a restart alike.
         """
-        state, store = self.state, self.store
-        assert store is not None
+        state = self.state
         owners: dict[str, Owner] = {}
         seen: dict[tuple[str, str], bytes] = {}
         spans, raws = [], []
@@ -362,7 +463,7 @@ class Sidecar:
             if refusal is None:
                 prior = seen.get(key)
                 if prior is None and owner is not None and run_id not in owners:
-                    prior = store.stored_span(run_id, span.span_id)
+                    prior = stored.get(key)
                 if prior is not None and prior != raw:
                     refusal = SpanRefusal(
                         "conflicting_duplicate",
@@ -428,7 +529,11 @@ class Sidecar:
             return transitions
         if self.store is not None:
             try:
-                self.store.mark_orphaned((t.run_id, t.at) for t in transitions)
+                self._submit(
+                    "store orphan marks",
+                    self.store.mark_orphaned,
+                    [(t.run_id, t.at) for t in transitions],
+                )
             except StoreError:
                 log.exception("could not store orphan marks; they are re-derived on restart")
         if self._listeners:
@@ -449,7 +554,7 @@ class Sidecar:
         now = self.clock()
         run_ids = self.state.prunable(now, self.settings.retention)
         if run_ids and self.store is not None:
-            self.store.delete_runs(run_ids)
+            self._submit("prune runs", self.store.delete_runs, run_ids)
             self.state.forget(run_ids)
         self.prune_instances(now)
         return run_ids
@@ -458,7 +563,7 @@ class Sidecar:
         """Forget agent instances silent for longer than the retention (memory and table)."""
         stale = self.state.stale_instances(now, self.settings.retention)
         if stale and self.store is not None:
-            self.store.delete_instances(stale)
+            self._submit("prune instances", self.store.delete_instances, stale)
             self.state.forget_instances(stale)
         return stale
 
@@ -470,12 +575,12 @@ class Sidecar:
                 if pruned:
                     log.info("pruned %d finished runs past retention", len(pruned))
 
-    def lease(self, run_id: str, action: LeaseAction, data: object) -> Lease | LeaseRefusal:
+    async def lease(self, run_id: str, action: LeaseAction, data: object) -> Lease | LeaseRefusal:
         """Grant, renew or release ``run_id``'s recovery lease (rules: ``_leases.py``).
 
         Raises StoreError (answer 503). Each answer is counted by action and outcome.
         """
-        outcome = self._lease(run_id, action, data)
+        outcome = await self._lease(run_id, action, data)
         if isinstance(outcome, Lease):
             label = {"grant": "granted", "renew": "renewed", "release": "released"}[action]
             forced = outcome.override is not None and outcome.override.at == outcome.granted_at
@@ -486,7 +591,7 @@ class Sidecar:
         self.metrics.lease_requests.labels(action=action, outcome=label).inc()
         return outcome
 
-    def _lease(self, run_id: str, action: LeaseAction, data: object) -> Lease | LeaseRefusal:
+    async def _lease(self, run_id: str, action: LeaseAction, data: object) -> Lease | LeaseRefusal:
         req = parse_request(data, action)
         if isinstance(req, LeaseRefusal):
             return req
@@ -499,14 +604,14 @@ class Sidecar:
                 "unknown_run",
                 f"no run {run_id!r} is known here: list runs with `saga-sidecar runs list`",
             )
+        decide: Callable[[Lease | None], Lease | LeaseRefusal]
         if action == "grant":
-            outcome = self.store.decide_lease(
-                run_id, lambda cur: grant(run_id, cur, owner, req, now)
-            )
+            decide = functools.partial(_grant, run_id, owner, req, now)
         elif action == "renew":
-            outcome = self.store.decide_lease(run_id, lambda cur: renew(run_id, cur, req, now))
+            decide = functools.partial(_renew, run_id, req, now)
         else:
-            outcome = self.store.decide_lease(run_id, lambda cur: release(run_id, cur, req, now))
+            decide = functools.partial(_release, run_id, req, now)
+        outcome = await self._call(self.store.decide_lease, run_id, decide)
         if isinstance(outcome, Lease):
             before = self.state.view(run_id)
             self.state.set_lease(outcome)
@@ -522,16 +627,34 @@ class Sidecar:
                 )
         return outcome
 
-    def resolve(self, run_id: str, note: str) -> RunView | None:
+    async def resolve(self, run_id: str, note: str) -> RunView | None:
         """Record a person's resolution; the new view, or None for an unknown run."""
         before = self.state.view(run_id)
         if before is None:
             return None
         now = self.clock()
         if self.store is not None:
-            self.store.resolve(run_id, note, now)
+            await self._call(self.store.resolve, run_id, note, now)
         self.state.resolve(run_id, note, now)
         after = self.state.view(run_id)
         assert after is not None
         self._notify(before, after, now)
         return after
+
+
+def _grant(
+    run_id: str, owner: Liveness, req: LeaseRequest, now: float, current: Lease | None
+) -> Lease | LeaseRefusal:
+    return grant(run_id, current, owner, req, now)
+
+
+def _renew(
+    run_id: str, req: LeaseRequest, now: float, current: Lease | None
+) -> Lease | LeaseRefusal:
+    return renew(run_id, current, req, now)
+
+
+def _release(
+    run_id: str, req: LeaseRequest, now: float, current: Lease | None
+) -> Lease | LeaseRefusal:
+    return release(run_id, current, req, now)

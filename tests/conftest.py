@@ -12,6 +12,7 @@ import pytest
 # --import-mode=importlib puts no test folder on sys.path; tests import support.py.
 sys.path.insert(0, str(Path(__file__).parent))
 
+from pg_server import PgServer
 from support import SidecarProcess, start_sidecar
 
 
@@ -36,6 +37,16 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
             f"CI: {len(skipped)} test(s) skipped; every test must run in CI", red=True
         )
         terminalreporter._session.exitstatus = pytest.ExitCode.TESTS_FAILED  # type: ignore[attr-defined]
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[PgServer]:
+    """A PostgreSQL server for the session (started on first use; see pg_server.py)."""
+    server = PgServer()
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture

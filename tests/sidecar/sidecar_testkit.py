@@ -12,7 +12,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
@@ -23,6 +23,9 @@ from opentelemetry.trace import Status, StatusCode
 
 from saga_otel import semconv as sc
 from sidecar import Settings, Sidecar
+
+if TYPE_CHECKING:
+    from pg_server import Databases
 
 NS = 1_000_000_000
 
@@ -268,6 +271,19 @@ class FakeClock:
         return self.now
 
 
+_POSTGRES: list[Databases] = []  # set by the backend fixture (conftest.py) on PostgreSQL
+
+
+def use_postgres(databases: Databases | None) -> None:
+    _POSTGRES[:] = [databases] if databases is not None else []
+
+
+def db_for(path: Path) -> str:
+    """What ``--db`` (or an Outbox) takes for the database a test calls ``path``: the path
+    itself on SQLite, a database of its own on PostgreSQL."""
+    return _POSTGRES[0].url_for(path) if _POSTGRES else str(path)
+
+
 def settings_for(tmp_path: Path, **kw: Any) -> Settings:
     base: dict[str, Any] = {
         "otlp_http_port": 0,
@@ -275,7 +291,10 @@ def settings_for(tmp_path: Path, **kw: Any) -> Settings:
         "api_port": 0,
         "db_path": tmp_path / "sidecar.db",
     }
-    return Settings(**{**base, **kw})
+    merged = {**base, **kw}
+    if _POSTGRES and "db_url" not in merged:
+        merged["db_url"] = _POSTGRES[0].url_for(merged.pop("db_path"))
+    return Settings(**merged)
 
 
 async def export_http(sidecar: Sidecar, spans: Sequence[ReadableSpan], **kw: Any) -> Any:
@@ -316,7 +335,7 @@ def start_sidecar(db: Path, *extra: str) -> tuple[subprocess.Popen[str], dict[st
             "--api-port",
             "0",
             "--db",
-            str(db),
+            db_for(db),
             *extra,
         ],
         stdout=subprocess.PIPE,

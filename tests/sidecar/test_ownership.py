@@ -3,12 +3,14 @@ run ids are data; conflicting duplicates resolve the same live and after a resta
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
@@ -28,7 +30,9 @@ from saga_otel import semconv as sc
 from sidecar import Sidecar
 from sidecar._otlp import extract, parse_protobuf
 from sidecar._render import render_run
-from sidecar._store import Store
+from sidecar._storage import open_store
+
+pytestmark = pytest.mark.parametrize("backend", ["sqlite", "postgresql"], indirect=True)
 
 
 async def post(sidecar: Sidecar, spans: list[ReadableSpan]) -> ExportTraceServiceResponse:
@@ -291,7 +295,7 @@ async def test_a_dropped_span_marker_shows_on_the_run_and_escalates(sidecar: Sid
 def _open(db: Path, clock: FakeClock) -> Sidecar:
     """A sidecar without listeners on ``db``: intake and state only (fast enough for Hypothesis)."""
     sidecar = Sidecar(settings_for(db.parent, db_path=db), clock=clock)
-    sidecar.store = Store(db)
+    sidecar.store = open_store(sidecar.database)
     sidecar._rebuild()
     return sidecar
 
@@ -327,7 +331,7 @@ def test_any_interleaving_then_a_restart_gives_the_same_view(
     bounds = [0, *sorted(cuts), len(order)]
     for a, b in itertools.pairwise(bounds):
         body = encode_spans([POOL[i] for i in order[a:b]]).SerializeToString()
-        live.ingest(extract(parse_protobuf(body), body), "http")
+        asyncio.run(live.ingest(extract(parse_protobuf(body), body), "http"))
     views = {r: live.state.view(r) for r in live.state.run_ids()}
     assert live.store is not None
     live.store.close()

@@ -232,7 +232,7 @@ async def test_review_lists_runs_needing_a_person_oldest_first(
     assert "onboard" in text and "orphaned" in text and "1h 2m" in text  # age of the orphan
     assert "close_ticket" in text and "notify_billing" in text  # failed steps
     # Resolving takes a run off the queue.
-    sidecar.resolve(stuck.run_id, "settled")
+    await sidecar.resolve(stuck.run_id, "settled")
     _, page, _ = await get(f"{api(sidecar)}/review")
     assert stuck.run_id not in page and orphan.run_id in page
 
