@@ -104,7 +104,9 @@ def parse_db(text: str | Path) -> DbTarget:
         # sqlite:///relative/... is not a thing: three slashes then an absolute path,
         # as SQLAlchemy writes it (sqlite:////abs is also accepted).
         if not rest.startswith("/") or rest == "/":
-            raise ConfigError(f"--db {raw!r}: write sqlite:///PATH (e.g. sqlite:///var/saga.db)")
+            raise ConfigError(
+                f"--db {raw!r}: a SQLite URL is sqlite:/// then the path; give {DB_FORMS}"
+            )
         path = rest[1:] if rest.startswith("//") else rest
         return DbTarget("sqlite", path=Path(path).expanduser())
     if scheme in POSTGRES_SCHEMES:

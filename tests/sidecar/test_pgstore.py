@@ -1,0 +1,148 @@
+"""`--db` picks the backend; a bad or unreachable database is one line; the password never shows."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import psycopg
+import pytest
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.trace.export import SpanExportResult
+from pg_server import PgServer
+from sidecar_testkit import compensation_failed_run, open_run
+
+from sidecar._errors import ConfigError
+from sidecar._storage import parse_db, redact_url
+
+SERVE = [sys.executable, "-c", "from sidecar._cli import main; main()", "serve"]
+PORTS = ["--otlp-http-port", "0", "--otlp-grpc-port", "0", "--api-port", "0"]
+
+
+def _serve(
+    *args: str, cwd: Path, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*SERVE, *PORTS, *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **(env or {})},
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "backend"),
+    [
+        ("state/sidecar.db", "sqlite"),
+        ("sqlite:///var/lib/saga/sidecar.db", "sqlite"),
+        ("postgresql://saga@db.internal:5432/saga", "postgresql"),
+        ("postgres://saga:pw@db.internal/saga", "postgresql"),
+    ],
+)
+def test_db_forms_pick_the_backend(text: str, backend: str) -> None:
+    target = parse_db(text)
+    assert target.backend == backend
+    if backend == "sqlite":
+        assert target.path is not None and str(target.path).endswith("sidecar.db")
+        assert not str(target.path).startswith(("sqlite:", "postgres"))
+
+
+@pytest.mark.parametrize("text", ["mysql://h/db", "http://h/x", "postgresql:/db", "sqlite://x"])
+def test_other_schemes_are_one_line_naming_the_forms(text: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_db(text)
+    (line,) = str(info.value).splitlines()
+    assert "sqlite:///PATH" in line and "postgresql://" in line
+
+
+def test_the_password_is_masked_wherever_the_url_is_shown() -> None:
+    url = "postgresql://saga:s3cret@h:5432/db?sslmode=require&password=s3cret"
+    shown = redact_url(url)
+    assert "s3cret" not in shown and "saga:***@h:5432/db" in shown
+    assert "s3cret" not in repr(parse_db(url)) and "s3cret" not in str(parse_db(url))
+
+
+def test_an_unsupported_scheme_is_an_error_and_creates_no_file(tmp_path: Path) -> None:
+    out = _serve("--db", "postgresql:/saga", cwd=tmp_path)
+    assert out.returncode != 0
+    (line,) = out.stderr.strip().splitlines()
+    assert "Traceback" not in out.stderr and "postgresql://USER@HOST" in line
+    assert list(tmp_path.iterdir()) == []  # no postgresql:/ folder, no SQLite file
+
+
+def test_an_unreachable_database_is_one_line_naming_the_host(tmp_path: Path) -> None:
+    # Nothing listens on port 1 of loopback.
+    out = _serve("--db", "postgresql://saga:hunter2-secret@127.0.0.1:1/saga", cwd=tmp_path)
+    assert out.returncode != 0
+    (line,) = out.stderr.strip().splitlines()
+    assert "Traceback" not in out.stderr
+    assert "cannot connect to PostgreSQL at 127.0.0.1:1/saga" in line
+    assert "refused" in line.lower()
+    assert "hunter2-secret" not in out.stderr + out.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_wrong_password_is_one_line_without_the_password(
+    tmp_path: Path, postgres: PgServer
+) -> None:
+    url = postgres.url().replace(postgres.password, "wrong-pass-987")
+    out = _serve("--db", url, cwd=tmp_path)
+    assert out.returncode != 0
+    (line,) = out.stderr.strip().splitlines()
+    assert "Traceback" not in out.stderr
+    assert f"127.0.0.1:{postgres.port}/postgres" in line and "password" in line.lower()
+    assert "wrong-pass-987" not in out.stderr + out.stdout
+
+
+def test_saga_sidecar_db_selects_postgresql_and_the_password_never_shows(
+    tmp_path: Path, postgres: PgServer
+) -> None:
+    """Spans and alerts land in PostgreSQL; nothing printed, logged or served has the password."""
+    name = postgres.create()
+    try:
+        url = postgres.url(name)
+        proc = subprocess.Popen(
+            [*SERVE, *PORTS, "--log-level", "DEBUG"],
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "SAGA_SIDECAR_DB": url, "XDG_STATE_HOME": str(tmp_path)},
+        )
+        try:
+            assert proc.stdout is not None
+            listening = json.loads(proc.stdout.readline())
+            assert listening["db"] == f"postgresql://saga:***@127.0.0.1:{postgres.port}/{name}"
+            run, failed = open_run(), compensation_failed_run()
+            exporter = OTLPSpanExporter(
+                endpoint=f"http://127.0.0.1:{listening['otlp_http']}/v1/traces", timeout=10
+            )
+            assert exporter.export(run.spans() + failed.spans()) is SpanExportResult.SUCCESS
+            api = f"http://127.0.0.1:{listening['api']}"
+            served = [
+                httpx.get(f"{api}/metrics").text,
+                httpx.get(f"{api}/runs").text,
+                httpx.get(f"{api}/runs/{failed.run_id}").text,
+                httpx.get(f"{api}/ui/runs/{failed.run_id}").text,
+            ]
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            stdout, stderr = proc.communicate(timeout=30)
+        assert proc.returncode == 0, stderr
+        with psycopg.connect(url) as conn:
+            (spans,) = conn.execute("SELECT count(*) FROM spans").fetchone() or (0,)
+            (alerts,) = conn.execute("SELECT count(*) FROM alert_outbox").fetchone() or (0,)
+        assert spans == len(run.spans()) + len(failed.spans())
+        assert alerts >= 1  # the failed compensation paged (the log sink)
+        assert not (tmp_path / "saga-sidecar").exists()  # no SQLite file on the side
+        everything = "\n".join([stdout, stderr, *served])
+        assert postgres.password not in everything
+    finally:
+        postgres.drop(name)
