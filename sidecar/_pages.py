@@ -391,11 +391,18 @@ async def resolve(request: web.Request) -> web.StreamResponse:
             f"was not saved: {note}", status=409,
         )  # fmt: skip
     try:
-        view = await service.resolve(run_id, note)
+        view = await service.resolve(run_id, note, first=True)
     except StoreError as exc:
         return await run_page(request, note=note, problem=str(exc), status=503)
     if view is None:
         return _not_found(run_id)
+    resolution = view["resolution"]
+    if resolution is not None and resolution["note"] != note:
+        # Resolved by someone else between the check above and ours (a database round trip).
+        return await run_page(
+            request, problem="Someone resolved this run while you were writing; your note "
+            f"was not saved: {note}", status=409,
+        )  # fmt: skip
     # Post/redirect/get: a reload shows the page, it does not resolve twice.
     raise web.HTTPSeeOther(run_path(run_id))
 

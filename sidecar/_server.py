@@ -102,6 +102,7 @@ class Sidecar:
         # A store that is not inline (PostgreSQL): its calls, one at a time, in order.
         self._db_thread: ThreadPoolExecutor | None = None
         self._intake = asyncio.Lock()
+        self._resolving = asyncio.Lock()
 
     # --- hooks for the alerting side --------------------------------------------
 
@@ -260,6 +261,10 @@ class Sidecar:
                 self.store = None
 
     # --- the database, inline or on its thread -----------------------------------
+
+    async def flush(self) -> None:
+        """Wait until every database write submitted so far is committed (see _submit)."""
+        await self._call(_nothing)
 
     async def _call(self, fn: Callable[..., T], *args: object) -> T:
         """``fn(*args)`` inline (SQLite) or on the database thread (PostgreSQL)."""
@@ -627,11 +632,21 @@ class Sidecar:
                 )
         return outcome
 
-    async def resolve(self, run_id: str, note: str) -> RunView | None:
-        """Record a person's resolution; the new view, or None for an unknown run."""
+    async def resolve(self, run_id: str, note: str, *, first: bool = False) -> RunView | None:
+        """Record a person's resolution; the new view, or None for an unknown run.
+
+        With ``first``, a run resolved already keeps its note: its view comes back
+        unchanged (resolutions of this sidecar are taken one at a time).
+        """
+        async with self._resolving:
+            return await self._resolve(run_id, note, first)
+
+    async def _resolve(self, run_id: str, note: str, first: bool) -> RunView | None:
         before = self.state.view(run_id)
         if before is None:
             return None
+        if first and before["resolution"]:
+            return before
         now = self.clock()
         if self.store is not None:
             await self._call(self.store.resolve, run_id, note, now)
@@ -658,3 +673,7 @@ def _release(
     run_id: str, req: LeaseRequest, now: float, current: Lease | None
 ) -> Lease | LeaseRefusal:
     return release(run_id, current, req, now)
+
+
+def _nothing() -> None:
+    return None

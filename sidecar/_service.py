@@ -75,7 +75,9 @@ class Service(Protocol):
         """
         ...
 
-    async def resolve(self, run_id: str, note: str) -> RunView | None: ...
+    async def resolve(self, run_id: str, note: str, *, first: bool = False) -> RunView | None:
+        """Record a resolution; with ``first`` a resolved run keeps its note (view unchanged)."""
+        ...
 
     async def lease(self, run_id: str, action: LeaseAction, data: object) -> Lease | LeaseRefusal:
         """Grant, renew or release a run's recovery lease (``data``: the JSON body).

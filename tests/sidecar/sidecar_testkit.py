@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import pytest
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
@@ -270,6 +271,9 @@ class FakeClock:
     def __call__(self) -> float:
         return self.now
 
+
+BOTH_BACKENDS = pytest.mark.parametrize("backend", ["sqlite", "postgresql"], indirect=True)
+"""``pytestmark = BOTH_BACKENDS``: the module's tests run on SQLite and on PostgreSQL."""
 
 _POSTGRES: list[Databases] = []  # set by the backend fixture (conftest.py) on PostgreSQL
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 from prometheus_client import CollectorRegistry
-from sidecar_testkit import db_for
+from sidecar_testkit import BOTH_BACKENDS, db_for
 
 from saga_otel import semconv as sc
 from sidecar._alert_service import AlertService
@@ -23,7 +23,7 @@ from sidecar._errors import ConfigError
 from sidecar._outbox import DELIVERED, FAILED, PENDING, AlertMetrics, Backoff, Outbox, Routing
 from sidecar._sinks import DeliveryRetry, PagerDutySink, WebhookSink
 
-pytestmark = pytest.mark.parametrize("backend", ["sqlite", "postgresql"], indirect=True)
+pytestmark = BOTH_BACKENDS
 
 
 @pytest.fixture(autouse=True)

@@ -10,13 +10,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 from opentelemetry.sdk.trace import ReadableSpan
 from sidecar_testkit import (
+    BOTH_BACKENDS,
     CREDIT,
     FakeClock,
     RunScript,
@@ -32,7 +32,7 @@ from sidecar._otlp import extract, parse_protobuf
 from sidecar._render import render_run
 from sidecar._storage import open_store
 
-pytestmark = pytest.mark.parametrize("backend", ["sqlite", "postgresql"], indirect=True)
+pytestmark = BOTH_BACKENDS
 
 
 async def post(sidecar: Sidecar, spans: list[ReadableSpan]) -> ExportTraceServiceResponse:

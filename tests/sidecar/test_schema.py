@@ -11,7 +11,7 @@ from pathlib import Path
 import psycopg
 import pytest
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
-from sidecar_testkit import FakeClock, compensation_failed_run, db_for, settings_for
+from sidecar_testkit import BOTH_BACKENDS, FakeClock, compensation_failed_run, db_for, settings_for
 
 from saga_otel import semconv as sc
 from sidecar import Sidecar, StoreError
@@ -19,7 +19,7 @@ from sidecar._otlp import extract, parse_protobuf
 from sidecar._outbox import PENDING, Outbox
 from sidecar._storage import SCHEMA_VERSION, open_store
 
-pytestmark = pytest.mark.parametrize("backend", ["sqlite", "postgresql"], indirect=True)
+pytestmark = BOTH_BACKENDS
 
 # Version 1 as main shipped it (sidecar/_store.py and sidecar/_outbox.py), copied here
 # verbatim: the file every sidecar so far has written.

@@ -8,14 +8,13 @@ from typing import Any
 
 import aiohttp
 import grpc
-import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-from sidecar_testkit import FakeClock, export_http, open_run, settings_for, stuck_run
+from sidecar_testkit import BOTH_BACKENDS, FakeClock, export_http, open_run, settings_for, stuck_run
 
 from saga_otel import semconv as sc
 from sidecar import Sidecar
 
-pytestmark = pytest.mark.parametrize("backend", ["sqlite", "postgresql"], indirect=True)
+pytestmark = BOTH_BACKENDS
 
 
 async def test_http_overload_answers_429_with_retry_after(tmp_path: Path, clock: FakeClock) -> None:

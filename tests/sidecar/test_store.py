@@ -8,10 +8,10 @@ import stat
 from pathlib import Path
 
 import httpx
-import pytest
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.trace.export import SpanExportResult
 from sidecar_testkit import (
+    BOTH_BACKENDS,
     CREDIT,
     TICKET,
     FakeClock,
@@ -27,7 +27,7 @@ from saga_otel import semconv as sc
 from sidecar import Sidecar
 from sidecar._storage import open_store, parse_db
 
-pytestmark = pytest.mark.parametrize("backend", ["sqlite", "postgresql"], indirect=True)
+pytestmark = BOTH_BACKENDS
 
 
 def test_kill_9_then_restart_on_the_same_db(tmp_path: Path, backend: str) -> None:
