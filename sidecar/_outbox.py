@@ -62,6 +62,7 @@ PENDING: Final = "pending"
 DELIVERED: Final = "delivered"
 FAILED: Final = "failed"
 HELD: Final = "held"
+POLL_S: Final = 1.0  # shared stores: how often an idle worker looks for others' rows
 # The sink column of an alert no configured sink takes (no sink, or routed nowhere): the
 # row is kept in state HELD and handed to the sinks of a later start that route it.
 NO_SINK: Final = "(none)"
@@ -420,8 +421,10 @@ class Outbox:
         row = self._store.next_row(sink, PENDING)
         return None if row is None else _row(row)
 
-    def _mark(self, row_id: int, state: str, error: str | None, sent: bool) -> None:
-        self._store.mark(row_id, state, error, sent, self._clock())
+    def _mark(
+        self, row_id: int, state: str, error: str | None, sent: bool, hold: float = 0.0
+    ) -> None:
+        self._store.mark(row_id, state, error, sent, self._clock(), hold)
         if state != PENDING:
             self._update_depth()
 
@@ -456,7 +459,10 @@ class Outbox:
                 failures += 1
                 retry_after = exc.retry_after if isinstance(exc, DeliveryRetry) else None
                 delay = self.backoff.delay(failures, self._rng, retry_after)
-                await self.call(self._mark, row.id, PENDING, f"{type(exc).__name__}: {exc}", False)
+                # Held for the delay: another replica must not retry it sooner.
+                await self.call(
+                    self._mark, row.id, PENDING, f"{type(exc).__name__}: {exc}", False, delay
+                )
                 self._count(row.event.alertname, sink.kind, OUTCOME_RETRIED)
                 log.warning(
                     "alert %s %s to %s failed (%d in a row), retrying in %.3f s: %s",
@@ -479,10 +485,16 @@ class Outbox:
 
     async def _idle(self, sink: Sink, wake: asyncio.Event) -> None:
         interval = sink.resend_interval
+        # A shared store (replicas): rows other replicas wrote, or left when they died,
+        # wake no event here: look again every POLL_S.
+        poll = None if self._store.inline else POLL_S
         if interval is None:
-            await wake.wait()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(wake.wait(), timeout=poll)
             return
         due_in = await self.call(self._resend_due_in, sink.name, interval)
+        if poll is not None:
+            due_in = poll if due_in is None else min(due_in, poll)
         if due_in is None or due_in > 0:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(wake.wait(), timeout=due_in)

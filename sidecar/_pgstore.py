@@ -17,6 +17,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import os
+import socket
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 from urllib.parse import urlsplit
@@ -26,6 +28,7 @@ from ._leases import Lease, LeaseRefusal, Owner
 from ._storage import (
     SCHEMA_VERSION,
     AlertTx,
+    Changes,
     DbTarget,
     HeartbeatRow,
     HistoryRecord,
@@ -108,9 +111,22 @@ CREATE TABLE IF NOT EXISTS run_leases (
     + """
 ALTER TABLE alert_outbox ADD COLUMN IF NOT EXISTS claimed_by TEXT;
 ALTER TABLE alert_outbox ADD COLUMN IF NOT EXISTS claimed_until DOUBLE PRECISION;
+-- Commit order of spans, so each replica folds in what the others stored (changes()).
+ALTER TABLE spans ADD COLUMN IF NOT EXISTS seq BIGSERIAL;
+CREATE INDEX IF NOT EXISTS spans_seq ON spans (seq);
 """,
 }
 _MIGRATION_LOCK = 0x5A6A_0001  # pg_advisory_xact_lock key: one schema upgrade at a time
+_LEADER_LOCK = 0x5A6A_0002  # pg_try_advisory_lock key: the replica that detects orphans
+# A sequence number below the newest one seen may still commit (its transaction began
+# first) or never (ON CONFLICT DO NOTHING and rollbacks burn numbers): such gaps are
+# looked up again for this long, then given up.
+GAP_WAIT_S = 30.0
+GAP_WINDOW = 10_000  # at start, only the newest numbers can belong to open transactions
+# Heartbeats, marks and leases carry writer clock times: read back this much further.
+CLOCK_MARGIN_S = 5.0
+SYNC_BATCH = 5000
+CLAIM_TTL_S = 120.0  # an outbox row taken by a replica that died is free again after this
 
 
 def _statements(script: str) -> list[str]:
@@ -269,6 +285,91 @@ class PgStore(_Pooled):
 
     def __init__(self, target: DbTarget) -> None:
         super().__init__(target, max_size=4, name="saga-sidecar-store")
+        self._seq = 0  # the newest span sequence number folded in
+        self._gaps: dict[int, float | None] = {}  # missing numbers -> give up at (None: unset)
+        self._since: float | None = None  # writer time of the last changes() read
+        self._lead: Any = None  # the connection holding the leader lock
+        self._leading = False
+
+    def close(self) -> None:
+        if self._lead is not None:
+            with contextlib.suppress(Exception):
+                self._lead.close()
+            self._lead = None
+        super().close()
+
+    def try_lead(self) -> bool:
+        """The session advisory lock on its own connection: held while the connection lives,
+        so a replica that dies (or loses the database) hands it on."""
+        psycopg = self._psycopg
+        try:
+            if self._lead is None or self._lead.closed:
+                self._leading = False
+                self._lead = psycopg.connect(
+                    self.target.url, autocommit=True, connect_timeout=CONNECT_TIMEOUT_S
+                )
+            if self._leading:
+                self._lead.execute("SELECT 1")
+                return True
+            row = self._lead.execute("SELECT pg_try_advisory_lock(%s)", (_LEADER_LOCK,)).fetchone()
+            self._leading = bool(row and row[0])
+        except psycopg.Error as exc:
+            log.warning("leader lock on %s lost: %s", _where(self.target), scrub(self.target, exc))
+            with contextlib.suppress(Exception):
+                self._lead.close()
+            self._lead, self._leading = None, False
+        return self._leading
+
+    def changes(self, now: float) -> Changes:
+        since = self._since if self._since is not None else now
+        self._since = now
+        floor = since - CLOCK_MARGIN_S
+        self._gaps = {
+            g: (now + GAP_WAIT_S if until is None else until)
+            for g, until in self._gaps.items()
+            if until is None or until > now
+        }
+        with self._tx("read what other replicas stored") as conn:
+            rows = conn.execute(
+                "SELECT seq, run_id, span_id, service, instance, data FROM spans "
+                "WHERE seq > %s OR seq = ANY(%s) ORDER BY seq LIMIT %s",
+                (self._seq, list(self._gaps), SYNC_BATCH),
+            ).fetchall()
+            spans = []
+            for seq, run_id, span_id, service, instance, data in rows:
+                self._gaps.pop(seq, None)
+                if seq > self._seq:
+                    for missing in range(self._seq + 1, seq):
+                        self._gaps[missing] = now + GAP_WAIT_S
+                    self._seq = seq
+                spans.append(StoredSpan(run_id, span_id, service, instance, bytes(data)))
+            run_ids = sorted({s.run_id for s in spans})
+            owners = conn.execute(
+                "SELECT run_id, trace_id, instance, service FROM run_owners WHERE run_id = ANY(%s)",
+                (run_ids,),
+            ).fetchall()
+            instances = conn.execute(
+                "SELECT instance, last_heartbeat, interval_s FROM instances "
+                "WHERE last_heartbeat > %s",
+                (floor,),
+            ).fetchall()
+            marks = conn.execute(
+                "SELECT run_id, orphaned_at, resolution_note, resolution_at FROM run_marks "
+                "WHERE orphaned_at > %s OR resolution_at > %s",
+                (floor, floor),
+            ).fetchall()
+            leases = conn.execute(
+                "SELECT run_id, holder, token, granted_at, expires_at, released, forced_reason, "
+                "forced_by, forced_at FROM run_leases WHERE granted_at > %s OR expires_at > %s",
+                (floor, floor),
+            ).fetchall()
+        return Changes(
+            spans,
+            [(str(r), Owner(str(t), str(i), str(s))) for r, t, i, s in owners],
+            [(str(a), float(b), float(c)) for a, b, c in instances],
+            [RunMark(*m) for m in marks],
+            [lease_from_row(row) for row in leases],
+        )
 
     def schema_version(self) -> int:
         ((value,),) = self._all("SELECT value FROM meta WHERE key = 'schema'")
@@ -372,10 +473,20 @@ class PgStore(_Pooled):
         with self._tx("read spans") as conn, conn.cursor(name="saga_spans") as cur:
             cur.itersize = 2000
             cur.execute(
-                "SELECT run_id, span_id, service, instance, data FROM spans ORDER BY run_id"
+                "SELECT seq, run_id, span_id, service, instance, data FROM spans ORDER BY run_id"
             )
-            for run_id, span_id, service, instance, data in cur:
+            seen: set[int] = set()
+            for seq, run_id, span_id, service, instance, data in cur:
+                seen.add(seq)
+                if len(seen) > 4 * GAP_WINDOW:  # keep only the newest numbers
+                    seen = set(sorted(seen)[-GAP_WINDOW:])
                 yield StoredSpan(run_id, span_id, service, instance, bytes(data))
+            # Later changes() read on from the newest; numbers missing just below it may
+            # belong to transactions still open: they are looked up again a while.
+            newest = max(seen, default=self._seq)
+            low = max(self._seq, newest - GAP_WINDOW)
+            self._gaps = {g: None for g in range(low + 1, newest) if g not in seen}
+            self._seq = max(self._seq, newest)
 
     def stored_spans(self, keys: Iterable[tuple[str, str]]) -> dict[tuple[str, str], bytes]:
         pairs = list(keys)
@@ -455,6 +566,7 @@ class PgAlertStore(_Pooled):
 
     def __init__(self, target: DbTarget) -> None:
         super().__init__(target, max_size=2, name="saga-sidecar-outbox")
+        self._me = f"{socket.gethostname()}:{os.getpid()}:{id(self):x}"
 
     @contextlib.contextmanager
     def transaction(self) -> Iterator[AlertTx]:
@@ -485,18 +597,34 @@ class PgAlertStore(_Pooled):
         return int(n)
 
     def next_row(self, sink: str, state: str) -> OutboxRecord | None:
-        rows = self._all(
-            _ROW + " WHERE sink = %s AND state = %s ORDER BY id LIMIT 1", (sink, state)
-        )
-        return OutboxRecord(*rows[0]) if rows else None
+        """Claim the next row: rows locked by another replica's claim are skipped (SKIP
+        LOCKED), and so are rows it holds (claimed_until, on the database's clock)."""
+        with self._tx("claim an alert") as conn:
+            row = conn.execute(
+                "UPDATE alert_outbox SET claimed_by = %(me)s, claimed_until = "
+                "extract(epoch FROM clock_timestamp()) + %(ttl)s WHERE id = ("
+                "SELECT o.id FROM alert_outbox o WHERE o.sink = %(sink)s AND o.state = %(state)s "
+                "AND (o.claimed_until IS NULL OR o.claimed_by = %(me)s "
+                "OR o.claimed_until < extract(epoch FROM clock_timestamp())) "
+                "AND NOT EXISTS (SELECT 1 FROM alert_outbox e WHERE e.sink = o.sink AND "
+                "e.dedup_key = o.dedup_key AND e.id < o.id AND e.state = %(state)s) "
+                "ORDER BY o.id LIMIT 1 FOR UPDATE SKIP LOCKED) "
+                "RETURNING id, dedup_key, action, sink, state, attempts, last_error, event",
+                {"me": self._me, "ttl": CLAIM_TTL_S, "sink": sink, "state": state},
+            ).fetchone()
+        return OutboxRecord(*row) if row else None
 
-    def mark(self, row_id: int, state: str, error: str | None, sent: bool, now: float) -> None:
+    def mark(
+        self, row_id: int, state: str, error: str | None, sent: bool, now: float, hold: float = 0
+    ) -> None:
         with self._tx("update an alert") as conn:
             conn.execute(
                 "UPDATE alert_outbox SET state = %s, attempts = attempts + 1, last_error = %s, "
                 "delivered_at = CASE WHEN %s THEN %s ELSE delivered_at END, "
-                "last_sent_at = CASE WHEN %s THEN %s ELSE last_sent_at END WHERE id = %s",
-                (state, error, sent, now, sent, now, row_id),
+                "last_sent_at = CASE WHEN %s THEN %s ELSE last_sent_at END, "
+                "claimed_until = CASE WHEN %s > 0 THEN extract(epoch FROM clock_timestamp()) "
+                "+ %s END, claimed_by = CASE WHEN %s > 0 THEN claimed_by END WHERE id = %s",
+                (state, error, sent, now, sent, now, hold, hold, hold, row_id),
             )
 
     def firing(self, sink: str, delivered: str) -> list[tuple[int, float, str]]:

@@ -52,7 +52,7 @@ from ._otlp import MAX_ERROR_MESSAGES, Decoded, SpanRecord, span_from_stored
 from ._redact import Redactor
 from ._settings import LINGERING_TIME, Settings
 from ._state import RunState, Transition
-from ._storage import DbTarget, HeartbeatRow, SpanRow, Store, open_store
+from ._storage import Changes, DbTarget, HeartbeatRow, SpanRow, Store, open_store
 from ._views import RunView
 
 T = TypeVar("T")
@@ -102,6 +102,7 @@ class Sidecar:
         # A store that is not inline (PostgreSQL): its calls, one at a time, in order.
         self._db_thread: ThreadPoolExecutor | None = None
         self._intake = asyncio.Lock()
+        self.leading = False  # replicas: whether this one detects orphans (see _tick_loop)
         self._resolving = asyncio.Lock()
 
     # --- hooks for the alerting side --------------------------------------------
@@ -553,9 +554,78 @@ class Sidecar:
     async def _tick_loop(self) -> None:
         while True:
             await asyncio.sleep(self.settings.tick_interval)
-            self.tick()
+            if self._db_thread is None:
+                self.tick()
+                continue
+            # Replicas on one database: fold in what the others stored, then let one of
+            # them (the holder of the leader lock) decide which runs are orphaned.
+            try:
+                await self.sync()
+                self.leading = await self._call(self._require_store().try_lead)
+            except StoreError as exc:
+                log.warning("could not read the other replicas' changes: %s", exc)
+                continue
+            if self.leading:
+                self.tick()
+
+    def _require_store(self) -> Store:
+        if self.store is None:
+            raise StoreError("the sidecar is not running")
+        return self.store
+
+    async def sync(self) -> int:
+        """Fold in the spans, heartbeats, marks and leases other replicas committed; the
+        number of spans read. Nothing to do on a store of one process (SQLite)."""
+        store = self.store
+        if store is None or store.inline:
+            return 0
+        async with self._intake:  # between two intakes: the state moves in commit order
+            now = self.clock()
+            changes = await self._call(store.changes, now)
+            self._fold_changes(changes, now)
+        return len(changes.spans)
+
+    def _fold_changes(self, changes: Changes, now: float) -> None:
+        state = self.state
+        owners = {r: o for r, o in changes.owners if state.owner(r) is None}
+        records = []
+        for stored in changes.spans:
+            try:
+                records.append(span_from_stored(stored.data, stored.service, stored.instance))
+            except SidecarError as exc:
+                log.warning("skipping stored span %s: %s", stored.span_id, exc)
+        if records:
+            listeners = self._listeners
+            applied = state.apply(records, now, keep_before=bool(listeners), owners=owners)
+            # Alerts the writing replica raised are raised here too: the outbox keeps
+            # one row per dedup key, action and sink, whoever inserts it first.
+            for run_id in applied.facts_changed:
+                after = state.view(run_id)
+                if after is not None:
+                    self._notify(state.view_before(applied, run_id), after, now)
+        for instance, at, interval in changes.instances:
+            state.heard(instance, at, interval)
+        for mark in changes.marks:
+            view = state.view(mark.run_id)
+            if view is None:
+                continue
+            if mark.orphaned_at is not None and view["status"] != sc.STATE_ORPHANED:
+                state.restore_orphaned(mark.run_id, mark.orphaned_at)
+            if mark.resolution_at is not None and not view["resolution"]:
+                state.resolve(mark.run_id, mark.resolution_note or "", mark.resolution_at)
+        for lease in changes.leases:
+            current = state.lease(lease.run_id)
+            if current is None or (lease.token, lease.expires_at) > (
+                current.token,
+                current.expires_at,
+            ):
+                state.set_lease(lease)
 
     def prune(self) -> list[str]:
+        """Forget finished runs past the retention, in memory and in the store.
+
+        Replicas each prune what they hold: deleting a run twice is the same as once.
+        """
         now = self.clock()
         run_ids = self.state.prunable(now, self.settings.retention)
         if run_ids and self.store is not None:

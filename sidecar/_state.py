@@ -891,6 +891,12 @@ class RunState:
     def restore_instance(self, instance: str, at: float, interval: float) -> None:
         self._instances[_intern(instance)] = _Watch(at, interval)
 
+    def heard(self, instance: str, at: float, interval: float) -> None:
+        """A heartbeat another replica received at ``at`` (kept when newer than ours)."""
+        watch = self._instances.get(instance)
+        if watch is None or at > watch.at:
+            self._instances[_intern(instance)] = _Watch(at, interval)
+
     def resolve(self, run_id: str, note: str, now: float) -> bool:
         """Record that a person settled the run. False for an unknown run."""
         run = self._runs.get(run_id)

@@ -138,6 +138,18 @@ class RunMark:
     resolution_at: float | None
 
 
+class Changes(NamedTuple):
+    """What other processes on the same database committed since the last call."""
+
+    spans: list[StoredSpan]
+    owners: list[tuple[str, Owner]]
+    instances: list[tuple[str, float, float]]
+    marks: list[RunMark]
+    leases: list[Lease]
+
+
+NO_CHANGES = Changes([], [], [], [], [])
+
 SpanRow = tuple[str, str, float, str, str, bytes]
 """(run_id, span_id, received_at, service, instance, protobuf bytes)."""
 HeartbeatRow = tuple[str, float, float]
@@ -212,6 +224,20 @@ class Store(Protocol):
 
     def instance_count(self) -> int: ...
 
+    # --- replicas (a store shared by several sidecars) -------------------------------
+
+    def changes(self, now: float) -> Changes:
+        """Spans (with their runs' owners), heartbeats, marks and leases committed since
+        the last call (or since :meth:`spans`), by any process. A span may come twice
+        (folding is idempotent); none is missed. Empty for a store of one process.
+        """
+        ...
+
+    def try_lead(self) -> bool:
+        """Whether this process is (or now became) the one that runs orphan detection and
+        retention. Always True for a store of one process."""
+        ...
+
 
 class OutboxRecord(NamedTuple):
     """One alert_outbox row as the outbox reads it (``event``: its JSON text)."""
@@ -269,7 +295,9 @@ class AlertStore(Protocol):
     def target(self) -> DbTarget: ...
 
     @property
-    def inline(self) -> bool: ...
+    def inline(self) -> bool:
+        """True: one process's local file. False: shared (poll for others' rows)."""
+        ...
 
     def close(self) -> None: ...
 
@@ -288,10 +316,20 @@ class AlertStore(Protocol):
     def count(self, state: str) -> int: ...
 
     def next_row(self, sink: str, state: str) -> OutboxRecord | None:
-        """The oldest row of ``sink`` in ``state`` (the next delivery)."""
+        """The oldest row of ``sink`` in ``state`` (the next delivery), never one whose
+        dedup key has an older row in ``state`` (a resolve never overtakes its fire).
+
+        A shared store claims it for this process (other processes skip it until
+        :meth:`mark` or the claim's expiry), so each row is sent by one process.
+        """
         ...
 
-    def mark(self, row_id: int, state: str, error: str | None, sent: bool, now: float) -> None: ...
+    def mark(
+        self, row_id: int, state: str, error: str | None, sent: bool, now: float, hold: float = 0
+    ) -> None:
+        """Record a delivery attempt. ``hold`` > 0 (a retry's delay): no other process may
+        take the row for that long; otherwise the row's claim (see :meth:`next_row`) ends."""
+        ...
 
     def firing(self, sink: str, delivered: str) -> list[tuple[int, float, str]]:
         """(id, last_sent_at, event JSON) of delivered fires of ``sink`` without a resolve."""

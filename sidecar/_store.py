@@ -22,8 +22,10 @@ from typing import Any
 from ._errors import StoreError
 from ._leases import Lease, LeaseRefusal, Override, Owner
 from ._storage import (
+    NO_CHANGES,
     SCHEMA_VERSION,
     AlertTx,
+    Changes,
     DbTarget,
     HeartbeatRow,
     HistoryRecord,
@@ -421,6 +423,12 @@ class SqliteStore:
     def span_count(self) -> int:
         return int(self._db.execute("SELECT count(*) FROM spans").fetchone()[0])
 
+    def changes(self, now: float) -> Changes:  # noqa: ARG002 (the interface's)
+        return NO_CHANGES  # one process per file: nothing changes behind its back
+
+    def try_lead(self) -> bool:
+        return True
+
 
 def lease_from_row(row: tuple[object, ...]) -> Lease:
     run_id, holder, token, granted, expires, released, f_reason, f_by, f_at = row
@@ -549,7 +557,15 @@ class SqliteAlertStore:
         rows = self._all(_ROW + " WHERE sink = ? AND state = ? ORDER BY id LIMIT 1", (sink, state))
         return OutboxRecord(*rows[0]) if rows else None
 
-    def mark(self, row_id: int, state: str, error: str | None, sent: bool, now: float) -> None:
+    def mark(
+        self,
+        row_id: int,
+        state: str,
+        error: str | None,
+        sent: bool,
+        now: float,
+        hold: float = 0,  # noqa: ARG002 (one process per file: no claims to hold)
+    ) -> None:
         with self._lock:
             self._db.execute(
                 "UPDATE alert_outbox SET state = ?, attempts = attempts + 1, last_error = ?, "
