@@ -32,6 +32,7 @@ from ._storage import (
     DbTarget,
     HeartbeatRow,
     HistoryRecord,
+    InstanceRow,
     NewAlert,
     OutboxRecord,
     RunMark,
@@ -112,6 +113,7 @@ CREATE TABLE IF NOT EXISTS run_leases (
 ALTER TABLE alert_outbox ADD COLUMN IF NOT EXISTS claimed_by TEXT;
 ALTER TABLE alert_outbox ADD COLUMN IF NOT EXISTS claimed_until DOUBLE PRECISION;
 -- Commit order of spans, so each replica folds in what the others stored (changes()).
+ALTER TABLE instances ADD COLUMN IF NOT EXISTS open_runs TEXT;
 ALTER TABLE spans ADD COLUMN IF NOT EXISTS seq BIGSERIAL;
 CREATE INDEX IF NOT EXISTS spans_seq ON spans (seq);
 """,
@@ -349,7 +351,7 @@ class PgStore(_Pooled):
                 (run_ids,),
             ).fetchall()
             instances = conn.execute(
-                "SELECT instance, last_heartbeat, interval_s FROM instances "
+                "SELECT instance, last_heartbeat, interval_s, open_runs FROM instances "
                 "WHERE last_heartbeat > %s",
                 (floor,),
             ).fetchall()
@@ -366,7 +368,7 @@ class PgStore(_Pooled):
         return Changes(
             spans,
             [(str(r), Owner(str(t), str(i), str(s))) for r, t, i, s in owners],
-            [(str(a), float(b), float(c)) for a, b, c in instances],
+            [(str(a), float(b), float(c), str(d or "[]")) for a, b, c, d in instances],
             [RunMark(*m) for m in marks],
             [lease_from_row(row) for row in leases],
         )
@@ -396,9 +398,10 @@ class PgStore(_Pooled):
                 )
             if heartbeats:
                 cur.executemany(
-                    "INSERT INTO instances(instance, last_heartbeat, interval_s) "
-                    "VALUES (%s, %s, %s) ON CONFLICT (instance) DO UPDATE SET "
-                    "last_heartbeat = excluded.last_heartbeat, interval_s = excluded.interval_s",
+                    "INSERT INTO instances(instance, last_heartbeat, interval_s, open_runs) "
+                    "VALUES (%s, %s, %s, %s) ON CONFLICT (instance) DO UPDATE SET "
+                    "last_heartbeat = excluded.last_heartbeat, interval_s = excluded.interval_s, "
+                    "open_runs = excluded.open_runs",
                     heartbeats,
                 )
 
@@ -506,7 +509,7 @@ class PgStore(_Pooled):
         )
         return [RunMark(*row) for row in rows]
 
-    def instances(self) -> list[HeartbeatRow]:
+    def instances(self) -> list[InstanceRow]:
         rows = self._all("SELECT instance, last_heartbeat, interval_s FROM instances")
         return [(str(a), float(b), float(c)) for a, b, c in rows]
 

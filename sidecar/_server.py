@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
@@ -389,7 +390,8 @@ class Sidecar:
             attrs = span.attributes
             if attrs.get(sc.SAGA_PHASE) == sc.PHASE_HEARTBEAT:
                 interval = float(attrs.get(sc.SAGA_HEARTBEAT_INTERVAL_S, 1.0))
-                heartbeats.append((span.instance, now, interval))
+                open_runs = list(attrs.get(sc.SAGA_HEARTBEAT_OPEN_RUNS, ()))
+                heartbeats.append((span.instance, now, interval, json.dumps(open_runs)))
             else:
                 rows.append(
                     (attrs[sc.SAGA_RUN_ID], span.span_id, now, span.service, span.instance, raw)
@@ -603,8 +605,12 @@ class Sidecar:
                 after = state.view(run_id)
                 if after is not None:
                     self._notify(state.view_before(applied, run_id), after, now)
-        for instance, at, interval in changes.instances:
-            state.heard(instance, at, interval)
+        for instance, at, interval, open_runs in changes.instances:
+            try:
+                named = [str(r) for r in json.loads(open_runs)]
+            except (ValueError, TypeError):
+                named = []
+            state.heard(instance, at, interval, named)
         for mark in changes.marks:
             view = state.view(mark.run_id)
             if view is None:

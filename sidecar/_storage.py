@@ -143,7 +143,7 @@ class Changes(NamedTuple):
 
     spans: list[StoredSpan]
     owners: list[tuple[str, Owner]]
-    instances: list[tuple[str, float, float]]
+    instances: list[HeartbeatRow]
     marks: list[RunMark]
     leases: list[Lease]
 
@@ -152,7 +152,9 @@ NO_CHANGES = Changes([], [], [], [], [])
 
 SpanRow = tuple[str, str, float, str, str, bytes]
 """(run_id, span_id, received_at, service, instance, protobuf bytes)."""
-HeartbeatRow = tuple[str, float, float]
+HeartbeatRow = tuple[str, float, float, str]
+"""(instance, heard at, interval seconds, the open runs it named as a JSON list)."""
+InstanceRow = tuple[str, float, float]
 """(instance, last heartbeat, interval seconds)."""
 
 
@@ -214,7 +216,7 @@ class Store(Protocol):
 
     def marks(self) -> list[RunMark]: ...
 
-    def instances(self) -> list[HeartbeatRow]: ...
+    def instances(self) -> list[InstanceRow]: ...
 
     def owners(self) -> list[tuple[str, Owner]]: ...
 

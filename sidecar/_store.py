@@ -29,6 +29,7 @@ from ._storage import (
     DbTarget,
     HeartbeatRow,
     HistoryRecord,
+    InstanceRow,
     NewAlert,
     OutboxRecord,
     RunMark,
@@ -113,6 +114,7 @@ CREATE TABLE IF NOT EXISTS run_leases (
     + """
 ALTER TABLE alert_outbox ADD COLUMN claimed_by TEXT;
 ALTER TABLE alert_outbox ADD COLUMN claimed_until REAL;
+ALTER TABLE instances ADD COLUMN open_runs TEXT;
 """,
 }
 
@@ -259,9 +261,10 @@ class SqliteStore:
                 )
             if heartbeats:
                 db.executemany(
-                    "INSERT INTO instances(instance, last_heartbeat, interval_s) VALUES (?, ?, ?) "
-                    "ON CONFLICT(instance) DO UPDATE SET last_heartbeat=excluded.last_heartbeat, "
-                    "interval_s=excluded.interval_s",
+                    "INSERT INTO instances(instance, last_heartbeat, interval_s, open_runs) "
+                    "VALUES (?, ?, ?, ?) ON CONFLICT(instance) DO UPDATE SET "
+                    "last_heartbeat=excluded.last_heartbeat, interval_s=excluded.interval_s, "
+                    "open_runs=excluded.open_runs",
                     heartbeats,
                 )
             db.execute("COMMIT")
@@ -346,7 +349,7 @@ class SqliteStore:
         ).fetchall()
         return [RunMark(*row) for row in rows]
 
-    def instances(self) -> list[HeartbeatRow]:
+    def instances(self) -> list[InstanceRow]:
         rows = self._db.execute(
             "SELECT instance, last_heartbeat, interval_s FROM instances"
         ).fetchall()
