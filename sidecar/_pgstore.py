@@ -288,6 +288,7 @@ class PgStore(_Pooled):
     def __init__(self, target: DbTarget) -> None:
         super().__init__(target, max_size=4, name="saga-sidecar-store")
         self._seq = 0  # the newest span sequence number folded in
+        self._own: set[int] = set()  # sequence numbers of spans this process wrote
         self._gaps: dict[int, float | None] = {}  # missing numbers -> give up at (None: unset)
         self._since: float | None = None  # writer time of the last changes() read
         self._lead: Any = None  # the connection holding the leader lock
@@ -344,6 +345,9 @@ class PgStore(_Pooled):
                     for missing in range(self._seq + 1, seq):
                         self._gaps[missing] = now + GAP_WAIT_S
                     self._seq = seq
+                if seq in self._own:
+                    self._own.discard(seq)
+                    continue
                 spans.append(StoredSpan(run_id, span_id, service, instance, bytes(data)))
             run_ids = sorted({s.run_id for s in spans})
             owners = conn.execute(
@@ -393,9 +397,16 @@ class PgStore(_Pooled):
             if spans:
                 cur.executemany(
                     "INSERT INTO spans(run_id, span_id, received_at, service, instance, data) "
-                    "VALUES (%s, %s, %s, %s, %s, %s) ON CONFLICT (run_id, span_id) DO NOTHING",
+                    "VALUES (%s, %s, %s, %s, %s, %s) ON CONFLICT (run_id, span_id) DO NOTHING "
+                    "RETURNING seq",
                     spans,
+                    returning=True,
                 )
+                # Our own spans are in our state already: changes() skips them.
+                while True:
+                    self._own.update(seq for (seq,) in cur.fetchall())
+                    if not cur.nextset():
+                        break
             if heartbeats:
                 cur.executemany(
                     "INSERT INTO instances(instance, last_heartbeat, interval_s, open_runs) "
