@@ -44,6 +44,7 @@ from ._store import lease_from_row, newer_schema_message
 log = logging.getLogger("sidecar")
 
 CONNECT_TIMEOUT_S = 5
+POOL_WAIT_S = 5.0  # a request waits this long for a connection, then answers 503
 INSTALL_HINT = "pip install 'saga-otel[sidecar]' (psycopg[binary] and psycopg-pool)"
 
 _OUTBOX_V1 = """
@@ -209,7 +210,7 @@ def _open_pool(target: DbTarget, max_size: int, name: str) -> Any:
         kwargs={"connect_timeout": CONNECT_TIMEOUT_S},
         check=psycopg_pool.ConnectionPool.check_connection,
         name=name,
-        timeout=10.0,
+        timeout=POOL_WAIT_S,
         open=False,
     )
     try:

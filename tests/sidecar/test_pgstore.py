@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psycopg
 import pytest
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.trace.export import SpanExportResult
 from pg_server import PgServer
@@ -145,4 +148,54 @@ def test_saga_sidecar_db_selects_postgresql_and_the_password_never_shows(
         everything = "\n".join([stdout, stderr, *served])
         assert postgres.password not in everything
     finally:
+        postgres.drop(name)
+
+
+async def test_losing_the_database_is_503_with_retry_after_then_heals(
+    tmp_path: Path, postgres: PgServer
+) -> None:
+    """Never a 200 without the commit; no restart needed once the database is back."""
+    from sidecar_testkit import FakeClock, settings_for
+
+    from sidecar import Sidecar
+
+    name = postgres.create()
+    admin = psycopg.connect(postgres.url(), autocommit=True)
+    try:
+        settings = settings_for(tmp_path, db_url=postgres.url(name), db_path=None)
+        async with Sidecar(settings, clock=FakeClock()) as sidecar:
+            url = f"http://127.0.0.1:{sidecar.otlp_http_port}/v1/traces"
+            first, second = open_run(), open_run()
+
+            def body(run: Any) -> bytes:
+                return encode_spans(run.spans()).SerializeToString()
+
+            headers = {"Content-Type": "application/x-protobuf"}
+            async with httpx.AsyncClient(timeout=30) as client:
+                ok = await client.post(url, content=body(first), headers=headers)
+                assert ok.status_code == 200
+                # The database goes away: no new connection, the open ones cut.
+                admin.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS false')
+                admin.execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s",
+                    (name,),
+                )
+                down = await client.post(url, content=body(second), headers=headers)
+                assert down.status_code == 503 and down.headers["Retry-After"]
+                assert postgres.password not in down.text
+                assert second.run_id not in sidecar.state  # not folded: not stored
+                admin.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true')
+                for _ in range(100):  # the pool reconnects by itself
+                    again = await client.post(url, content=body(second), headers=headers)
+                    if again.status_code == 200:
+                        break
+                    await asyncio.sleep(0.1)
+                assert again.status_code == 200
+                assert second.run_id in sidecar.state
+        with psycopg.connect(postgres.url(name)) as conn:
+            rows = conn.execute("SELECT DISTINCT run_id FROM spans").fetchall()
+        assert {r for (r,) in rows} == {first.run_id, second.run_id}
+    finally:
+        admin.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true')
+        admin.close()
         postgres.drop(name)
