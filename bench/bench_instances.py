@@ -19,8 +19,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from bench._figures import Figure
 from saga_otel import semconv as sc
 from sidecar import Settings, Sidecar
+from sidecar._backends import open_store
 from sidecar._otlp import extract, parse_protobuf
-from sidecar._storage import open_store
 
 NS = 1_000_000_000
 INSTANCES = 1_000_000

@@ -40,6 +40,7 @@ from saga_otel import semconv as sc
 from saga_otel.records import backoff_seconds
 
 from ._alerting import Action, AlertEvent
+from ._backends import alert_rows, open_alert_store
 from ._errors import ConfigError, StoreError
 from ._sinks import SINK_KINDS, DeliveryRejected, DeliveryRetry, Sink
 from ._storage import (
@@ -49,7 +50,6 @@ from ._storage import (
     HistoryRecord,
     NewAlert,
     OutboxRecord,
-    open_alert_store,
     parse_db,
 )
 
@@ -589,16 +589,7 @@ def alert_history(db: DbTarget | Path | str, run_id: str) -> list[AlertHistoryRo
     on PostgreSQL call it from a worker thread.
     """
     target = db if isinstance(db, DbTarget) else parse_db(db)
-    if target.backend == "sqlite":
-        from ._store import sqlite_history
-
-        assert target.path is not None
-        records = sqlite_history(target.path, run_id)
-    else:
-        from ._pgstore import pg_history
-
-        records = pg_history(target, run_id)
-    return [_history_row(r) for r in records]
+    return [_history_row(r) for r in alert_rows(target, run_id)]
 
 
 def _history_row(r: HistoryRecord) -> AlertHistoryRow:

@@ -30,6 +30,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from saga_otel import semconv as sc
 
+from ._backends import open_store
 from ._errors import SidecarError, StoreError
 from ._forward import Forwarder, cancel
 from ._grpc import start_grpc
@@ -53,7 +54,7 @@ from ._otlp import MAX_ERROR_MESSAGES, Decoded, SpanRecord, span_from_stored
 from ._redact import Redactor
 from ._settings import LINGERING_TIME, Settings
 from ._state import RunState, Transition
-from ._storage import Changes, DbTarget, HeartbeatRow, SpanRow, Store, open_store
+from ._storage import Changes, DbTarget, HeartbeatRow, SpanRow, Store
 from ._views import RunView
 
 T = TypeVar("T")

@@ -3,14 +3,15 @@
 Two backends implement it: SQLite (``_store.py``, the embedded default: one
 machine, the demo, the tests) and PostgreSQL (``_pgstore.py``: any number of
 sidecar replicas on one database). :func:`parse_db` turns ``--db`` into a
-:class:`DbTarget`; :func:`open_store` and :func:`open_alert_store` open the
-backend it names (imported lazily, so SQLite needs no PostgreSQL driver).
+:class:`DbTarget`; ``_backends.py`` opens the backend it names (the PostgreSQL
+driver is imported only then, so SQLite needs none).
 
 A store is synchronous. ``inline`` says how the sidecar may call it: True
 (SQLite, a local file) on the event loop as before; False (PostgreSQL, a
 network round trip) only from a worker thread, never on the loop.
 
-This module is a leaf: it imports only the pure ``_errors`` and ``_leases``.
+This module is a leaf: it imports only the pure ``_errors`` and ``_leases``, so
+both backends and their users import it without a circle.
 """
 
 from __future__ import annotations
@@ -342,25 +343,3 @@ class AlertStore(Protocol):
     def history(self, run_id: str) -> list[HistoryRecord]:
         """The rows of one run, oldest first; empty when the outbox was never created."""
         ...
-
-
-def open_store(target: DbTarget) -> Store:
-    """Open (creating or upgrading the schema) the run store ``target`` names."""
-    if target.backend == "postgresql":
-        from ._pgstore import PgStore
-
-        return PgStore(target)
-    from ._store import SqliteStore
-
-    return SqliteStore(target)
-
-
-def open_alert_store(target: DbTarget) -> AlertStore:
-    """Open the alert outbox's tables in the database ``target`` names."""
-    if target.backend == "postgresql":
-        from ._pgstore import PgAlertStore
-
-        return PgAlertStore(target)
-    from ._store import SqliteAlertStore
-
-    return SqliteAlertStore(target)

@@ -28,9 +28,9 @@ from sidecar_testkit import (
 
 from saga_otel import semconv as sc
 from sidecar import Sidecar
+from sidecar._backends import open_store
 from sidecar._otlp import extract, parse_protobuf
 from sidecar._render import render_run
-from sidecar._storage import open_store
 
 pytestmark = BOTH_BACKENDS
 

@@ -15,9 +15,10 @@ from sidecar_testkit import BOTH_BACKENDS, FakeClock, compensation_failed_run, d
 
 from saga_otel import semconv as sc
 from sidecar import Sidecar, StoreError
+from sidecar._backends import open_store
 from sidecar._otlp import extract, parse_protobuf
 from sidecar._outbox import PENDING, Outbox
-from sidecar._storage import SCHEMA_VERSION, open_store
+from sidecar._storage import SCHEMA_VERSION
 
 pytestmark = BOTH_BACKENDS
 

@@ -25,7 +25,8 @@ from sidecar_testkit import (
 
 from saga_otel import semconv as sc
 from sidecar import Sidecar
-from sidecar._storage import open_store, parse_db
+from sidecar._backends import open_store
+from sidecar._storage import parse_db
 
 pytestmark = BOTH_BACKENDS
 
