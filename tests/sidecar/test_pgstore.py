@@ -199,3 +199,19 @@ async def test_losing_the_database_is_503_with_retry_after_then_heals(
         admin.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true')
         admin.close()
         postgres.drop(name)
+
+
+def test_the_fixture_finds_debians_server_programs_off_the_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A fresh Debian has initdb/pg_ctl only under /usr/lib/postgresql/VERSION/bin."""
+    import glob
+    import shutil
+
+    import pg_server
+
+    monkeypatch.setattr(shutil, "which", lambda *a, **k: None)
+    assert pg_server.pg_bin("initdb").startswith("/usr/lib/postgresql/")
+    monkeypatch.setattr(glob, "glob", lambda *a, **k: [])
+    with pytest.raises(AssertionError, match="scripts/debian-deps"):
+        pg_server.pg_bin("pg_ctl")
