@@ -54,4 +54,4 @@ chaos: $(STAMP)
 	$(BIN)/python -m bench.reliability
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache examples/node_agent/node_modules

@@ -22,9 +22,11 @@ from saga_otel._recovery import (
     NothingToRecoverError,
     RecoveryRefusedError,
     fetch_run,
+    find_run_id,
     recover,
 )
 from saga_otel._registry import CallInfo, Tool, ToolRegistry, tool
+from saga_otel._telemetry import tool_call_id
 from saga_otel.records import (
     Compensation,
     CompensationOutcome,
@@ -70,10 +72,12 @@ __all__ = [
     "configure",
     "current_call",
     "fetch_run",
+    "find_run_id",
     "idempotency_key",
     "observed",
     "observed_run",
     "recover",
     "start_metrics_server",
     "tool",
+    "tool_call_id",
 ]

@@ -1,4 +1,4 @@
-"""The ``saga-otel`` command: recover a run whose agent died.
+"""The ``saga-otel`` command: recover a run whose agent died; review an MCP server's mapping.
 
 Built on argparse, not click: the library installs without the sidecar's
 command-line stack (click, rich), and this command is small enough not to miss it.
@@ -12,7 +12,7 @@ import json
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from saga_otel import __version__
 from saga_otel._config import configure
@@ -24,6 +24,7 @@ from saga_otel._recovery import (
     ENV_SIDECAR_API,
     NothingToRecoverError,
     RecoveryRefusedError,
+    find_run_id,
     recover_with_hints,
 )
 from saga_otel._registry import ToolRegistry
@@ -53,6 +54,17 @@ class _BadTools(ValueError):
     """``--tools`` does not name a ToolRegistry; the message says what it names instead."""
 
 
+def _load_object(spec: str) -> Any:
+    """``package.module:name``: whatever that names."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise _BadTools(f"{spec!r} is not MODULE:NAME, e.g. examples.mcp_refund_agent:DECLARE")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise _BadTools(f"cannot load {spec!r}: {exc}") from exc
+
+
 def load_registry(spec: str) -> ToolRegistry:
     """``package.module:name``: a ToolRegistry, or a callable that returns one."""
     module_name, _, attr = spec.partition(":")
@@ -73,6 +85,10 @@ def load_registry(spec: str) -> ToolRegistry:
                 f"{spec!r} is a callable that needs arguments ({exc}); point at a "
                 "ToolRegistry or a factory that takes none"
             ) from exc
+        except SagaError as exc:  # e.g. an MCP registry whose server is down
+            raise _BadTools(f"{spec!r} could not build the registry: {exc}") from exc
+        except Exception as exc:  # the user's factory: its error, in one line
+            raise _BadTools(f"the factory {spec!r} failed: {type(exc).__name__}: {exc}") from exc
     if not isinstance(obj, ToolRegistry):
         raise _BadTools(f"{spec!r} is a {type(obj).__name__}, not a ToolRegistry")
     return obj
@@ -95,13 +111,22 @@ def _lease_ttl(text: str) -> float:
     return value
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage mistakes in one line naming the fix (``-h`` shows the whole usage)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} -h)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The whole command line; defaults read the environment when it is built."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="saga-otel", description="saga-otel: compensation stacks for agents' tool calls."
     )
     parser.add_argument("--version", action="version", version=f"saga-otel {__version__}")
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    commands = parser.add_subparsers(
+        dest="command", metavar="COMMAND", required=True, parser_class=_Parser
+    )
     rec = commands.add_parser(
         "recover",
         help="unwind a dead agent's run from this process",
@@ -169,13 +194,87 @@ def build_parser() -> argparse.ArgumentParser:
         "--json", dest="as_json", action="store_true", help="Print the report as JSON."
     )
     rec.set_defaults(command_parser=rec)  # so main() reports errors with recover's usage
+    tools = commands.add_parser(
+        "mcp-tools",
+        help="print each MCP tool's step class and undo, for review before an agent runs",
+        description="Start SERVER_COMMAND as an MCP server over stdio and print the step class, "
+        "pivot and undo the MCP adapter gives each of its tools (needs saga-otel[mcp]). "
+        "Exit status 1 when a tool is unclassified (the agent would refuse to start).",
+    )
+    tools.add_argument(
+        "--declare",
+        metavar="MODULE:NAME",
+        help="The agent's declarations: a dict of tool name to saga_otel.adapters.mcp.Declare "
+        "(or a factory returning one).",
+    )
+    tools.add_argument(
+        "--unannotated",
+        choices=("refuse", "irreversible"),
+        default="refuse",
+        help="What a tool with no annotations and no declaration becomes (default: refuse).",
+    )
+    tools.add_argument(
+        "server", nargs=argparse.REMAINDER, metavar="SERVER_COMMAND",
+        help="The server's command line, e.g. python -m examples.mcp_refund_server.",
+    )  # fmt: skip
+    tools.set_defaults(command_parser=tools)
     return parser
 
 
+def _mcp_tools(args: argparse.Namespace) -> int:
+    """``saga-otel mcp-tools``: the review table on stdout; 1 if a tool is unclassified."""
+    import asyncio
+
+    parser: argparse.ArgumentParser = args.command_parser
+    server = list(args.server)
+    if server[:1] == ["--"]:
+        server = server[1:]
+    if not server:
+        parser.error("give the MCP server's command, e.g. python -m examples.mcp_refund_server")
+    try:
+        from saga_otel.adapters import mcp as adapter
+    except ImportError as exc:
+        print(f"saga-otel: {exc}", file=sys.stderr)
+        return 2
+    declare: Any = None
+    if args.declare:
+        try:
+            declare = _load_object(args.declare)
+        except _BadTools as exc:
+            parser.error(f"--declare: {exc}")
+        if callable(declare):
+            declare = declare()
+        if not isinstance(declare, dict) or not all(
+            isinstance(v, adapter.Declare) for v in declare.values()
+        ):
+            parser.error(f"--declare: {args.declare!r} is not a dict of tool name to Declare")
+    try:
+        rows, refusal = asyncio.run(
+            adapter.review_command(server, declare, unannotated=args.unannotated)
+        )
+    except SagaError as exc:
+        print(f"saga-otel: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # the server did not start or speak MCP: one line, not a trace
+        print(f"saga-otel: cannot list the tools of {' '.join(server)!r}: {exc}", file=sys.stderr)
+        return 2
+    print(adapter.review(rows))
+    if refusal is not None:
+        print(f"saga-otel: {refusal}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``saga-otel``; the exit codes are ``EXIT_*`` (``saga-otel recover -h``)."""
+    """Entry point of ``saga-otel``.
+
+    ``recover``: the ``EXIT_*`` codes (``saga-otel recover -h``). ``mcp-tools``: 0 when
+    every tool is classified, 1 when one is not, 2 on errors.
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "mcp-tools":
+        return _mcp_tools(args)
     rec: argparse.ArgumentParser = args.command_parser
     if not args.tools_spec:
         rec.error(f"--tools is required (or set {ENV_TOOLS}), e.g. examples.demo_tools:registry")
@@ -188,9 +287,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     token: str | None = args.token
     headers = {"Authorization": f"Bearer {token}"} if token else None
     export = configure(args.otlp, headers=headers)
+    run_id = args.run_id
     try:
+        # Any unique prefix of the id, as `saga-sidecar runs list` prints it.
+        run_id = find_run_id(args.run_id, args.sidecar, token=token, cli=True)
         report = recover_with_hints(
-            args.run_id,
+            run_id,
             tools=tools,
             sidecar=args.sidecar,
             token=token,
@@ -207,7 +309,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     except NothingToRecoverError as exc:
         if args.as_json:
-            outcome = {"run_id": args.run_id, "outcome": "nothing_to_do", "status": exc.status}
+            outcome = {"run_id": run_id, "outcome": "nothing_to_do", "status": exc.status}
             print(json.dumps({**outcome, "message": str(exc)}))
         else:
             print(f"saga-otel: {exc}")

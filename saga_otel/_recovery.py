@@ -19,6 +19,7 @@ import os
 import time
 from dataclasses import dataclass, replace
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 from opentelemetry.trace import TracerProvider
@@ -57,6 +58,7 @@ __all__ = [
     "OrphanedRunError",
     "RecoveryRefusedError",
     "fetch_run",
+    "find_run_id",
     "recover",
 ]
 
@@ -96,6 +98,12 @@ CLI_HINTS = Hints(
 
 def _target(sidecar: str | None, token: str | None, hints: Hints) -> ApiTarget:
     base = (sidecar or os.environ.get(ENV_SIDECAR_API) or DEFAULT_SIDECAR_API).rstrip("/")
+    parts = urlsplit(base)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise RecoveryError(
+            f"{base!r} is not the sidecar's URL: give the scheme and address, e.g. "
+            f"{DEFAULT_SIDECAR_API}; {hints.sidecar}"
+        )
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     return ApiTarget(base, headers, hints.sidecar)
 
@@ -105,6 +113,42 @@ def fetch_run(
 ) -> dict[str, Any]:
     """The sidecar's view of one run (``GET /runs/{id}``, the id encoded as one segment)."""
     return _fetch(_target(sidecar, token, PYTHON_HINTS), run_id)
+
+
+def find_run_id(
+    given: str, sidecar: str | None = None, *, token: str | None = None, cli: bool = False
+) -> str:
+    """The run id ``given`` names: itself when the sidecar knows it, else the one run id
+    it is a prefix of (``GET /runs?id_prefix=``). People type the first characters of an
+    id; both command lines (``saga-otel recover``, ``saga-sidecar runs ...``) use this.
+
+    Raises `RecoveryError` naming the candidates when the prefix is ambiguous, and when
+    no run matches.
+    """
+    api = _target(sidecar, token, CLI_HINTS if cli else PYTHON_HINTS)
+    try:
+        resp = httpx.get(
+            f"{api.base}/runs",
+            params={"id_prefix": given, "limit": 1000},
+            headers=api.headers,
+            timeout=10.0,
+        )
+    except httpx.HTTPError as exc:
+        raise RecoveryError(
+            f"cannot reach the sidecar at {api.base} ({type(exc).__name__}: {exc}); start it "
+            f"with `saga-sidecar serve` or {api.flag_hint}"
+        ) from exc
+    if resp.status_code != 200:
+        raise RecoveryError(
+            f"the sidecar at {api.base} answered {resp.status_code} to a run id lookup: "
+            f"{resp.text[:300]}"
+        )
+    run_id, problem = sc.run_id_match_problem(
+        given, (str(r["run_id"]) for r in resp.json()["runs"])
+    )
+    if run_id is None:
+        raise RecoveryError(f"{problem} (asked the sidecar at {api.base})")
+    return run_id
 
 
 def _fetch(api: ApiTarget, run_id: str) -> dict[str, Any]:

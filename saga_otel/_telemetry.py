@@ -8,6 +8,7 @@ agent's own exception always propagates unchanged.
 
 from __future__ import annotations
 
+import contextvars
 import json
 import logging
 import os
@@ -37,6 +38,24 @@ from saga_otel._metrics import SagaMetrics, metrics_for
 from saga_otel.records import Compensation, StepClass, describe_error
 
 _VERSION = "0.1.0"
+
+_tool_call_id: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "saga_otel_tool_call_id", default=None
+)
+
+
+@contextmanager
+def tool_call_id(call_id: str | None) -> Iterator[None]:
+    """Mark the saga calls made inside this block with the model's tool-call id.
+
+    Framework adapters wrap ``run.call`` in it, so the ``do`` spans carry
+    ``gen_ai.tool.call.id`` (the id the model gave the call); ``None`` marks nothing.
+    """
+    token = _tool_call_id.set(call_id)
+    try:
+        yield
+    finally:
+        _tool_call_id.reset(token)
 
 
 _LEVELS = {
@@ -262,6 +281,9 @@ class Instrumentation:
         if phase == sc.PHASE_DO:
             attrs[sc.SAGA_STEP_CLASS] = (step_class or StepClass.CONVERGENT).value
             attrs[sc.SAGA_STEP_PIVOT] = bool(pivot)
+            call_id = _tool_call_id.get()
+            if call_id:
+                attrs[sc.GEN_AI_TOOL_CALL_ID] = call_id
         if compensation is not None:
             attrs[sc.SAGA_COMPENSATION_TOOL] = compensation.tool
             attrs[sc.SAGA_COMPENSATION_ARGS] = json.dumps(dict(compensation.args), sort_keys=True)
@@ -317,6 +339,7 @@ class Instrumentation:
                 span.set_status(Status(StatusCode.OK))
             else:
                 span.record_exception(exc)
+                span.set_attribute(sc.ERROR_TYPE, type(exc).__qualname__)
                 span.set_status(Status(StatusCode.ERROR, describe_error(exc)))
             span.end()
 

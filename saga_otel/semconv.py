@@ -7,6 +7,7 @@ contract itself is ``docs/semantic-conventions.md``.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Final
 from urllib.parse import quote
 
@@ -109,6 +110,27 @@ def run_id_segment(run_id: str) -> str:
     return segment.replace(".", "%2E") if segment in (".", "..") else segment
 
 
+def run_id_match_problem(given: str, known: Iterable[str]) -> tuple[str | None, str | None]:
+    """The one rule for naming a run by a prefix of its id, as people type it.
+
+    ``known`` are run ids the sidecar has that start with ``given``. Returns
+    ``(run_id, None)`` for ``given`` itself or its one match, else ``(None, problem)``
+    naming the candidates or saying none matched.
+    """
+    ids = sorted(set(known))
+    if given in ids:
+        return given, None
+    if len(ids) == 1:
+        return ids[0], None
+    if not ids:
+        return None, (
+            f"no run {given!r}, and no run id starts with it: check the id with "
+            "`saga-sidecar runs list` (finished runs are pruned after the retention)"
+        )
+    shown = ", ".join(ids[:10]) + (f" and {len(ids) - 10} more" if len(ids) > 10 else "")
+    return None, f"run id prefix {given!r} matches {len(ids)} runs ({shown}): give more characters"
+
+
 # --- unwind / escalate ----------------------------------------------------
 SAGA_UNWIND_REASON: Final = "saga.unwind.reason"
 SAGA_STACK: Final = "saga.stack"
@@ -123,6 +145,10 @@ SAGA_HEARTBEAT_INTERVAL_S: Final = "saga.heartbeat.interval_s"
 GEN_AI_OPERATION_NAME: Final = "gen_ai.operation.name"
 GEN_AI_OPERATION_EXECUTE_TOOL: Final = "execute_tool"
 GEN_AI_TOOL_NAME: Final = "gen_ai.tool.name"
+# The model's id for the tool call (optional; on do spans of calls a model made).
+GEN_AI_TOOL_CALL_ID: Final = "gen_ai.tool.call.id"
+# OpenTelemetry's general attribute: the failure's class, on a do/compensate span with status ERROR.
+ERROR_TYPE: Final = "error.type"
 
 # --- values ---------------------------------------------------------------
 STATUS_COMPLETED: Final = "completed"

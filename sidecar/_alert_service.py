@@ -9,7 +9,6 @@ as one of the sidecar's background tasks.
 from __future__ import annotations
 
 import asyncio
-import logging
 import random
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -22,6 +21,7 @@ from prometheus_client import CollectorRegistry
 from ._alert_settings import AlertSettings
 from ._alerting import AlertEvent, View, evaluate, resolve_stale
 from ._errors import SidecarError
+from ._log import get_logger
 from ._outbox import AlertMetrics, Outbox, describe_routing
 from ._settings import http_url
 from ._sinks import Sink
@@ -30,7 +30,7 @@ from ._storage import DbTarget
 if TYPE_CHECKING:
     from ._server import Sidecar
 
-log = logging.getLogger("sidecar.alerts")
+log = get_logger("sidecar.alerts")
 
 
 class AlertService:
@@ -53,7 +53,7 @@ class AlertService:
         chosen = list(sinks) if sinks is not None else self.settings.sinks()
         routing = self.settings.routing()
         for problem in describe_routing(routing, chosen):
-            log.warning("alert routing: %s", problem)
+            log.warning("sidecar.alert_routing.problem", problem=problem)
         # Set once the startup re-evaluation has been written (install_alerting).
         self.reevaluated = asyncio.Event()
         self.outbox = Outbox(
@@ -79,9 +79,10 @@ class AlertService:
         except SidecarError as exc:
             # The startup re-evaluation raises it again after the store is fixed.
             log.error(
-                "could not write alerts of run %s (raised again at the next start): %s",
-                after.get("run_id"),
-                exc,
+                "sidecar.alerts.not_written",
+                run_id=after.get("run_id"),
+                error=str(exc),
+                fix="the alerts are evaluated again at the next start, once the store is fixed",
             )
             return []
 
@@ -170,7 +171,7 @@ def install_alerting(
         views = [v for v in map(sidecar.state.view, list(sidecar.state.run_ids())) if v]
         added = await service.outbox.call(service.reevaluate, views, sidecar.clock())
         if added:
-            log.info("re-evaluated %d stored runs: %d alert deliveries added", len(views), added)
+            log.info("sidecar.alerts.reevaluated", runs=len(views), deliveries_added=added)
         service.reevaluated.set()
         try:
             await service.run()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
 import os
 import signal
 import sys
@@ -24,6 +23,8 @@ from saga_otel import semconv as sc
 
 from ._alert_settings import alert_options, settings_from_options
 from ._errors import ApiError, SidecarError
+from ._log import configure as configure_logging
+from ._log import get_logger
 from ._render import age, local_time, render_run
 from ._settings import (
     DEFAULT_API_PORT,
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
     from ._server import Sidecar
 
 DEFAULT_API = f"http://127.0.0.1:{DEFAULT_API_PORT}"
+log = get_logger("sidecar")
 
 
 def _env(name: str) -> str:
@@ -221,11 +223,7 @@ def serve(
     from ._alert_service import install_alerting
     from ._server import Sidecar
 
-    logging.basicConfig(
-        level=log_level.upper(),
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s %(message)s",
-    )
+    configure_logging(log_level)
     try:
         target = parse_db(db) if db is not None else None
         settings = Settings(
@@ -255,14 +253,22 @@ def serve(
 
 async def _serve(sidecar: Sidecar) -> None:
     stop = asyncio.Event()
+    received: list[str] = []
     loop = asyncio.get_running_loop()
+
+    def on_signal(sig: signal.Signals) -> None:
+        received.append(sig.name)
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_signal, sig)
     async with sidecar:
         click.echo(json.dumps(sidecar.listening()))
         sys.stdout.flush()
         await stop.wait()
+        log.info("sidecar.stopping", signal=received[0] if received else None)
+    log.info("sidecar.stopped")
 
 
 # --- runs: API client -------------------------------------------------------------
@@ -312,22 +318,12 @@ def _request(api: str, token: str | None, method: str, path: str, **kw: Any) -> 
 
 
 def _full_id(api: str, token: str | None, given: str) -> str:
-    """The run id ``given`` names: itself when known, else the one run it is a prefix of."""
+    """The run id ``given`` names (any unique prefix; the rule is the contract's)."""
     body = _request(api, token, "GET", "/runs", params={"id_prefix": given, "limit": 1000})
-    ids = [r["run_id"] for r in body["runs"]]
-    if given in ids:
-        return given
-    if len(ids) == 1:
-        return str(ids[0])
-    if not ids:
-        raise ApiError(
-            f"no run {given!r}, and no run id starts with it: list runs with "
-            "`saga-sidecar runs list` (finished runs are pruned after the retention)"
-        )
-    shown = ", ".join(sorted(ids)[:10]) + (f" and {len(ids) - 10} more" if len(ids) > 10 else "")
-    raise ApiError(
-        f"run id prefix {given!r} matches {len(ids)} runs ({shown}): give more characters"
-    )
+    run_id, problem = sc.run_id_match_problem(given, (str(r["run_id"]) for r in body["runs"]))
+    if run_id is None:
+        raise ApiError(problem)
+    return run_id
 
 
 @main.group()

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import aiohttp
 
-log = logging.getLogger("sidecar.forward")
+from ._log import get_logger
+
+log = get_logger("sidecar.forward")
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +43,7 @@ class Forwarder:
         self._headers = headers or {}
         self.sent = 0
         self.dropped = 0
+        self._down = False  # the upstream's last answer failed (logged once per outage)
 
     def offer(self, body: bytes, content_type: str, spans: int) -> bool:
         """Queue one request body; False (and counted) when the queue is full."""
@@ -77,14 +79,23 @@ class Forwarder:
             async with session.post(self.url, data=item.body, headers=headers) as resp:
                 await resp.read()
                 if resp.status >= 300:
-                    log.warning("forward to %s answered %s: dropped", self.url, resp.status)
-                    self._drop(item.spans)
+                    self._failed(f"answered {resp.status}", item.spans)
                     return
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            log.warning("forward to %s failed (%s): dropped", self.url, exc)
-            self._drop(item.spans)
+            self._failed(f"{type(exc).__name__}: {exc}", item.spans)
             return
+        if self._down:
+            self._down = False
+            log.info("sidecar.forward.up", url=self.url)
         self.sent += item.spans
+
+    def _failed(self, why: str, spans: int) -> None:
+        # Logged once when the upstream goes down (and once when it is back); each
+        # dropped span is counted in the forward metric meanwhile.
+        if not self._down:
+            self._down = True
+            log.warning("sidecar.forward.down", url=self.url, error=why, dropping=True)
+        self._drop(spans)
 
 
 async def cancel(task: asyncio.Task[None] | None) -> None:

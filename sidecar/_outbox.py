@@ -24,7 +24,6 @@ import asyncio
 import contextlib
 import functools
 import json
-import logging
 import random
 import threading
 import time
@@ -42,6 +41,7 @@ from saga_otel.records import backoff_seconds
 from ._alerting import Action, AlertEvent
 from ._backends import alert_rows, open_alert_store
 from ._errors import ConfigError, StoreError
+from ._log import get_logger
 from ._sinks import SINK_KINDS, DeliveryRejected, DeliveryRetry, Sink
 from ._storage import (
     AlertStore,
@@ -56,7 +56,7 @@ from ._storage import (
 T = TypeVar("T")
 
 # Operational logs go with the sidecar's own (stdlib, stderr); alerts use the log sink.
-log = logging.getLogger("sidecar.alerts")
+log = get_logger("sidecar.alerts")
 
 PENDING: Final = "pending"
 DELIVERED: Final = "delivered"
@@ -448,11 +448,13 @@ class Outbox:
                 await self.call(self._mark, row.id, FAILED, str(exc), False)
                 self._count(row.event.alertname, sink.kind, OUTCOME_FAILED)
                 log.error(
-                    "configuration error: %s refused %s %s for good, not retrying: %s",
-                    sink.name,
-                    row.action,
-                    row.dedup_key,
-                    exc,
+                    "sidecar.alert.rejected",
+                    sink=sink.name,
+                    action=row.action,
+                    dedup_key=row.dedup_key,
+                    error=str(exc),
+                    fix="a configuration error (routing key, URL, token): fix the sink's "
+                    "settings; this alert is not retried",
                 )
             except Exception as exc:
                 # DeliveryRetry, or a bug in a sink: keep the row, never lose the alert.
@@ -464,18 +466,22 @@ class Outbox:
                     self._mark, row.id, PENDING, f"{type(exc).__name__}: {exc}", False, delay
                 )
                 self._count(row.event.alertname, sink.kind, OUTCOME_RETRIED)
-                log.warning(
-                    "alert %s %s to %s failed (%d in a row), retrying in %.3f s: %s",
-                    row.action,
-                    row.dedup_key,
-                    sink.name,
-                    failures,
-                    delay,
-                    exc,
-                    exc_info=not isinstance(exc, DeliveryRetry),
-                )
+                if failures == 1:
+                    # Once per outage (and once when it ends): the retries are counted
+                    # in saga_sidecar_alerts_total{outcome="retried"}.
+                    log.warning(
+                        "sidecar.sink.down",
+                        sink=sink.name,
+                        action=row.action,
+                        dedup_key=row.dedup_key,
+                        error=f"{type(exc).__name__}: {exc}",
+                        retry_in_s=round(delay, 3),
+                        exc_info=not isinstance(exc, DeliveryRetry),
+                    )
                 await self._sleep(delay)
             else:
+                if failures:
+                    log.info("sidecar.sink.up", sink=sink.name, failed_attempts=failures)
                 failures = 0
                 await self.call(self._mark, row.id, DELIVERED, None, True)
                 self._count(row.event.alertname, sink.kind, OUTCOME_DELIVERED)
@@ -520,7 +526,8 @@ class Outbox:
             try:
                 await sink.send(_load(text))
             except Exception as exc:
-                log.warning("re-sending firing alerts to %s failed: %s", sink.name, exc)
+                error = f"{type(exc).__name__}: {exc}"
+                log.warning("sidecar.alert.resend_failed", sink=sink.name, error=error)
                 # Try again next interval; the first delivery already succeeded.
             await self.call(self._store.touch_sent, row_id, self._clock())
 
@@ -532,7 +539,7 @@ def _nothing() -> None:
 def _log_failure(future: Future[int]) -> None:
     exc = future.exception()
     if exc is not None:
-        log.error("could not write alerts (raised again at the next start): %s", exc)
+        log.error("sidecar.alerts.write_failed", error=str(exc), raised_again_at_start=True)
 
 
 def _row(r: OutboxRecord) -> OutboxRow:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import logging
 import os
 import socket
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -25,6 +24,7 @@ from urllib.parse import urlsplit
 
 from ._errors import StoreError
 from ._leases import Lease, LeaseRefusal, Owner
+from ._log import get_logger
 from ._storage import (
     SCHEMA_VERSION,
     AlertTx,
@@ -41,7 +41,7 @@ from ._storage import (
 )
 from ._store import lease_from_row, newer_schema_message
 
-log = logging.getLogger("sidecar")
+log = get_logger("sidecar")
 
 CONNECT_TIMEOUT_S = 5
 POOL_WAIT_S = 5.0  # a request waits this long for a connection, then answers 503
@@ -241,7 +241,7 @@ def migrate(conn: Any, target: DbTarget) -> int:
             )
     if 0 < found < SCHEMA_VERSION:
         log.info(
-            "upgraded the database %s from schema %d to %d", target.shown, found, SCHEMA_VERSION
+            "sidecar.db.upgraded", db=target.shown, from_schema=found, to_schema=SCHEMA_VERSION
         )
     return found
 
@@ -318,7 +318,9 @@ class PgStore(_Pooled):
             row = self._lead.execute("SELECT pg_try_advisory_lock(%s)", (_LEADER_LOCK,)).fetchone()
             self._leading = bool(row and row[0])
         except psycopg.Error as exc:
-            log.warning("leader lock on %s lost: %s", _where(self.target), scrub(self.target, exc))
+            log.warning(
+                "sidecar.leader.lost", db=_where(self.target), error=scrub(self.target, exc)
+            )
             with contextlib.suppress(Exception):
                 self._lead.close()
             self._lead, self._leading = None, False

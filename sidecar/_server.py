@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import functools
 import json
-import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -49,6 +48,7 @@ from ._leases import (
     renew,
     screen_span,
 )
+from ._log import get_logger
 from ._metrics import SidecarMetrics
 from ._otlp import MAX_ERROR_MESSAGES, Decoded, SpanRecord, span_from_stored
 from ._redact import Redactor
@@ -59,7 +59,7 @@ from ._views import RunView
 
 T = TypeVar("T")
 
-log = logging.getLogger("sidecar")
+log = get_logger("sidecar")
 
 Listener = Callable[[RunView | None, RunView, float], None]
 """``fn(before, after, now)``: called after each committed change to a run view."""
@@ -206,7 +206,7 @@ class Sidecar:
         except BaseException:
             await self.stop()
             raise
-        log.info("sidecar listening %s", self.listening())
+        log.info("sidecar.started", **{k: v for k, v in self.listening().items() if k != "event"})
 
     async def _serve_app(self, app: web.Application, host: str, port: int) -> int:
         # auto_decompress=False: the OTLP handler inflates gzip itself, with a bound
@@ -237,7 +237,9 @@ class Sidecar:
             except asyncio.CancelledError:
                 raise
             except Exception:
-                log.exception("background task %r failed", factory)
+                log.exception(
+                    "sidecar.task.failed", task=getattr(factory, "__qualname__", str(factory))
+                )
 
         self._tasks.append(asyncio.create_task(guarded()))
 
@@ -287,7 +289,7 @@ class Sidecar:
         def done(future: Future[object]) -> None:
             exc = future.exception()
             if exc is not None:
-                log.error("could not %s (re-derived at the next start): %s", what, exc)
+                log.error("sidecar.db.write_failed", what=what, error=str(exc), rederived=True)
 
         self._db_thread.submit(fn, *args).add_done_callback(done)
 
@@ -308,7 +310,7 @@ class Sidecar:
             try:
                 batch.append(span_from_stored(stored.data, stored.service, stored.instance))
             except SidecarError as exc:
-                log.warning("skipping stored span %s: %s", stored.span_id, exc)
+                log.warning("sidecar.rebuild.span_skipped", span_id=stored.span_id, error=str(exc))
             count += 1
         if batch:
             self.state.apply(batch, now)
@@ -322,7 +324,7 @@ class Sidecar:
         for lease in self.store.leases():
             self.state.set_lease(lease)
         if count:
-            log.info("rebuilt %d runs from %d stored spans", len(self.state), count)
+            log.info("sidecar.rebuilt", runs=len(self.state), spans=count)
 
     # --- intake ---------------------------------------------------------------------
 
@@ -492,7 +494,7 @@ class Sidecar:
             raws.append(raw)
         if not refused:
             return decoded, owners
-        log.warning("refused %d saga span(s): %s", refused, "; ".join(errors[-refused:]))
+        log.warning("sidecar.spans.refused", count=refused, errors=errors[-refused:])
         return (
             replace(
                 decoded,
@@ -527,7 +529,11 @@ class Sidecar:
                 fn(before, after, now)
             except Exception:
                 # A listener bug must never cost intake: the change is already stored.
-                log.exception("run listener %r failed for run %s", fn, after["run_id"])
+                log.exception(
+                    "sidecar.listener.failed",
+                    listener=getattr(fn, "__qualname__", str(fn)),
+                    run_id=after["run_id"],
+                )
 
     # --- orphans, resolution, retention ---------------------------------------------
 
@@ -544,7 +550,9 @@ class Sidecar:
                     [(t.run_id, t.at) for t in transitions],
                 )
             except StoreError:
-                log.exception("could not store orphan marks; they are re-derived on restart")
+                log.exception(
+                    "sidecar.orphan_marks.not_stored", fix="they are derived again at restart"
+                )
         if self._listeners:
             for t in transitions:
                 after = self.state.view(t.run_id)
@@ -566,7 +574,7 @@ class Sidecar:
                 await self.sync()
                 self.leading = await self._call(self._require_store().try_lead)
             except StoreError as exc:
-                log.warning("could not read the other replicas' changes: %s", exc)
+                log.warning("sidecar.sync.failed", error=str(exc))
                 continue
             if self.leading:
                 self.tick()
@@ -596,7 +604,7 @@ class Sidecar:
             try:
                 records.append(span_from_stored(stored.data, stored.service, stored.instance))
             except SidecarError as exc:
-                log.warning("skipping stored span %s: %s", stored.span_id, exc)
+                log.warning("sidecar.sync.span_skipped", span_id=stored.span_id, error=str(exc))
         if records:
             listeners = self._listeners
             applied = state.apply(records, now, keep_before=bool(listeners), owners=owners)
@@ -655,7 +663,7 @@ class Sidecar:
             with contextlib.suppress(StoreError):
                 pruned = self.prune()
                 if pruned:
-                    log.info("pruned %d finished runs past retention", len(pruned))
+                    log.info("sidecar.pruned", runs=len(pruned))
 
     async def lease(self, run_id: str, action: LeaseAction, data: object) -> Lease | LeaseRefusal:
         """Grant, renew or release ``run_id``'s recovery lease (rules: ``_leases.py``).
@@ -702,10 +710,10 @@ class Sidecar:
                 self._notify(before, after, now)
             if outcome.override is not None and outcome.override.at == now:
                 log.warning(
-                    "run %r: recovery lease forced behind a live agent by %s: %s",
-                    run_id,
-                    outcome.holder,
-                    outcome.override.reason,
+                    "sidecar.lease.forced",
+                    run_id=run_id,
+                    holder=outcome.holder,
+                    reason=outcome.override.reason,
                 )
         return outcome
 

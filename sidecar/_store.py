@@ -10,7 +10,6 @@ Both implement the interfaces of ``_storage.py``; the PostgreSQL backend is
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import sqlite3
 import stat
@@ -21,6 +20,7 @@ from typing import Any
 
 from ._errors import StoreError
 from ._leases import Lease, LeaseRefusal, Override, Owner
+from ._log import get_logger
 from ._storage import (
     NO_CHANGES,
     SCHEMA_VERSION,
@@ -37,7 +37,7 @@ from ._storage import (
     StoredSpan,
 )
 
-log = logging.getLogger("sidecar")
+log = get_logger("sidecar")
 
 # The schema as it shipped first (version 1), then one step per version. A database
 # is brought from its version to SCHEMA_VERSION by the steps after it, in one
@@ -158,7 +158,7 @@ def migrate(db: sqlite3.Connection, where: str) -> int:
             db.execute("ROLLBACK")
         raise
     if 0 < found < SCHEMA_VERSION:
-        log.info("upgraded the database %s from schema %d to %d", where, found, SCHEMA_VERSION)
+        log.info("sidecar.db.upgraded", db=where, from_schema=found, to_schema=SCHEMA_VERSION)
     return found
 
 
@@ -184,11 +184,11 @@ def prepare_db_file(path: Path, *, warn: bool = True) -> None:
     mode = stat.S_IMODE(path.parent.stat().st_mode)
     if warn and not missing and mode & 0o077:
         log.warning(
-            "the database folder %s has mode %s: other users may read the stored tool "
-            "arguments; run `chmod 700 %s` or pick another --db folder",
-            path.parent,
-            oct(mode),
-            path.parent,
+            "sidecar.db_folder.open_to_others",
+            folder=str(path.parent),
+            mode=oct(mode),
+            problem="other users may read the stored tool arguments",
+            fix=f"run `chmod 700 {path.parent}` or pick another --db folder",
         )
     # Create the file 0600 before SQLite does (it would use the umask's mode).
     fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)

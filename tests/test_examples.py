@@ -35,6 +35,34 @@ def test_refund_agent_example_escalates_a_stuck_run() -> None:
     assert "You must decide" in out
 
 
+def test_mcp_refund_agent_example_unwinds_through_the_mcp_tools() -> None:
+    out = run("examples.mcp_refund_agent", "--mail-down")
+    assert "reverse_credit(credit_id=result.credit_id)" in out  # the review came first
+    assert ": compensated" in out and "'amount': -2500" in out and "'T-9104': 'open'" in out
+    assert ": completed" in run("examples.mcp_refund_agent")
+
+
+def test_pydantic_ai_refund_agent_example_unwinds_through_the_agents_tools() -> None:
+    out = run("examples.pydantic_ai_refund_agent", "--mail-down")
+    assert "reverse_credit(credit_id=result.credit_id)" in out  # the review came first
+    assert ": compensated" in out and "'amount': -2500" in out and "'T-9104': 'open'" in out
+    assert ": completed" in run("examples.pydantic_ai_refund_agent")
+
+
+def test_langgraph_refund_agent_example_unwinds_through_the_langchain_tools() -> None:
+    out = run("examples.langgraph_refund_agent", "--mail-down")
+    assert "reverse_credit(credit_id=result.credit_id)" in out  # the review came first
+    assert ": compensated" in out and "'amount': -2500" in out and "'T-9104': 'open'" in out
+    assert ": completed" in run("examples.langgraph_refund_agent")
+
+
+def test_openai_agents_refund_agent_example_unwinds_through_the_function_tools() -> None:
+    out = run("examples.openai_agents_refund_agent", "--mail-down")
+    assert "reverse_credit(credit_id=result.credit_id)" in out  # the review came first
+    assert ": compensated" in out and "'amount': -2500" in out and "'T-9104': 'open'" in out
+    assert ": completed" in run("examples.openai_agents_refund_agent")
+
+
 def test_release_saga_example_validates_up_front() -> None:
     assert ": rejected" in run("examples.release_saga", "--bad-metadata")
     out = run("examples.release_saga", "--flag-down")
@@ -63,6 +91,10 @@ def test_every_example_reaches_a_sidecar_through_the_environment(tmp_path: Path)
         "examples.refund_agent": ("refund", ["--mail-down"]),
         "examples.release_saga": ("release", []),
         "examples.own_runner": ("refund", []),
+        "examples.mcp_refund_agent": ("refund", ["--mail-down"]),
+        "examples.pydantic_ai_refund_agent": ("refund", ["--mail-down"]),
+        "examples.langgraph_refund_agent": ("refund", ["--mail-down"]),
+        "examples.openai_agents_refund_agent": ("refund", ["--mail-down"]),
         "examples.metrics_agent": ("refund", ["--scenarios", "1", "--interval", "0"]),
     }
     with start_sidecar(tmp_path) as sc:
@@ -101,3 +133,45 @@ def test_every_example_reaches_a_sidecar_through_the_environment(tmp_path: Path)
                 runs = json.load(resp)["runs"]
             services = {r.get("service") for r in runs if r["saga"] == saga}
             assert module in services, (module, runs)
+
+
+FRAMEWORK_EXAMPLES = [
+    "examples.mcp_refund_agent",
+    "examples.pydantic_ai_refund_agent",
+    "examples.langgraph_refund_agent",
+    "examples.openai_agents_refund_agent",
+]
+
+
+def test_the_sidecar_shows_each_framework_run_as_it_shows_the_native_one(tmp_path: Path) -> None:
+    """The same refund, native (run.call) and through each adapter, folds into one run view."""
+    import httpx
+
+    from saga_otel.testing import start_sidecar
+
+    def shape(view: dict[str, object]) -> object:
+        steps = [
+            (s["name"], s["class"], s["pivot"], s["ok"], s["compensated"],
+             (s["compensation"] or {}).get("tool"))
+            for s in view["steps"]  # type: ignore[attr-defined]
+        ]  # fmt: skip
+        return view["status"], view["failed_step"], steps
+
+    shapes = {}
+    with start_sidecar(tmp_path) as sidecar:
+        for module in ["examples.refund_agent", *FRAMEWORK_EXAMPLES]:
+            env = {
+                "PATH": "/usr/bin:/bin",
+                "SAGA_OTEL_LOG_LEVEL": "ERROR",
+                "SAGA_OTEL_SIDECAR_ENDPOINT": sidecar.otlp,
+            }
+            out = subprocess.run(
+                [sys.executable, "-m", module, "--mail-down"],
+                cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=True,
+            ).stdout  # fmt: skip
+            line = next(line for line in out.splitlines() if line.startswith("run "))
+            run_id = line.split()[1].rstrip(":")
+            shapes[module] = shape(httpx.get(f"{sidecar.api}/runs/{run_id}", timeout=5).json())
+    native = shapes.pop("examples.refund_agent")
+    assert native[0] == "compensated"  # type: ignore[index]
+    assert shapes == {module: native for module in FRAMEWORK_EXAMPLES}

@@ -1,7 +1,8 @@
 """An agent that installs the library alone gets none of the sidecar's server stack.
 
 One slow test (a real ``pip install`` of this repository into a fresh virtualenv,
-no extras): the installed distributions hold no aiohttp, grpcio, click, rich or jinja2;
+no extras): the installed distributions hold no aiohttp, grpcio, click, rich or jinja2,
+and none of the frameworks the adapters wrap (mcp, pydantic-ai, langchain, openai-agents);
 ``examples/refund_agent.py`` runs there, from a folder that holds only the
 examples, so ``saga_otel`` comes from the install; the same install exports a
 run to a real sidecar (started from the dev environment); and the ``saga-sidecar``
@@ -31,6 +32,19 @@ SERVER_STACK = {
     "rich",
     "jinja2",
     "opentelemetry-exporter-otlp-proto-grpc",
+}
+# The framework adapters' distributions: each is an extra (saga-otel[mcp], ...), never pulled alone.
+FRAMEWORKS = {
+    "mcp",
+    "mcp-types",
+    "pydantic-ai-slim",
+    "pydantic-ai",
+    "pydantic",
+    "langchain-core",
+    "langgraph",
+    "langsmith",
+    "openai-agents",
+    "openai",
 }
 
 LIST_DISTRIBUTIONS = """
@@ -76,7 +90,9 @@ def test_library_only_install_has_no_server_stack_and_runs_an_agent(
 
     # A folder with the examples and nothing else: saga_otel must come from the venv.
     agent_dir = tmp_path / "agent"
-    shutil.copytree(ROOT / "examples", agent_dir / "examples")
+    shutil.copytree(
+        ROOT / "examples", agent_dir / "examples", ignore=shutil.ignore_patterns("node_modules")
+    )
     env = {"PATH": "/usr/bin:/bin", "SAGA_OTEL_LOG_LEVEL": "ERROR"}
 
     listed = _run([py, "-c", LIST_DISTRIBUTIONS], agent_dir, env)
@@ -84,6 +100,7 @@ def test_library_only_install_has_no_server_stack_and_runs_an_agent(
     installed = {_normalize(n) for n in json.loads(listed.stdout)}
     assert "saga-otel" in installed and "opentelemetry-sdk" in installed, installed
     assert not installed & SERVER_STACK, f"the library pulled {sorted(installed & SERVER_STACK)}"
+    assert not installed & FRAMEWORKS, f"the library pulled {sorted(installed & FRAMEWORKS)}"
 
     where = _run([py, "-c", "import saga_otel; print(saga_otel.__file__)"], agent_dir, env)
     assert where.stdout.startswith(str(venv)), where.stdout + where.stderr
@@ -117,6 +134,21 @@ def test_library_only_install_has_no_server_stack_and_runs_an_agent(
     assert "Traceback" not in served.stderr
     (line,) = served.stderr.splitlines()
     assert "pip install 'saga-otel[sidecar]'" in line and "aiohttp" in line, line
+
+    # An adapter without its extra says in one line which extra to install.
+    for module, extra in (
+        ("saga_otel.adapters.mcp", "mcp"),
+        ("saga_otel.adapters.pydantic_ai", "pydantic-ai"),
+        ("saga_otel.adapters.langchain", "langchain"),
+        ("saga_otel.adapters.openai_agents", "openai-agents"),
+    ):
+        imported = _run([py, "-c", f"import {module}"], agent_dir, env)
+        assert imported.returncode == 1
+        assert f"pip install 'saga-otel[{extra}]'" in imported.stderr.splitlines()[-1]
+    review = _run([str(venv / "bin" / "saga-otel"), "mcp-tools", "server"], agent_dir, env)
+    assert review.returncode == 2 and "Traceback" not in review.stderr
+    (line,) = review.stderr.splitlines()
+    assert "pip install 'saga-otel[mcp]'" in line, line
 
     # The library's own command needs none of it.
     version = _run([str(venv / "bin" / "saga-otel"), "--version"], agent_dir, env)

@@ -16,8 +16,9 @@ SAGA_OTEL = [
     "RecoveryRefusedError", "RetryPolicy", "Run",
     "RunStatus", "Saga", "SagaError", "SagaReport", "SidecarExport", "Step", "StepClass",
     "StepRecord", "StepRefusedError", "SyncRun", "Tool", "ToolRegistry", "UnknownToolError",
-    "ValidationRejectedError", "configure", "current_call", "fetch_run", "idempotency_key",
-    "observed", "observed_run", "recover", "start_metrics_server", "tool",
+    "ValidationRejectedError", "configure", "current_call", "fetch_run", "find_run_id",
+    "idempotency_key", "observed", "observed_run", "recover", "start_metrics_server", "tool",
+    "tool_call_id",
 ]  # fmt: skip
 SIDECAR = [
     "ApiError", "ConfigError", "DecodeError", "Listener", "RunState", "Settings", "Sidecar",

@@ -124,4 +124,4 @@ def test_recover_errors_name_the_problem_and_the_fix(sidecar_process: Any) -> No
         cwd=ROOT, capture_output=True, text=True, timeout=60,
         env={**os.environ, "SAGA_DEMO_WORLD": "http://127.0.0.1:9"},
     )  # fmt: skip
-    assert cli.returncode == 2 and "knows no run 'nope'" in cli.stderr
+    assert cli.returncode == 2 and "no run 'nope'" in cli.stderr

@@ -205,7 +205,7 @@ def test_each_recover_outcome_has_its_own_exit_code(sidecar_process: Any, tmp_pa
     again = recover_cli(s, open_run, truth)
     assert again.returncode == 4 and "is recovered" in again.stdout
     unknown = recover_cli(s, "no-such-run", truth)
-    assert unknown.returncode == 2 and "knows no run" in unknown.stderr
+    assert unknown.returncode == 2 and "no run 'no-such-run'" in unknown.stderr
     as_json = recover_cli(s, done, truth, "--json")
     assert json.loads(as_json.stdout)["outcome"] == "nothing_to_do"
     assert sys.executable  # the codes are documented in `saga-otel recover --help`

@@ -78,6 +78,8 @@ async def test_compensated_run_spans_logs_and_metrics(cap: Captured, mode: Drive
     assert len(failed_do) == 1
     assert failed_do[0].events[0].name == "exception"
     assert failed_do[0].events[0].attributes["exception.type"].endswith("ServiceDown")  # type: ignore[index]
+    assert span_attrs(failed_do[0])[sc.ERROR_TYPE] == "ServiceDown"  # OpenTelemetry's error.type
+    assert all(sc.ERROR_TYPE not in span_attrs(s) for s in comps)  # only on failures
     # the unwind span is emitted before the first compensation starts
     unwind_span = cap.spans(phase="unwind")[0]
     assert unwind_span.start_time is not None and comps[0].start_time is not None
@@ -124,6 +126,11 @@ async def test_compensation_failed_run_spans(cap: Captured, mode: Driver) -> Non
         for s in cap.spans(phase="compensate")
     ]
     assert attempts == [(2, 1, StatusCode.OK), (1, 1, StatusCode.ERROR), (1, 2, StatusCode.ERROR)]
+    assert [span_attrs(s).get(sc.ERROR_TYPE) for s in cap.spans(phase="compensate")] == [
+        None,
+        "InjectedFailure",
+        "InjectedFailure",
+    ]
     esc = _one(cap, "escalate")
     assert esc[sc.SAGA_ESCALATION_REASON] == "compensation_failed"
     card = json.loads(esc[sc.SAGA_ESCALATION_CARD])
@@ -412,3 +419,17 @@ async def test_observed_undo_that_cannot_be_stored_is_marked(mode: Driver, bad: 
     assert len(world.ledger) == 1
     # The effect stands with no stored undo: never "compensated".
     assert _one(cap, "run")[sc.SAGA_RUN_STATUS] == "compensation_failed"
+
+
+async def test_tool_call_id_marks_the_do_spans_inside_it_only(cap: Captured) -> None:
+    from saga_otel import tool_call_id
+
+    saga = cap.saga("refund", tools=refund_tools(World()))
+    async with saga.run() as run:
+        with tool_call_id("call_7"):
+            await run.call("get_order", order_id=4921)
+        await run.call("get_order", order_id=4921)
+    first, second = (span_attrs(s) for s in cap.spans(phase="do"))
+    assert first[sc.GEN_AI_TOOL_CALL_ID] == "call_7"
+    assert sc.GEN_AI_TOOL_CALL_ID not in second
+    assert contract_violations(cap.spans()) == []

@@ -180,3 +180,37 @@ async def test_runs_list_never_cuts_ids_and_times_are_local_iso_with_age(sidecar
     assert view is not None and view["started_at"] is not None
     local = datetime.fromtimestamp(view["started_at"]).astimezone().isoformat(timespec="seconds")
     assert local in result.output and " ago" in result.output, result.output
+
+
+def test_serve_logs_json_lines_with_event_names_start_to_sigterm(tmp_path: Path) -> None:
+    """One format: every stderr line is a JSON object with an event name, no repr."""
+    import signal
+
+    saga_sidecar = str(Path(sys.executable).parent / "saga-sidecar")
+    argv = [saga_sidecar, "serve", "--db", str(tmp_path / "db"), "--log-level", "info"]
+    argv += ["--otlp-http-port", "0", "--otlp-grpc-port", "0", "--api-port", "0"]
+    # A forward target that refuses: a degraded state, which must be logged once.
+    argv += ["--forward", "http://127.0.0.1:9/v1/traces"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stderr is not None
+    listening = json.loads(proc.stdout.readline())
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    exporter = OTLPSpanExporter(endpoint=f"http://127.0.0.1:{listening['otlp_http']}/v1/traces")
+    spans = stuck_run().spans()
+    for _ in range(3):
+        exporter.export(spans)
+    exporter.shutdown()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    lines = [json.loads(line) for line in err.strip().splitlines()]
+    events = [line["event"] for line in lines]
+    assert all(isinstance(e, str) and e for e in events), err
+    assert events[0] == "sidecar.started" and lines[0]["otlp_http"] == listening["otlp_http"]
+    assert events[-2:] == ["sidecar.stopping", "sidecar.stopped"]
+    assert lines[-2]["signal"] == "SIGTERM"
+    # The forward target was down for three requests: said once, not three times.
+    assert events.count("sidecar.forward.down") == 1
+    assert all({"level", "timestamp"} <= line.keys() for line in lines), err
+    assert "<" not in err and "object at 0x" not in err  # no Python repr anywhere

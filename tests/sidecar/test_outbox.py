@@ -273,9 +273,10 @@ async def test_400_is_not_retried_and_is_logged_with_the_answer(
     assert [failed.state, delivered.state] == [FAILED, DELIVERED]
     assert failed.last_error is not None and "Invalid routing key" in failed.last_error
     assert delivered.last_error is None
-    (rejected,) = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
-    assert "Invalid routing key" in rejected
-    assert rejected.startswith("configuration error")
+    (rejected,) = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert rejected.getMessage() == "sidecar.alert.rejected"
+    assert "Invalid routing key" in rejected.__dict__["error"]
+    assert "not retried" in rejected.__dict__["fix"]
     failed = {"alertname": sc.ALERT_COMPENSATION_STARTED, "sink": "pagerduty", "outcome": "failed"}
     assert registry.get_sample_value(sc.M_SIDECAR_ALERTS, failed) == 1
 
@@ -437,7 +438,8 @@ def test_listener_swallows_store_errors(tmp_path: Path, caplog: pytest.LogCaptur
     service.close()  # the connection is gone: writes fail
     with caplog.at_level(logging.ERROR, logger="sidecar.alerts"):
         assert service.on_change(view("r1"), unwinding("r1"), now=1.0) == []
-    assert "could not write alerts of run r1" in caplog.text
+    (record,) = [r for r in caplog.records if r.getMessage() == "sidecar.alerts.not_written"]
+    assert record.__dict__["run_id"] == "r1"
 
 
 def test_pending_state_names(tmp_path: Path) -> None:

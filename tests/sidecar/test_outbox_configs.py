@@ -5,6 +5,7 @@ Real ``saga-sidecar serve`` processes, real local receivers, the real SQLite fil
 
 from __future__ import annotations
 
+import json
 import os
 import sqlite3
 import stat
@@ -151,5 +152,8 @@ def test_an_existing_wider_folder_is_warned_about_at_start(tmp_path: Path) -> No
     with start_sidecar(tmp_path, db=folder / "sidecar.db") as side:
         pass
     log = Path(side.log).read_text()
-    assert f"the database folder {folder} has mode 0o755" in log
+    (line,) = [json.loads(x) for x in log.splitlines() if "db_folder" in x]
+    assert line["event"] == "sidecar.db_folder.open_to_others" and line["level"] == "warning"
+    assert line["folder"] == str(folder) and line["mode"] == "0o755"
+    assert f"chmod 700 {folder}" in line["fix"]
     assert mode(folder) == 0o755  # an operator's choice: warned about, not changed

@@ -1,0 +1,185 @@
+"""LangChain tools as saga steps, in a LangGraph graph or anywhere: ``saga-otel[langchain]``.
+
+:class:`SagaTools` takes the agent's LangChain tools (any ``BaseTool``: ``@tool``
+functions, ``StructuredTool``) and the user's :class:`Declare` per tool name.
+``tools.bind(run)`` returns tools with the same names, descriptions and argument
+schemas to hand to the model and to LangGraph's ``ToolNode``; each call runs as
+``run.call`` with the ``ToolCall``'s id as ``gen_ai.tool.call.id``. They are
+async: run the graph with ``ainvoke``/``astream``.
+
+Failure semantics (docs/frameworks.md):
+
+* a ``ToolException`` that the tool's ``handle_tool_error`` turns into a
+  ``ToolMessage``, or any error a ``ToolNode(handle_tool_errors=...)`` turns
+  into one, is a failed step and the run goes on; with
+  ``unwind_on_tool_error=True`` a ``ToolException`` becomes
+  :class:`ToolErrorUnwind` instead (which escapes unless a ``ToolNode`` is told
+  to catch every error);
+* any error that escapes the graph's ``ainvoke`` (``ToolNode``'s default
+  re-raises everything but argument errors) unwinds when it leaves
+  ``async with saga.run()``; so does cancelling the task.
+
+Undos are called as the original tool, with its own error handling off, so an
+undo that fails is a failed compensation, never a string.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+try:
+    from langchain_core.tools import BaseTool, ToolException
+except ImportError as exc:  # pragma: no cover - exercised by the library-only install
+    raise ImportError(
+        "saga_otel.adapters.langchain needs langchain-core: pip install 'saga-otel[langchain]'"
+    ) from exc
+
+from saga_otel import ConfigurationError, Run, Tool, ToolRegistry, tool_call_id
+from saga_otel.adapters._declare import (
+    Declare,
+    Described,
+    ToolErrorUnwind,
+    ToolMapping,
+    Unannotated,
+    describe,
+    map_declared,
+    refusal,
+    review,
+    undo_recipe,
+)
+
+__all__ = ["Declare", "SagaTools", "ToolErrorUnwind", "ToolMapping"]
+
+_call_id: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "saga_otel_langchain_call_id", default=None
+)
+
+
+def _strict(t: BaseTool) -> BaseTool:
+    """The tool with its own error handling off: the saga must see its failures."""
+    return t.model_copy(update={"handle_tool_error": False, "handle_validation_error": False})
+
+
+class SagaTools:
+    """The agent's LangChain tools as a :class:`~saga_otel.ToolRegistry`, bound per run."""
+
+    def __init__(
+        self,
+        tools: Sequence[BaseTool],
+        declare: Mapping[str, Declare] | None = None,
+        *,
+        unannotated: Unannotated = "refuse",
+        unwind_on_tool_error: bool = False,
+    ) -> None:
+        self.tools: dict[str, BaseTool] = {}
+        for t in tools:
+            if not isinstance(t, BaseTool):
+                raise ConfigurationError(
+                    f"{t!r} is not a LangChain tool: wrap it with langchain_core.tools.tool"
+                )
+            self.tools[t.name] = t
+        self.unwind_on_tool_error = unwind_on_tool_error
+        declare = dict(declare or {})
+        self.mappings: tuple[ToolMapping, ...] = tuple(
+            map_declared(
+                [Described(name) for name in self.tools],
+                declare,
+                unannotated=unannotated,
+                where="the LangChain tools",
+            )
+        )
+        refused = refusal(self.mappings)
+        if refused is not None:
+            raise ConfigurationError(refused)
+        self.registry = ToolRegistry()
+        for row in self.mappings:
+            assert row.step_class is not None
+            d = declare.get(row.name, Declare())
+            self.registry.register(
+                Tool(
+                    name=row.name,
+                    fn=_caller(_strict(self.tools[row.name])),
+                    step_class=row.step_class,
+                    compensate=row.undo,
+                    compensate_args=(
+                        undo_recipe(d.undo_args, list(self.tools[row.undo].args))
+                        if row.undo
+                        else None
+                    ),
+                    describe=describe(d),
+                    snapshot=(
+                        _snapshotter(_strict(self.tools[row.snapshot])) if row.snapshot else None
+                    ),
+                    retry=d.retry,
+                    pivot=row.pivot,
+                )
+            )
+        self.registry.check_compensations()
+
+    def review(self) -> str:
+        """Each tool's class, pivot and undo, for a person to check before the agent runs."""
+        return review(self.mappings)
+
+    def bind(self, run: Run) -> list[BaseTool]:
+        """Tools to give the model and the ``ToolNode`` for this run."""
+        return [
+            _SagaTool(
+                name=t.name,
+                description=t.description,
+                args_schema=t.args_schema,
+                handle_tool_error=t.handle_tool_error,
+                saga_run=run,
+                unwind_on_tool_error=self.unwind_on_tool_error,
+            )
+            for t in self.tools.values()
+        ]
+
+
+def _caller(strict: BaseTool) -> Any:
+    async def call(**kwargs: Any) -> Any:
+        return await strict.ainvoke(kwargs)
+
+    call.__name__ = strict.name
+    return call
+
+
+def _snapshotter(strict: BaseTool) -> Any:
+    wanted = set(strict.args)
+
+    async def snap(**kwargs: Any) -> Any:
+        return await strict.ainvoke({k: v for k, v in kwargs.items() if k in wanted})
+
+    return snap
+
+
+class _SagaTool(BaseTool):
+    """A bound tool: LangChain validates and reports, the saga run calls the original."""
+
+    saga_run: Any
+    unwind_on_tool_error: bool = False
+
+    async def arun(self, *args: Any, **kwargs: Any) -> Any:
+        token = _call_id.set(kwargs.get("tool_call_id"))
+        try:
+            return await super().arun(*args, **kwargs)
+        finally:
+            _call_id.reset(token)
+
+    async def _arun(self, **kwargs: Any) -> Any:
+        try:
+            with tool_call_id(_call_id.get()):
+                return await self.saga_run.call(self.name, **kwargs)
+        except ToolException as exc:
+            if self.unwind_on_tool_error:
+                raise ToolErrorUnwind(
+                    f"tool {self.name!r} failed ({exc}) and unwind_on_tool_error is set"
+                ) from exc
+            raise
+
+    def _run(self, **_kwargs: Any) -> Any:
+        raise ConfigurationError(
+            f"tool {self.name!r} runs inside an async saga run: call the graph or tool with "
+            "ainvoke/astream, not invoke"
+        )

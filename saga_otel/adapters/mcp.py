@@ -1,0 +1,452 @@
+"""MCP client sessions as saga tools: ``pip install 'saga-otel[mcp]'``.
+
+:func:`load_tools` lists a session's tools and makes each a saga :class:`~saga_otel.Tool`
+whose function calls the server. Its step class comes from the server's tool
+annotations (:func:`classify`, the table in docs/frameworks.md), or from what
+the user declares per tool name (:class:`Declare`): a class, and an undo that
+names another tool of the same server with its arguments mapped from the do's
+arguments, result or snapshot. Nothing is guessed silently:
+
+* a tool with neither annotations nor a declaration is refused at start, with
+  the list of such tools, unless ``unannotated="irreversible"`` is passed;
+* a tool the server calls destructive (explicitly, or by MCP's default
+  ``destructiveHint: true``) is ``irreversible`` (a pivot) unless it has an undo.
+
+:func:`review` (and ``saga-otel mcp-tools``) prints each tool's class and undo
+so a person can check the mapping before the agent runs.
+
+The model's tool errors (``CallToolResult.is_error``) are failed steps handed
+back to the caller as the result, as MCP means them to be, unless
+``unwind_on_tool_error=True``; protocol errors and anything else that escapes
+the run unwind it. MCP itself carries no model tool-call id (the JSON-RPC
+request id is the client's own), so the caller passes the framework's id as
+``call_id=``; it becomes ``gen_ai.tool.call.id``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import concurrent.futures
+import dataclasses
+import inspect
+import json
+import keyword
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+try:
+    import mcp.types as mcp_types
+except ImportError as exc:  # pragma: no cover - exercised by the library-only install
+    raise ImportError(
+        "saga_otel.adapters.mcp needs the MCP SDK: pip install 'saga-otel[mcp]'"
+    ) from exc
+
+from saga_otel import (
+    ConfigurationError,
+    Run,
+    SagaError,
+    StepClass,
+    Tool,
+    ToolRegistry,
+    tool_call_id,
+)
+from saga_otel.adapters._declare import (
+    Declare,
+    Described,
+    ToolMapping,
+    Unannotated,
+    describe,
+    map_declared,
+    refusal,
+    review,
+    undo_recipe,
+)
+from saga_otel.records import describe_error
+
+__all__ = [
+    "BoundSession",
+    "Declare",
+    "McpSession",
+    "McpToolError",
+    "McpTools",
+    "ToolMapping",
+    "blocking_registry",
+    "classify",
+    "decode_result",
+    "load_tools",
+    "map_tools",
+    "review",
+]
+
+
+class McpSession(Protocol):
+    """What the adapter needs of a session: ``mcp.ClientSession`` and ``mcp.Client`` fit."""
+
+    async def list_tools(self) -> mcp_types.ListToolsResult: ...
+
+    async def call_tool(
+        self, name: str, arguments: dict[str, Any] | None = None
+    ) -> mcp_types.CallToolResult: ...
+
+
+class McpToolError(SagaError):
+    """The server answered a tool call with ``is_error``: the model's kind of tool error."""
+
+    def __init__(self, tool: str, result: mcp_types.CallToolResult) -> None:
+        text = " ".join(c.text for c in result.content if isinstance(c, mcp_types.TextContent))
+        super().__init__(f"MCP tool {tool!r} returned an error: {text or '(no text)'}")
+        self.tool = tool
+        self.result = result
+
+
+def _hints(ann: mcp_types.ToolAnnotations | None) -> dict[str, bool]:
+    if ann is None:
+        return {}
+    pairs = {
+        "readOnlyHint": ann.read_only_hint,
+        "destructiveHint": ann.destructive_hint,
+        "idempotentHint": ann.idempotent_hint,
+        "openWorldHint": ann.open_world_hint,
+    }
+    return {k: v for k, v in pairs.items() if v is not None}
+
+
+def _destructive(ann: mcp_types.ToolAnnotations | None) -> bool:
+    """The server says the tool may destroy: explicitly, or by MCP's default when it annotates."""
+    hints = _hints(ann)
+    if not hints or hints.get("readOnlyHint") is True:
+        return False
+    return hints.get("destructiveHint", True)  # MCP: destructiveHint defaults to true
+
+
+def classify(ann: mcp_types.ToolAnnotations | None) -> StepClass | None:
+    """The step class an MCP tool's annotations give it, before any declaration.
+
+    No hints at all: ``None`` (unclassified). ``readOnlyHint``: ``read``.
+    Otherwise MCP's defaults apply (``destructiveHint`` true, ``idempotentHint``
+    false): idempotent and not destructive is ``convergent``; anything else
+    (destructive, or additive but not idempotent) has no undo the server
+    declares, so it is ``irreversible``, a pivot. ``openWorldHint`` does not
+    change the class.
+    """
+    hints = _hints(ann)
+    if not hints:
+        return None
+    if hints.get("readOnlyHint") is True:
+        return StepClass.READ
+    if not _destructive(ann) and hints.get("idempotentHint", False):
+        return StepClass.CONVERGENT
+    return StepClass.IRREVERSIBLE
+
+
+def _hint_text(ann: mcp_types.ToolAnnotations | None) -> str:
+    hints = _hints(ann)
+    return ",".join(f"{k[: -len('Hint')]}={'y' if v else 'n'}" for k, v in hints.items()) or "-"
+
+
+def map_tools(
+    tools: Sequence[mcp_types.Tool],
+    declare: Mapping[str, Declare] | None = None,
+    *,
+    unannotated: Unannotated = "refuse",
+) -> list[ToolMapping]:
+    """Each tool's class and undo (pure; no tool is called). Unclassified rows stay in.
+
+    Raises :class:`~saga_otel.ConfigurationError` for a declaration that cannot
+    hold: an unknown tool or undo, or a destructive tool mapped to anything but
+    ``irreversible`` without an undo.
+    """
+    described = [
+        Described(
+            t.name, classify(t.annotations), _destructive(t.annotations), _hint_text(t.annotations)
+        )
+        for t in tools
+    ]
+    return map_declared(described, declare, unannotated=unannotated, where="the MCP server")
+
+
+def decode_result(result: mcp_types.CallToolResult) -> Any:
+    """A call's result as plain data: the structured content, else the text (JSON if it parses)."""
+    if result.structured_content is not None:
+        return result.structured_content
+    texts = [c.text for c in result.content if isinstance(c, mcp_types.TextContent)]
+    if len(texts) != 1:
+        return texts or None
+    try:
+        return json.loads(texts[0])
+    except ValueError:
+        return texts[0]
+
+
+def _params(t: mcp_types.Tool) -> list[str]:
+    props = t.input_schema.get("properties") or {}
+    return [str(p) for p in props]
+
+
+def _decode(result: Any) -> Any:
+    return decode_result(result) if isinstance(result, mcp_types.CallToolResult) else result
+
+
+def _caller(session: McpSession, t: mcp_types.Tool) -> Callable[..., Any]:
+    name = t.name
+
+    async def call(**kwargs: Any) -> mcp_types.CallToolResult:
+        result = await session.call_tool(name, kwargs)
+        if result.is_error:
+            raise McpToolError(name, result)
+        return result
+
+    # The engine passes idempotency_key only to a tool whose signature takes it:
+    # expose the server's parameters, so it does exactly when the server's schema has one.
+    call.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+        [
+            inspect.Parameter(p, inspect.Parameter.KEYWORD_ONLY, default=None)
+            for p in _params(t)
+            if p.isidentifier() and not keyword.iskeyword(p)
+        ]
+    )
+    call.__name__ = name
+    return call
+
+
+def _snapshotter(session: McpSession, t: mcp_types.Tool) -> Callable[..., Any]:
+    wanted = set(_params(t))
+
+    async def snap(**kwargs: Any) -> Any:
+        args = {k: v for k, v in kwargs.items() if k in wanted}
+        result = await session.call_tool(t.name, args)
+        if result.is_error:
+            raise McpToolError(t.name, result)
+        return decode_result(result)
+
+    return snap
+
+
+@dataclass(slots=True)
+class McpTools:
+    """A session's tools as a :class:`~saga_otel.ToolRegistry`, with their review rows."""
+
+    session: McpSession
+    registry: ToolRegistry
+    mappings: tuple[ToolMapping, ...]
+    unwind_on_tool_error: bool = False
+    definitions: tuple[mcp_types.Tool, ...] = field(default=())
+
+    def review(self) -> str:
+        return review(self.mappings)
+
+    def bind(self, run: Run) -> BoundSession:
+        """A session-like object whose ``call_tool`` goes through ``run``."""
+        return BoundSession(self, run)
+
+    async def call_tool(
+        self,
+        run: Run,
+        name: str,
+        arguments: Mapping[str, Any] | None = None,
+        *,
+        call_id: str | None = None,
+    ) -> mcp_types.CallToolResult:
+        """One tool call as a saga step; returns the server's result, as a session would.
+
+        A tool error (``is_error``) is a failed step whose result is returned for
+        the model to read, unless ``unwind_on_tool_error``: then it raises
+        :class:`McpToolError`, and the run unwinds when it leaves the ``async with``.
+        """
+        try:
+            with tool_call_id(call_id):
+                result: mcp_types.CallToolResult = await run.call(name, **dict(arguments or {}))
+        except McpToolError as exc:
+            if self.unwind_on_tool_error:
+                raise
+            return exc.result
+        return result
+
+
+@dataclass(frozen=True, slots=True)
+class BoundSession:
+    """``McpTools.bind(run)``: ``call_tool``/``list_tools`` like a session, inside the run."""
+
+    tools: McpTools
+    run: Run
+
+    async def list_tools(self) -> mcp_types.ListToolsResult:
+        return mcp_types.ListToolsResult(tools=list(self.tools.definitions))
+
+    async def call_tool(
+        self,
+        name: str,
+        arguments: dict[str, Any] | None = None,
+        *,
+        call_id: str | None = None,
+    ) -> mcp_types.CallToolResult:
+        return await self.tools.call_tool(self.run, name, arguments, call_id=call_id)
+
+
+def build_tools(
+    session: McpSession,
+    definitions: Sequence[mcp_types.Tool],
+    declare: Mapping[str, Declare] | None = None,
+    *,
+    unannotated: Unannotated = "refuse",
+    unwind_on_tool_error: bool = False,
+) -> McpTools:
+    """:func:`load_tools` on tool definitions already listed."""
+    declare = dict(declare or {})
+    rows = map_tools(definitions, declare, unannotated=unannotated)
+    refused = refusal(rows)
+    if refused is not None:
+        raise ConfigurationError(refused)
+    by_name = {t.name: t for t in definitions}
+    registry = ToolRegistry()
+    for row in rows:
+        t, d = by_name[row.name], declare.get(row.name, Declare())
+        assert row.step_class is not None
+        registry.register(
+            Tool(
+                name=row.name,
+                fn=_caller(session, t),
+                step_class=row.step_class,
+                compensate=row.undo,
+                compensate_args=(
+                    undo_recipe(d.undo_args, _params(by_name[row.undo]), _decode)
+                    if row.undo
+                    else None
+                ),
+                describe=describe(d, _decode),
+                snapshot=_snapshotter(session, by_name[row.snapshot]) if row.snapshot else None,
+                retry=d.retry,
+                pivot=row.pivot,
+            )
+        )
+    registry.check_compensations()
+    return McpTools(
+        session,
+        registry,
+        tuple(rows),
+        unwind_on_tool_error=unwind_on_tool_error,
+        definitions=tuple(definitions),
+    )
+
+
+async def list_all_tools(session: McpSession) -> list[mcp_types.Tool]:
+    """Every tool the server offers (a session's ``list_tools``, one page)."""
+    listed = await session.list_tools()
+    return list(listed.tools)
+
+
+async def load_tools(
+    session: McpSession,
+    declare: Mapping[str, Declare] | None = None,
+    *,
+    unannotated: Unannotated = "refuse",
+    unwind_on_tool_error: bool = False,
+) -> McpTools:
+    """List the session's tools and make each a saga tool (see the module docs).
+
+    Raises :class:`~saga_otel.ConfigurationError`, naming every unclassified
+    tool, when any tool has neither annotations nor a declaration.
+    """
+    definitions = await list_all_tools(session)
+    return build_tools(
+        session,
+        definitions,
+        declare,
+        unannotated=unannotated,
+        unwind_on_tool_error=unwind_on_tool_error,
+    )
+
+
+def blocking_registry(
+    connect: Callable[[], AbstractAsyncContextManager[Any]],
+    declare: Mapping[str, Declare] | None = None,
+    *,
+    unannotated: Unannotated = "refuse",
+    timeout: float = 30.0,
+) -> ToolRegistry:
+    """The server's tools as a registry of plain (blocking) functions: for ``saga-otel recover``.
+
+    ``connect()`` opens a session (an ``mcp.Client``, or anything whose
+    ``async with`` yields a session); it is held open on a background thread's
+    event loop until the process exits, and each call waits at most ``timeout``
+    seconds. The classes, undos and arguments are :func:`load_tools`'s.
+    """
+    loop = asyncio.new_event_loop()
+    ready: concurrent.futures.Future[tuple[McpTools, asyncio.Event]] = concurrent.futures.Future()
+
+    async def hold() -> None:
+        try:
+            async with connect() as opened:
+                session = getattr(opened, "session", opened)
+                tools = await load_tools(session, declare, unannotated=unannotated)
+                stop = asyncio.Event()
+                ready.set_result((tools, stop))
+                await stop.wait()
+        except BaseException as exc:
+            if ready.done():
+                raise
+            ready.set_exception(exc)
+
+    thread = threading.Thread(
+        target=loop.run_until_complete, args=(hold(),), name="saga-otel-mcp", daemon=True
+    )
+    thread.start()
+    try:
+        tools, stop = ready.result(timeout)
+    except SagaError:
+        raise
+    except Exception as exc:  # the server is down, the URL wrong, the handshake failed
+        raise ConfigurationError(
+            f"cannot open the MCP session for the registry ({describe_error(exc)}); check that "
+            "the server is up and connect() points at it"
+        ) from exc
+
+    def close() -> None:
+        loop.call_soon_threadsafe(stop.set)
+        thread.join(timeout)
+
+    atexit.register(close)
+
+    def blocking(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(**kwargs: Any) -> Any:
+            return asyncio.run_coroutine_threadsafe(fn(**kwargs), loop).result(timeout)
+
+        call.__signature__ = inspect.signature(fn)  # type: ignore[attr-defined]
+        call.__name__ = getattr(fn, "__name__", "mcp_tool")
+        return call
+
+    registry = ToolRegistry()
+    for name in tools.registry:
+        t = tools.registry.get(name)
+        snapshot = blocking(t.snapshot) if t.snapshot is not None else None
+        registry.register(dataclasses.replace(t, fn=blocking(t.fn), snapshot=snapshot))
+    return registry
+
+
+async def review_command(
+    command: Sequence[str],
+    declare: Mapping[str, Declare] | None = None,
+    *,
+    unannotated: Unannotated = "refuse",
+) -> tuple[list[ToolMapping], str | None]:
+    """Start ``command`` as an MCP server over stdio and map its tools (``saga-otel mcp-tools``).
+
+    Returns the rows and the refusal :func:`load_tools` would raise (None when
+    every tool is classified). The server gets this process's environment and
+    working directory.
+    """
+    import os
+
+    from mcp import Client, StdioServerParameters
+
+    params = StdioServerParameters(
+        command=command[0], args=list(command[1:]), env=dict(os.environ), cwd=os.getcwd()
+    )
+    async with Client(params) as client:
+        definitions = await list_all_tools(client.session)
+    rows = map_tools(definitions, declare, unannotated=unannotated)
+    return rows, refusal(rows)

@@ -1,0 +1,113 @@
+"""`saga-otel`: every expected mistake is one line naming the fix, with its exit code."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from saga_otel import RetryPolicy, Saga, configure, tool
+from saga_otel._cli import EXIT_ERROR, EXIT_NOTHING_TO_DO
+from saga_otel.testing import start_sidecar
+
+ROOT = Path(__file__).resolve().parents[2]
+SAGA_OTEL = str(Path(sys.executable).parent / "saga-otel")
+REGISTRY = ["--tools", "examples.demo_tools:registry"]
+
+
+def run(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [SAGA_OTEL, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={
+            "PATH": "/usr/bin:/bin",
+            "SAGA_OTEL_LOG_LEVEL": "error",
+            "SAGA_DEMO_WORLD": "http://127.0.0.1:9",
+            **env,
+        },
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "expect"),
+    [
+        (["recover", "r1"], "--tools is required"),
+        (["recover", "r1", "--tools", "examples.world:World"], "is a World, not a ToolRegistry"),
+        (["recover", "r1", "--tools", "no_such_module:x"], "cannot load 'no_such_module:x'"),
+        (["recover", "r1", "--tools", "examples.demo_tools"], "is not MODULE:NAME"),
+        (
+            ["recover", "r1", "--tools", "examples.demo_tools:registry", "--force"],
+            "--force needs --reason",
+        ),
+        (["recover", "r1", "--lease-ttl", "0"], "--lease-ttl"),
+        (["recover"], "the following arguments are required: RUN_ID"),
+        (["rescue", "r1"], "invalid choice: 'rescue'"),
+        (
+            ["recover", "r1", *REGISTRY, "--sidecar", "127.0.0.1:1"],
+            "is not the sidecar's URL: give the scheme and address",
+        ),
+        (
+            ["recover", "r1", *REGISTRY, "--sidecar", "http://127.0.0.1:9"],
+            "cannot reach the sidecar at http://127.0.0.1:9",
+        ),
+    ],
+)  # fmt: skip
+def test_each_mistake_is_one_line_naming_the_fix(args: list[str], expect: str) -> None:
+    done = run(*args)
+    assert done.returncode == EXIT_ERROR, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert expect in lines[0] and "Traceback" not in done.stderr
+    # It names a flag (the fix), never a Python parameter.
+    assert "sidecar=" not in lines[0] and "tools=" not in lines[0]
+
+
+def test_a_registry_factory_that_fails_is_one_line() -> None:
+    # examples.demo_tools:registry needs SAGA_DEMO_WORLD; without it, it raises.
+    done = run("recover", "r1", "--tools", "examples.demo_tools:registry", SAGA_DEMO_WORLD="")
+    assert done.returncode == EXIT_ERROR and "Traceback" not in done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert (
+        "the factory 'examples.demo_tools:registry' failed: RuntimeError: set SAGA_DEMO_WORLD"
+        in line
+    )
+
+
+def test_help_and_version() -> None:
+    assert run("--version").stdout.startswith("saga-otel ")
+    for args in (["-h"], ["recover", "-h"]):
+        done = run(*args)
+        assert done.returncode == 0 and "usage: saga-otel" in done.stdout
+    assert "exit codes:" in run("recover", "-h").stdout
+
+
+def test_recover_takes_any_unique_prefix_of_a_run_id(tmp_path: Path) -> None:
+    @tool("read")
+    def look(n: int) -> int:
+        return n
+
+    with start_sidecar(tmp_path) as sc:
+        export = configure(sc.otlp)
+        try:
+            saga = Saga("lookups", tools=[look], retry=RetryPolicy(attempts=1))
+            for run_id in ("prefix-run-aaa", "prefix-run-abb"):
+                with saga.run_sync(run_id) as r:
+                    r.call("look", n=1)
+            assert export.force_flush(10.0)
+        finally:
+            export.shutdown()
+        base = ["--tools", "examples.demo_tools:registry", "--sidecar", sc.api, "--otlp", sc.otlp]
+        # A unique prefix names the run: it completed, so there is nothing to do (exit 4).
+        done = run("recover", "prefix-run-aa", *base)
+        assert done.returncode == EXIT_NOTHING_TO_DO, done.stdout + done.stderr
+        assert "prefix-run-aaa" in done.stdout
+        # An ambiguous one lists the candidates and runs nothing.
+        done = run("recover", "prefix-run-a", *base)
+        assert done.returncode == EXIT_ERROR
+        assert "matches 2 runs (prefix-run-aaa, prefix-run-abb)" in done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1
