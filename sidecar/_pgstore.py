@@ -36,6 +36,7 @@ from ._storage import (
     NewAlert,
     OutboxRecord,
     RunMark,
+    Screening,
     SpanRow,
     StoredSpan,
 )
@@ -516,6 +517,30 @@ class PgStore(_Pooled):
             ([r for r, _ in pairs], [s for _, s in pairs]),
         )
         return {(r, s): bytes(d) for r, s, d in rows}
+
+    def screening(self, keys: Sequence[tuple[str, str]]) -> Screening:
+        run_ids = sorted({r for r, _ in keys})
+        with self._tx("read the runs' owners and leases") as conn:
+            owners = conn.execute(
+                "SELECT run_id, trace_id, instance, service FROM run_owners WHERE run_id = ANY(%s)",
+                (run_ids,),
+            ).fetchall()
+            leases = conn.execute(
+                "SELECT run_id, holder, token, granted_at, expires_at, released, forced_reason, "
+                "forced_by, forced_at FROM run_leases WHERE run_id = ANY(%s)",
+                (run_ids,),
+            ).fetchall()
+            stored = conn.execute(
+                "SELECT s.run_id, s.span_id, s.data FROM spans s "
+                "JOIN unnest(%s::text[], %s::text[]) AS k(run_id, span_id) "
+                "ON s.run_id = k.run_id AND s.span_id = k.span_id",
+                ([r for r, _ in keys], [s for _, s in keys]),
+            ).fetchall()
+        return Screening(
+            {str(r): Owner(str(t), str(i), str(s)) for r, t, i, s in owners},
+            {str(row[0]): lease_from_row(row) for row in leases},
+            {(r, s): bytes(d) for r, s, d in stored},
+        )
 
     def marks(self) -> list[RunMark]:
         rows = self._all(

@@ -362,8 +362,14 @@ class Sidecar:
         async with self._intake:
             if self.store is None:
                 raise StoreError("the sidecar is stopping: retry against another replica")
-            keys = self._known_keys(decoded)
-            prior = await self._call(store.stored_spans, keys) if keys else {}
+            # Another replica may have opened these runs or leased them since our last
+            # sync: screen against the store's owners and leases, not only our memory.
+            keys = self._known_keys(decoded, every=True)
+            prior = {}
+            if keys:
+                found = await self._call(store.screening, keys)
+                self._learn(found.owners, found.leases.values())
+                prior = found.stored
             decoded, owners = self._screen(decoded, transport, prior)
             now = self.clock()
             rows, heartbeats = self._rows(decoded, now)
@@ -371,9 +377,9 @@ class Sidecar:
                 await self._call(store.write, rows, heartbeats, list(owners.items()))
             return self._fold(decoded, transport, body, content_type, owners, now)
 
-    def _known_keys(self, decoded: Decoded) -> list[tuple[str, str]]:
-        """(run_id, span_id) of saga spans of runs already owned: their duplicates are
-        checked against the stored bytes."""
+    def _known_keys(self, decoded: Decoded, every: bool = False) -> list[tuple[str, str]]:
+        """(run_id, span_id) of saga spans of runs already owned (``every``: of all runs):
+        their duplicates are checked against the stored bytes."""
         state = self.state
         keys = []
         for span in decoded.spans:
@@ -381,9 +387,23 @@ class Sidecar:
             if attrs.get(sc.SAGA_PHASE) == sc.PHASE_HEARTBEAT:
                 continue
             run_id = attrs[sc.SAGA_RUN_ID]
-            if state.owner(run_id) is not None:
+            if every or state.owner(run_id) is not None:
                 keys.append((run_id, span.span_id))
         return keys
+
+    def _learn(self, owners: dict[str, Owner], leases: Iterable[Lease]) -> None:
+        """Owners and leases from the store (other replicas') into the state."""
+        state = self.state
+        for run_id, owner in owners.items():
+            if state.owner(run_id) is None:
+                state.set_owner(run_id, owner)
+        for lease in leases:
+            current = state.lease(lease.run_id)
+            if current is None or (lease.token, lease.expires_at) > (
+                current.token,
+                current.expires_at,
+            ):
+                state.set_lease(lease)
 
     @staticmethod
     def _rows(decoded: Decoded, now: float) -> tuple[list[SpanRow], list[HeartbeatRow]]:
@@ -628,13 +648,7 @@ class Sidecar:
                 state.restore_orphaned(mark.run_id, mark.orphaned_at)
             if mark.resolution_at is not None and not view["resolution"]:
                 state.resolve(mark.run_id, mark.resolution_note or "", mark.resolution_at)
-        for lease in changes.leases:
-            current = state.lease(lease.run_id)
-            if current is None or (lease.token, lease.expires_at) > (
-                current.token,
-                current.expires_at,
-            ):
-                state.set_lease(lease)
+        self._learn({}, changes.leases)
 
     def prune(self) -> list[str]:
         """Forget finished runs past the retention, in memory and in the store.

@@ -151,6 +151,15 @@ class Changes(NamedTuple):
 
 NO_CHANGES = Changes([], [], [], [], [])
 
+
+class Screening(NamedTuple):
+    """What the store holds about the runs of one request, for screening its spans."""
+
+    owners: dict[str, Owner]
+    leases: dict[str, Lease]
+    stored: dict[tuple[str, str], bytes]
+
+
 SpanRow = tuple[str, str, float, str, str, bytes]
 """(run_id, span_id, received_at, service, instance, protobuf bytes)."""
 HeartbeatRow = tuple[str, float, float, str]
@@ -213,6 +222,12 @@ class Store(Protocol):
 
     def stored_spans(self, keys: Iterable[tuple[str, str]]) -> dict[tuple[str, str], bytes]:
         """The stored bytes of the given (run_id, span_id) that exist (duplicate checks)."""
+        ...
+
+    def screening(self, keys: Sequence[tuple[str, str]]) -> Screening:
+        """Owners and leases of the runs of ``keys`` and the stored bytes of those spans: a
+        shared store's truth, which another replica may have changed since our last sync.
+        """
         ...
 
     def marks(self) -> list[RunMark]: ...

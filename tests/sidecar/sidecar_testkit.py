@@ -264,6 +264,21 @@ def heartbeat_spans(
     return list(exporter.get_finished_spans())
 
 
+def rejoin(span: ReadableSpan, run: RunScript, *, token: int) -> ReadableSpan:
+    """A recoverer's span: in the run's own trace, with its lease token."""
+    ctx = span.context
+    return ReadableSpan(
+        name=span.name,
+        context=ctx.__class__(run.run.get_span_context().trace_id, ctx.span_id, False),
+        resource=span.resource,
+        attributes={**(span.attributes or {}), sc.SAGA_RECOVERY_TOKEN: token},
+        start_time=span.start_time,
+        end_time=span.end_time,
+        status=span.status,
+        events=span.events,
+    )
+
+
 class FakeClock:
     def __init__(self, now: float = 1_700_000_100.0) -> None:
         self.now = now

@@ -23,6 +23,7 @@ from sidecar_testkit import (
     compensated_run,
     heartbeat_spans,
     open_run,
+    rejoin,
     settings_for,
 )
 
@@ -171,21 +172,6 @@ async def test_lease_refused_behind_a_live_agent_granted_once_orphaned_and_fence
     sample = sidecar.metrics.registry.get_sample_value
     assert sample(sc.M_SIDECAR_LEASE_REQUESTS, {"action": "grant", "outcome": "held"}) == 1
     assert sample(sc.M_SIDECAR_LEASE_REQUESTS, {"action": "grant", "outcome": "agent_alive"}) == 1
-
-
-def rejoin(span: ReadableSpan, run: RunScript, *, token: int) -> ReadableSpan:
-    """A recoverer's span: in the run's own trace, with its lease token."""
-    ctx = span.context
-    return ReadableSpan(
-        name=span.name,
-        context=ctx.__class__(run.run.get_span_context().trace_id, ctx.span_id, False),
-        resource=span.resource,
-        attributes={**(span.attributes or {}), sc.SAGA_RECOVERY_TOKEN: token},
-        start_time=span.start_time,
-        end_time=span.end_time,
-        status=span.status,
-        events=span.events,
-    )
 
 
 async def test_forced_lease_is_recorded_on_the_run(sidecar: Sidecar, clock: FakeClock) -> None:

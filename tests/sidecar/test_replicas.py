@@ -5,14 +5,21 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 from sidecar_testkit import (
+    CREDIT,
     FakeClock,
+    RunScript,
     db_for,
     export_http,
     heartbeat_spans,
     open_run,
+    rejoin,
     settings_for,
 )
 
@@ -150,3 +157,42 @@ async def test_spans_at_one_replica_heartbeats_at_the_other(tmp_path: Path) -> N
         await asyncio.sleep(0.1)  # any duplicate page would be out by now
     orphaned = [e for _, e in got if e.alertname == sc.ALERT_RUN_ORPHANED]
     assert [e.action for e in orphaned] == [Action.FIRE]
+
+
+async def _post(sidecar: Sidecar, spans: list[Any]) -> ExportTraceServiceResponse:
+    body = encode_spans(spans).SerializeToString()
+    async with httpx.AsyncClient() as client:
+        resp = await client.post(
+            f"http://127.0.0.1:{sidecar.otlp_http_port}/v1/traces",
+            content=body,
+            headers={"Content-Type": "application/x-protobuf"},
+        )
+    assert resp.status_code == 200, resp.text
+    return ExportTraceServiceResponse.FromString(resp.content)
+
+
+async def test_a_replica_screens_by_the_store_not_only_what_it_folded(tmp_path: Path) -> None:
+    """Before B folds in A's run (no tick here), B refuses a stranger on it, as A would,
+    and takes the spans of the recoverer A leased it to."""
+    clock = FakeClock()
+    settings = settings_for(tmp_path, idle_timeout=5.0, tick_interval=3600.0)
+    async with Sidecar(settings, clock=clock) as a, Sidecar(settings, clock=clock) as b:
+        run = open_run(instance="agent-1")
+        assert not (await _post(a, run.spans())).partial_success.rejected_spans
+        stranger = RunScript(instance="intruder", run_id=run.run_id, t0=1_500_000_000.0)
+        stranger.do(0, "wipe", "compensable", comp=("delete_account", {}, "x"))
+        refused = await _post(b, stranger.spans())
+        assert refused.partial_success.rejected_spans == len(stranger.spans())
+        assert "belongs to trace" in refused.partial_success.error_message
+        clock.now += 10.0
+        a.tick()  # the agent is gone: A may lease the run
+        lease = await a.lease(run.run_id, "grant", {"holder": "recoverer:1"})
+        assert isinstance(lease, Lease)
+        # The recoverer's spans go to B, which never saw the grant: B reads the lease.
+        undo = RunScript(instance="recoverer", run_id=run.run_id)
+        undo.compensate(1, "issue_credit", CREDIT[0], CREDIT[1])
+        spans = [rejoin(s, run, token=lease.token) for s in undo.spans() if s.name != undo.run.name]
+        assert not (await _post(b, spans)).partial_success.rejected_spans
+        assert b.state.lease(run.run_id) == lease
+        view = b.state.view(run.run_id)
+        assert view is not None and view["stack"] == []
