@@ -49,12 +49,27 @@ def postgres() -> Iterator[PgServer]:
         server.stop()
 
 
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_backend(request: pytest.FixtureRequest) -> Iterator[str | None]:
+    """``--db`` for a test that runs on both backends: None (the SQLite file in the
+    test's folder) or a fresh database on the session's PostgreSQL (dropped after)."""
+    if request.param == "sqlite":
+        yield None
+        return
+    server: PgServer = request.getfixturevalue("postgres")
+    name = server.create()
+    try:
+        yield server.url(name)
+    finally:
+        server.drop(name)
+
+
 @pytest.fixture
 def sidecar_process(tmp_path: Path) -> Iterator[Callable[..., SidecarProcess]]:
     """A factory: ``sidecar_process("--webhook", url)``; every one started is stopped."""
     started: list[SidecarProcess] = []
 
-    def make(*args: str, db: Path | None = None) -> SidecarProcess:
+    def make(*args: str, db: Path | str | None = None) -> SidecarProcess:
         sp = start_sidecar(tmp_path, *args, db=db)
         started.append(sp)
         return sp
