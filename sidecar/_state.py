@@ -697,9 +697,12 @@ class RunState:
 
     def _heartbeat(self, span: SpanRecord, now: float) -> None:
         interval = float(span.attributes.get(sc.SAGA_HEARTBEAT_INTERVAL_S, 1.0))
-        instance = _intern(span.instance)
+        open_runs = span.attributes.get(sc.SAGA_HEARTBEAT_OPEN_RUNS, ())
+        self._beat(_intern(span.instance), now, interval, open_runs)
+
+    def _beat(self, instance: str, now: float, interval: float, open_runs: Iterable[str]) -> None:
         self._instances[instance] = _Watch(now, interval)
-        for run_id in span.attributes.get(sc.SAGA_HEARTBEAT_OPEN_RUNS, ()):
+        for run_id in open_runs:
             run = self._runs.get(run_id)
             # Only the owner's heartbeat keeps a run alive: a stranger naming it must not
             # hold off its orphan watch (a recoverer is watched through its lease).
@@ -890,6 +893,12 @@ class RunState:
 
     def restore_instance(self, instance: str, at: float, interval: float) -> None:
         self._instances[_intern(instance)] = _Watch(at, interval)
+
+    def heard(self, instance: str, at: float, interval: float, open_runs: Iterable[str]) -> None:
+        """A heartbeat another replica received at ``at`` (ignored when ours is newer)."""
+        watch = self._instances.get(instance)
+        if watch is None or at > watch.at:
+            self._beat(_intern(instance), at, interval, open_runs)
 
     def resolve(self, run_id: str, note: str, now: float) -> bool:
         """Record that a person settled the run. False for an unknown run."""
