@@ -8,6 +8,7 @@ here), so memory must level off after the first simulated day and stay flat.
 
 from __future__ import annotations
 
+import asyncio
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -18,8 +19,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from bench._figures import Figure
 from saga_otel import semconv as sc
 from sidecar import Settings, Sidecar
+from sidecar._backends import open_store
 from sidecar._otlp import extract, parse_protobuf
-from sidecar._store import Store
 
 NS = 1_000_000_000
 INSTANCES = 1_000_000
@@ -48,12 +49,16 @@ def _heartbeats(first: int, count: int, at: float) -> bytes:
 
 
 def run(progress: Callable[[str], None]) -> list[Figure]:
+    return asyncio.run(_run(progress))
+
+
+async def _run(progress: Callable[[str], None]) -> list[Figure]:
     process = psutil.Process()
     now = [1_700_000_000.0]
     with tempfile.TemporaryDirectory() as tmp:
         settings = Settings(db_path=Path(tmp) / "sidecar.db", retention=RETENTION)
         sidecar = Sidecar(settings, clock=lambda: now[0])
-        sidecar.store = Store(settings.resolved_db_path)  # no servers: state + store only
+        sidecar.store = open_store(settings.database)  # no servers: state + store only
         step = WEEK / (INSTANCES / BATCH)
         next_prune = now[0] + PRUNE_EVERY
         day_rss: list[float] = []
@@ -61,7 +66,7 @@ def run(progress: Callable[[str], None]) -> list[Figure]:
         for first in range(0, INSTANCES, BATCH):
             for beat in (0.0, 1.0):  # two heartbeats a second apart, then the process is gone
                 body = _heartbeats(first, BATCH, now[0] + beat)
-                sidecar.ingest(extract(parse_protobuf(body), body), "bench")
+                await sidecar.ingest(extract(parse_protobuf(body), body), "bench")
             now[0] += step
             if now[0] >= next_prune:
                 sidecar.prune()

@@ -40,6 +40,22 @@ SECTIONS = [
         "",
     ),
     (
+        "agent_kill_postgresql",
+        "Agent kill (PostgreSQL)",
+        "The agent-kill trials with the sidecar on PostgreSQL (`--db postgresql://...`, a "
+        "server the test starts).",
+        "tests/chaos/test_agent_kill.py",
+        "SAGA_CHAOS_AGENT_TRIALS",
+    ),
+    (
+        "sidecar_kill_postgresql",
+        "Sidecar kill (PostgreSQL)",
+        "The sidecar-kill run with the sidecar on PostgreSQL: the restarted sidecar reads "
+        "the same database.",
+        "tests/chaos/test_outages.py",
+        "",
+    ),
+    (
         "sink_outage",
         "Sink outage",
         "Five unwinding runs raise and resolve SagaCompensationStarted while the webhook "
@@ -134,6 +150,8 @@ def main() -> int:
         held = {
             "agent_kill": "0 lost, 0 duplicated, 0 out of order",
             "sidecar_kill": "no acknowledged span lost, no alert paged twice",
+            "agent_kill_postgresql": "0 lost, 0 duplicated, 0 out of order",
+            "sidecar_kill_postgresql": "no acknowledged span lost, no alert paged twice",
             "sink_outage": "every alert delivered, once per dedup key and status",
             "fuzz": "no crash, no 5xx, memory flat",
             "compensation_failures": "retries carried every transient failure; "

@@ -274,8 +274,9 @@ class SidecarProcess:
 def start_sidecar(tmp: Any, *args: str, db: Any = None, log: Any = None) -> SidecarProcess:
     """Start ``saga-sidecar serve`` on free loopback ports, its database in folder ``tmp``.
 
-    Extra ``args`` go to ``serve`` (e.g. ``"--webhook", url``). Returns once it
-    listens; use as a context manager or call ``stop()``.
+    Extra ``args`` go to ``serve`` (e.g. ``"--webhook", url``); ``db`` may be a file
+    or a ``postgresql://`` URL. Returns once it listens; use as a context manager or
+    call ``stop()``.
     """
     import json
     import subprocess
@@ -283,7 +284,8 @@ def start_sidecar(tmp: Any, *args: str, db: Any = None, log: Any = None) -> Side
     from pathlib import Path
 
     folder = Path(tmp)
-    db = Path(db) if db is not None else folder / "sidecar.db"
+    if not (isinstance(db, str) and "://" in db):  # a URL (postgresql://...) goes as is
+        db = Path(db) if db is not None else folder / "sidecar.db"
     log = (
         Path(log)
         if log is not None

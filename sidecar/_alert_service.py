@@ -25,6 +25,7 @@ from ._log import get_logger
 from ._outbox import AlertMetrics, Outbox, describe_routing
 from ._settings import http_url
 from ._sinks import Sink
+from ._storage import DbTarget
 
 if TYPE_CHECKING:
     from ._server import Sidecar
@@ -37,7 +38,7 @@ class AlertService:
 
     def __init__(
         self,
-        db_path: Path | str,
+        db: DbTarget | Path | str,
         settings: AlertSettings | None = None,
         *,
         registry: CollectorRegistry | None = None,
@@ -56,7 +57,7 @@ class AlertService:
         # Set once the startup re-evaluation has been written (install_alerting).
         self.reevaluated = asyncio.Event()
         self.outbox = Outbox(
-            db_path,
+            db,
             chosen,
             routing,
             metrics=AlertMetrics.create(registry) if registry is not None else None,
@@ -71,7 +72,9 @@ class AlertService:
         try:
             events = self._masked(evaluate(before, after, now, self.rules), before, after)
             if events:
-                self.outbox.add(events)
+                # On PostgreSQL on the outbox's database thread, in order (the loop never
+                # waits on it); an alert lost to a crash meanwhile is raised again at start.
+                self.outbox.add_soon(events)
             return events
         except SidecarError as exc:
             # The startup re-evaluation raises it again after the store is fixed.
@@ -138,10 +141,11 @@ def install_alerting(
     """Hook alerting into a :class:`sidecar._server.Sidecar` before it starts.
 
     Alert metrics join the sidecar's registry (its ``/metrics``); the outbox tables
-    join its database file. ``kwargs`` go to :class:`AlertService` (sinks, clock, ...).
+    join its database (file or PostgreSQL). ``kwargs`` go to :class:`AlertService`
+    (sinks, clock, ...).
     """
     kwargs.setdefault("registry", sidecar.metrics.registry)
-    service = AlertService(sidecar.db_path, settings, **kwargs)
+    service = AlertService(sidecar.database, settings, **kwargs)
     settings = service.settings
     if settings.public_url is None:
         # Links follow the API as bound: the port is known once it listens (0 = any);
@@ -165,7 +169,7 @@ def install_alerting(
         # Runs after the sidecar rebuilt its state from the store: raise what a crash
         # between an acknowledged span and its alert left unsaid, then deliver.
         views = [v for v in map(sidecar.state.view, list(sidecar.state.run_ids())) if v]
-        added = service.reevaluate(views, sidecar.clock())
+        added = await service.outbox.call(service.reevaluate, views, sidecar.clock())
         if added:
             log.info("sidecar.alerts.reevaluated", runs=len(views), deliveries_added=added)
         service.reevaluated.set()

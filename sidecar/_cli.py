@@ -9,7 +9,6 @@ import os
 import signal
 import sys
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import urlsplit
 
@@ -40,6 +39,7 @@ from ._settings import (
     parse_duration,
     parse_size,
 )
+from ._storage import parse_db
 from ._views import RunView
 
 if TYPE_CHECKING:
@@ -97,12 +97,12 @@ def main() -> None:
 )
 @click.option(
     "--db",
-    "db_path",
-    type=click.Path(dir_okay=False, path_type=Path),
+    "db",
     default=None,
     envvar=_env("DB"),
     show_envvar=True,
-    help="SQLite file [default: $XDG_STATE_HOME/saga-sidecar/sidecar.db].",
+    help="SQLite file (PATH or sqlite:///PATH) or PostgreSQL URL (postgresql://USER@HOST/DB) "
+    "[default: $XDG_STATE_HOME/saga-sidecar/sidecar.db].",
 )
 @click.option(
     "--token",
@@ -199,7 +199,7 @@ def serve(
     otlp_http_port: int,
     otlp_grpc_port: int,
     api_port: int,
-    db_path: Path | None,
+    db: str | None,
     token: str | None,
     forward: str | None,
     forward_queue: int,
@@ -225,12 +225,14 @@ def serve(
 
     configure_logging(log_level)
     try:
+        target = parse_db(db) if db is not None else None
         settings = Settings(
             host=host,
             otlp_http_port=otlp_http_port,
             otlp_grpc_port=otlp_grpc_port,
             api_port=api_port,
-            db_path=db_path,
+            db_path=target.path if target is not None else None,
+            db_url=target.url if target is not None else None,
             token=token,
             forward=forward,
             forward_queue=forward_queue,

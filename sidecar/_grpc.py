@@ -130,7 +130,7 @@ async def start_grpc(sidecar: Service, host: str, port: int) -> tuple[aio.Server
                 except DecodeError as exc:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
                 try:
-                    decoded = sidecar.ingest(decoded, "grpc", body, PROTOBUF)
+                    decoded = await sidecar.ingest(decoded, "grpc", body, PROTOBUF)
                 except StoreError as exc:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
                 out, _ = response(decoded.rejected, decoded.error_message, as_json=False)

@@ -260,7 +260,7 @@ def build_otlp_app(service: Service) -> web.Application:
                 )
             except _TooLarge:
                 return _too_large(as_json, limit)
-            return _decode_and_ingest(sidecar, body, encoding, ctype, as_json)
+            return await _decode_and_ingest(sidecar, body, encoding, ctype, as_json)
         finally:
             receiving.active -= 1
             receiving.bytes -= taken
@@ -313,7 +313,7 @@ async def presence(request: web.Request) -> web.StreamResponse:
     return web.Response(status=204)
 
 
-def _decode_and_ingest(
+async def _decode_and_ingest(
     sidecar: Service, body: bytes, encoding: str, ctype: str, as_json: bool
 ) -> web.Response:
     """Decode and store a received body, holding an in-flight slot meanwhile."""
@@ -337,7 +337,7 @@ def _decode_and_ingest(
         except DecodeError as exc:
             return _otlp_error(400, as_json, _RPC_INVALID_ARGUMENT, str(exc))
         try:
-            decoded = sidecar.ingest(decoded, "http", body, ctype)
+            decoded = await sidecar.ingest(decoded, "http", body, ctype)
         except StoreError as exc:
             return _otlp_error(503, as_json, _RPC_UNAVAILABLE, str(exc), retry=True)
         out, out_type = response(decoded.rejected, decoded.error_message, as_json)
@@ -490,7 +490,7 @@ def build_api_app(service: Service) -> web.Application:
         if not isinstance(note, str) or not note.strip():
             return error(400, 'resolve needs {"note": "..."}: say what a person did or decided')
         try:
-            view = sidecar.resolve(run_id, note)
+            view = await sidecar.resolve(run_id, note)
         except StoreError as exc:
             return error(503, str(exc), {"Retry-After": RETRY_AFTER})
         return unknown(run_id) if view is None else web.json_response(_shown(request, view))
@@ -506,7 +506,7 @@ def build_api_app(service: Service) -> web.Application:
             except web.HTTPRequestEntityTooLarge:
                 return error(413, f"body is over {API_MAX_BODY} bytes: shorten the reason")
             try:
-                outcome = sidecar.lease(run_id, action, data)
+                outcome = await sidecar.lease(run_id, action, data)
             except StoreError as exc:
                 return error(503, str(exc), {"Retry-After": RETRY_AFTER})
             if isinstance(outcome, Lease):

@@ -10,23 +10,28 @@ it for good. Rows survive restarts; a new :class:`Outbox` on the same file
 delivers what is pending. Workers sleep on an :class:`asyncio.Event` set on
 insert, so a new alert leaves within a loop iteration.
 
-The tables live in the sidecar's database file beside the span store, under
-their own connection.
+The rows live in the sidecar's database beside the span store, under their own
+connection (SQLite) or pool (PostgreSQL), behind the :class:`AlertStore` interface
+of ``_storage.py``. On SQLite the outbox calls it inline, as before; on
+PostgreSQL every database call of a running outbox goes through one worker
+thread of its own, in order (a resolve is never written before its fire), so
+the event loop never waits on the network.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import random
-import sqlite3
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final, NamedTuple
+from typing import Final, NamedTuple, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -34,10 +39,21 @@ from saga_otel import semconv as sc
 from saga_otel.records import backoff_seconds
 
 from ._alerting import Action, AlertEvent
+from ._backends import alert_rows, open_alert_store
 from ._errors import ConfigError, StoreError
 from ._log import get_logger
 from ._sinks import SINK_KINDS, DeliveryRejected, DeliveryRetry, Sink
-from ._store import prepare_db_file
+from ._storage import (
+    AlertStore,
+    AlertTx,
+    DbTarget,
+    HistoryRecord,
+    NewAlert,
+    OutboxRecord,
+    parse_db,
+)
+
+T = TypeVar("T")
 
 # Operational logs go with the sidecar's own (stdlib, stderr); alerts use the log sink.
 log = get_logger("sidecar.alerts")
@@ -46,6 +62,7 @@ PENDING: Final = "pending"
 DELIVERED: Final = "delivered"
 FAILED: Final = "failed"
 HELD: Final = "held"
+POLL_S: Final = 1.0  # shared stores: how often an idle worker looks for others' rows
 # The sink column of an alert no configured sink takes (no sink, or routed nowhere): the
 # row is kept in state HELD and handed to the sinks of a later start that route it.
 NO_SINK: Final = "(none)"
@@ -57,27 +74,6 @@ OUTCOME_FAILED: Final = "failed"
 _DELAY_BUCKETS: Final = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 )  # fmt: skip
-
-_SCHEMA: Final = """
-CREATE TABLE IF NOT EXISTS alert_outbox (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    dedup_key TEXT NOT NULL,
-    action TEXT NOT NULL,
-    sink TEXT NOT NULL,
-    alertname TEXT NOT NULL,
-    run_id TEXT NOT NULL,
-    event TEXT NOT NULL,
-    state TEXT NOT NULL DEFAULT 'pending',
-    created_at REAL NOT NULL,
-    attempts INTEGER NOT NULL DEFAULT 0,
-    last_error TEXT,
-    delivered_at REAL,
-    last_sent_at REAL,
-    UNIQUE (dedup_key, action, sink)
-);
-CREATE INDEX IF NOT EXISTS alert_outbox_pending ON alert_outbox (sink, state, id);
-CREATE INDEX IF NOT EXISTS alert_outbox_run ON alert_outbox (run_id);
-"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,7 +195,7 @@ class Outbox:
 
     def __init__(
         self,
-        db_path: Path | str,
+        db: DbTarget | Path | str,
         sinks: Sequence[Sink],
         routing: Routing | None = None,
         *,
@@ -222,25 +218,32 @@ class Outbox:
         self._clock = clock
         self._sleep = sleep
         self._rng = rng or random.Random()
-        self._lock = threading.Lock()
         self._wake: dict[str, asyncio.Event] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
-        try:
-            if str(db_path) != ":memory:":
-                prepare_db_file(Path(db_path), warn=False)  # the Store warns, once
-            self._db = sqlite3.connect(str(db_path), isolation_level=None, check_same_thread=False)
-            self._db.execute("PRAGMA busy_timeout = 10000")
-            self._db.execute("PRAGMA journal_mode = WAL")
-            self._db.execute("PRAGMA synchronous = NORMAL")
-            self._db.executescript(_SCHEMA)
-        except (OSError, sqlite3.Error) as exc:
-            raise StoreError(
-                f"cannot open the alert outbox in {db_path}: {exc}; check the path is writable "
-                "(--db) and not on a network filesystem"
-            ) from exc
+        target = db if isinstance(db, DbTarget) or str(db) == ":memory:" else parse_db(db)
+        self._store: AlertStore = open_alert_store(
+            target if isinstance(target, DbTarget) else DbTarget("sqlite", path=Path(target))
+        )
+        # PostgreSQL: the database calls of a running outbox, one at a time and in order.
+        self._io_thread: ThreadPoolExecutor | None = (
+            None
+            if self._store.inline
+            else ThreadPoolExecutor(max_workers=1, thread_name_prefix="saga-outbox-db")
+        )
         self._update_depth()
+
+    @property
+    def target(self) -> DbTarget:
+        return self._store.target
+
+    async def call(self, fn: Callable[..., T], *args: object) -> T:
+        """``fn(*args)``: inline on SQLite, on the outbox's database thread otherwise."""
+        if self._io_thread is None:
+            return fn(*args)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._io_thread, functools.partial(fn, *args))
 
     # --- writing ------------------------------------------------------------------
 
@@ -253,32 +256,41 @@ class Outbox:
         inserted = 0
         woken: set[str] = set()
         now = self._clock()
-        with self._lock:
-            if self._closed:
-                # Only while the sidecar stops: the next start's re-evaluation raises it.
-                raise StoreError(
-                    "the alert outbox is closed (the sidecar is stopping): the alert is "
-                    "raised again when it starts"
-                )
-            try:
-                self._db.execute("BEGIN IMMEDIATE")
-                for event in events:
-                    for sink_name, row_event in self._targets(event):
-                        if self._insert(sink_name, row_event, now):
-                            inserted += 1
-                            woken.add(sink_name)
-                self._db.execute("COMMIT")
-            except sqlite3.Error as exc:
-                with contextlib.suppress(sqlite3.Error):
-                    self._db.execute("ROLLBACK")
-                raise StoreError(f"cannot write alerts to the outbox: {exc}") from exc
+        if self._closed:
+            # Only while the sidecar stops: the next start's re-evaluation raises it.
+            raise StoreError(
+                "the alert outbox is closed (the sidecar is stopping): the alert is "
+                "raised again when it starts"
+            )
+        with self._store.transaction() as tx:
+            for event in events:
+                for sink_name, row_event in self._targets(tx, event):
+                    if self._insert(tx, sink_name, row_event, now):
+                        inserted += 1
+                        woken.add(sink_name)
         if inserted:
             self._update_depth()
             for name in woken:
                 self._wake_sink(name)
         return inserted
 
-    def _targets(self, event: AlertEvent) -> list[tuple[str, AlertEvent]]:
+    def add_soon(self, events: list[AlertEvent]) -> Future[int] | None:
+        """:meth:`add` without waiting: on the database thread on PostgreSQL (in order with
+        every other write of this outbox), at once on SQLite. Errors are logged; an alert
+        lost to one is raised again by the next start's re-evaluation.
+        """
+        if self._io_thread is None or self._closed:
+            self.add(events)  # closed: raises StoreError
+            return None
+        future = self._io_thread.submit(self.add, events)
+        future.add_done_callback(_log_failure)
+        return future
+
+    async def flush(self) -> None:
+        """Wait until every :meth:`add_soon` so far is committed (tests, shutdown)."""
+        await self.call(_nothing)
+
+    def _targets(self, tx: AlertTx, event: AlertEvent) -> list[tuple[str, AlertEvent]]:
         if event.action is Action.FIRE:
             routed = [
                 (s.name, event) for s in self.sinks if self.routing.allows(event.severity, s.kind)
@@ -286,22 +298,16 @@ class Outbox:
             # No sink takes it: keep it held rather than drop it (see NO_SINK).
             return routed or [(NO_SINK, event)]
         # Resolve: only where the fire went, repeating the fire's labels and start.
-        rows = self._db.execute(
-            "SELECT sink, event, state FROM alert_outbox WHERE dedup_key = ? AND action = 'fire'",
-            (event.dedup_key,),
-        ).fetchall()
         live = {s.name for s in self.sinks}
         return [
             (sink, event.resolving_with(AlertEvent.from_dict(json.loads(text))))
-            for sink, text, state in rows
+            for sink, text, state in tx.fires(event.dedup_key)
             if sink in live or (sink == NO_SINK and state == HELD)
         ]
 
-    def _insert(self, sink_name: str, event: AlertEvent, now: float) -> bool:
-        cur = self._db.execute(
-            "INSERT OR IGNORE INTO alert_outbox (dedup_key, action, sink, alertname, run_id, "
-            "event, state, created_at) VALUES (?,?,?,?,?,?,?,?)",
-            (
+    def _insert(self, tx: AlertTx, sink_name: str, event: AlertEvent, now: float) -> bool:
+        return tx.insert(
+            NewAlert(
                 event.dedup_key,
                 event.action.value,
                 sink_name,
@@ -310,38 +316,24 @@ class Outbox:
                 json.dumps(event.to_dict(), sort_keys=True),
                 HELD if sink_name == NO_SINK else PENDING,
                 now,
-            ),
+            )
         )
-        return bool(cur.rowcount)
 
     def release_held(self) -> int:
         """Hand held alerts (see NO_SINK) to the sinks that now route them; rows added."""
         added = 0
         now = self._clock()
-        with self._lock:
-            held = self._db.execute(
-                "SELECT id, event FROM alert_outbox WHERE sink = ? AND state = ? ORDER BY id",
-                (NO_SINK, HELD),
-            ).fetchall()
-            if not held or not self.sinks:
-                return 0
-            try:
-                self._db.execute("BEGIN IMMEDIATE")
-                for row_id, text in held:
-                    targets = [t for t in self._targets(_load(text)) if t[0] != NO_SINK]
-                    if not targets:
-                        continue
-                    for sink_name, row_event in targets:
-                        added += self._insert(sink_name, row_event, now)
-                    self._db.execute(
-                        "UPDATE alert_outbox SET state = ?, delivered_at = ? WHERE id = ?",
-                        (DELIVERED, now, row_id),
-                    )
-                self._db.execute("COMMIT")
-            except sqlite3.Error as exc:
-                with contextlib.suppress(sqlite3.Error):
-                    self._db.execute("ROLLBACK")
-                raise StoreError(f"cannot hand held alerts to the sinks: {exc}") from exc
+        held = self._store.held(NO_SINK, HELD)
+        if not held or not self.sinks:
+            return 0
+        with self._store.transaction() as tx:
+            for row_id, text in held:
+                targets = [t for t in self._targets(tx, _load(text)) if t[0] != NO_SINK]
+                if not targets:
+                    continue
+                for sink_name, row_event in targets:
+                    added += self._insert(tx, sink_name, row_event, now)
+                tx.set_state(row_id, DELIVERED, now)
         if added:
             self._update_depth()
         return added
@@ -350,30 +342,16 @@ class Outbox:
 
     def open_alerts(self) -> dict[str, list[str]]:
         """run_id -> alert names fired and not yet resolved (on any sink)."""
-        with self._lock:
-            rows = self._db.execute(
-                "SELECT DISTINCT f.run_id, f.alertname FROM alert_outbox f WHERE f.action = "
-                "'fire' AND NOT EXISTS (SELECT 1 FROM alert_outbox r WHERE r.dedup_key = "
-                "f.dedup_key AND r.action = 'resolve')"
-            ).fetchall()
         out: dict[str, list[str]] = {}
-        for run_id, alertname in rows:
-            out.setdefault(str(run_id), []).append(str(alertname))
+        for run_id, alertname in self._store.open_alerts():
+            out.setdefault(run_id, []).append(alertname)
         return out
 
     def rows(self, sink: str | None = None) -> list[OutboxRow]:
-        query = "SELECT id, dedup_key, action, sink, state, attempts, last_error, event FROM "
-        query += "alert_outbox" + (" WHERE sink = ?" if sink else "") + " ORDER BY id"
-        with self._lock:
-            fetched = self._db.execute(query, (sink,) if sink else ()).fetchall()
-        return [OutboxRow(r[0], r[1], r[2], r[3], r[4], r[5], r[6], _load(r[7])) for r in fetched]
+        return [_row(r) for r in self._store.rows(sink)]
 
     def depth(self) -> int:
-        with self._lock:
-            (count,) = self._db.execute(
-                "SELECT COUNT(*) FROM alert_outbox WHERE state = ?", (PENDING,)
-            ).fetchone()
-        return int(count)
+        return self._store.count(PENDING)
 
     def _update_depth(self) -> None:
         if self.metrics is not None:
@@ -386,7 +364,7 @@ class Outbox:
             return
         self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
-        self.release_held()
+        await self.call(self.release_held)
         for sink in self.sinks:
             self._wake[sink.name] = asyncio.Event()
             self._tasks.append(
@@ -414,15 +392,17 @@ class Outbox:
             await sink.close()
 
     def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            self._db.close()
+        self._closed = True
+        if self._io_thread is not None:
+            self._io_thread.shutdown(wait=True)  # pending add_soon calls commit first
+        self._store.close()
 
     async def wait_idle(self, limit: float = 10.0) -> bool:
         """True once nothing is pending (tests and benchmarks), False after ``limit`` seconds."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + limit
-        while self.depth():
+        await self.flush()
+        while await self.call(self.depth):
             if loop.time() > deadline:
                 return False
             await asyncio.sleep(0.005)
@@ -438,25 +418,13 @@ class Outbox:
             loop.call_soon_threadsafe(event.set)
 
     def _next(self, sink: str) -> OutboxRow | None:
-        with self._lock:
-            row = self._db.execute(
-                "SELECT id, dedup_key, action, sink, state, attempts, last_error, event "
-                "FROM alert_outbox WHERE sink = ? AND state = ? ORDER BY id LIMIT 1",
-                (sink, PENDING),
-            ).fetchone()
-        if row is None:
-            return None
-        return OutboxRow(row[0], row[1], row[2], row[3], row[4], row[5], row[6], _load(row[7]))
+        row = self._store.next_row(sink, PENDING)
+        return None if row is None else _row(row)
 
-    def _mark(self, row_id: int, state: str, error: str | None, sent: bool) -> None:
-        now = self._clock()
-        with self._lock:
-            self._db.execute(
-                "UPDATE alert_outbox SET state = ?, attempts = attempts + 1, last_error = ?, "
-                "delivered_at = CASE WHEN ? THEN ? ELSE delivered_at END, "
-                "last_sent_at = CASE WHEN ? THEN ? ELSE last_sent_at END WHERE id = ?",
-                (state, error, sent, now, sent, now, row_id),
-            )
+    def _mark(
+        self, row_id: int, state: str, error: str | None, sent: bool, hold: float = 0.0
+    ) -> None:
+        self._store.mark(row_id, state, error, sent, self._clock(), hold)
         if state != PENDING:
             self._update_depth()
 
@@ -469,7 +437,7 @@ class Outbox:
         failures = 0
         while True:
             wake.clear()
-            row = self._next(sink.name)
+            row = await self.call(self._next, sink.name)
             if row is None:
                 await self._idle(sink, wake)
                 continue
@@ -477,7 +445,7 @@ class Outbox:
                 await sink.send(row.event)
             except DeliveryRejected as exc:
                 failures = 0
-                self._mark(row.id, FAILED, str(exc), sent=False)
+                await self.call(self._mark, row.id, FAILED, str(exc), False)
                 self._count(row.event.alertname, sink.kind, OUTCOME_FAILED)
                 log.error(
                     "sidecar.alert.rejected",
@@ -493,7 +461,10 @@ class Outbox:
                 failures += 1
                 retry_after = exc.retry_after if isinstance(exc, DeliveryRetry) else None
                 delay = self.backoff.delay(failures, self._rng, retry_after)
-                self._mark(row.id, PENDING, f"{type(exc).__name__}: {exc}", sent=False)
+                # Held for the delay: another replica must not retry it sooner.
+                await self.call(
+                    self._mark, row.id, PENDING, f"{type(exc).__name__}: {exc}", False, delay
+                )
                 self._count(row.event.alertname, sink.kind, OUTCOME_RETRIED)
                 if failures == 1:
                     # Once per outage (and once when it ends): the retries are counted
@@ -512,7 +483,7 @@ class Outbox:
                 if failures:
                     log.info("sidecar.sink.up", sink=sink.name, failed_attempts=failures)
                 failures = 0
-                self._mark(row.id, DELIVERED, None, sent=True)
+                await self.call(self._mark, row.id, DELIVERED, None, True)
                 self._count(row.event.alertname, sink.kind, OUTCOME_DELIVERED)
                 if self.metrics is not None:
                     delay_s = max(0.0, self._clock() - row.event.at)
@@ -520,10 +491,16 @@ class Outbox:
 
     async def _idle(self, sink: Sink, wake: asyncio.Event) -> None:
         interval = sink.resend_interval
+        # A shared store (replicas): rows other replicas wrote, or left when they died,
+        # wake no event here: look again every POLL_S.
+        poll = None if self._store.inline else POLL_S
         if interval is None:
-            await wake.wait()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(wake.wait(), timeout=poll)
             return
-        due_in = self._resend_due_in(sink.name, interval)
+        due_in = await self.call(self._resend_due_in, sink.name, interval)
+        if poll is not None:
+            due_in = poll if due_in is None else min(due_in, poll)
         if due_in is None or due_in > 0:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(wake.wait(), timeout=due_in)
@@ -532,17 +509,7 @@ class Outbox:
         await self._resend(sink, interval)
 
     def _firing(self, sink: str) -> list[tuple[int, float, str]]:
-        with self._lock:
-            return [
-                (int(r[0]), float(r[1] or 0.0), str(r[2]))
-                for r in self._db.execute(
-                    "SELECT f.id, f.last_sent_at, f.event FROM alert_outbox f WHERE f.sink = ? "
-                    "AND f.action = 'fire' AND f.state = ? AND NOT EXISTS (SELECT 1 FROM "
-                    "alert_outbox r WHERE r.dedup_key = f.dedup_key AND r.sink = f.sink AND "
-                    "r.action = 'resolve')",
-                    (sink, DELIVERED),
-                ).fetchall()
-            ]
+        return self._store.firing(sink, DELIVERED)
 
     def _resend_due_in(self, sink: str, interval: float) -> float | None:
         firing = self._firing(sink)
@@ -553,7 +520,7 @@ class Outbox:
     async def _resend(self, sink: Sink, interval: float) -> None:
         """Re-send still-firing alerts: an Alertmanager that restarted gets them back."""
         now = self._clock()
-        for row_id, sent, text in self._firing(sink.name):
+        for row_id, sent, text in await self.call(self._firing, sink.name):
             if sent + interval > now:
                 continue
             try:
@@ -562,10 +529,23 @@ class Outbox:
                 error = f"{type(exc).__name__}: {exc}"
                 log.warning("sidecar.alert.resend_failed", sink=sink.name, error=error)
                 # Try again next interval; the first delivery already succeeded.
-            with self._lock:
-                self._db.execute(
-                    "UPDATE alert_outbox SET last_sent_at = ? WHERE id = ?", (self._clock(), row_id)
-                )
+            await self.call(self._store.touch_sent, row_id, self._clock())
+
+
+def _nothing() -> None:
+    return None
+
+
+def _log_failure(future: Future[int]) -> None:
+    exc = future.exception()
+    if exc is not None:
+        log.error("sidecar.alerts.write_failed", error=str(exc), raised_again_at_start=True)
+
+
+def _row(r: OutboxRecord) -> OutboxRow:
+    return OutboxRow(
+        r.id, r.dedup_key, r.action, r.sink, r.state, r.attempts, r.last_error, _load(r.event)
+    )
 
 
 def _load(text: str) -> AlertEvent:
@@ -609,44 +589,28 @@ class AlertHistoryRow(NamedTuple):
     summary: str
 
 
-def alert_history(db_path: Path | str, run_id: str) -> list[AlertHistoryRow]:
+def alert_history(db: DbTarget | Path | str, run_id: str) -> list[AlertHistoryRow]:
     """The alert rows of one run, oldest first, read on a connection of their own.
 
-    Empty when alerting never wrote to this database (no outbox table yet).
+    Empty when alerting never wrote to this database (no outbox table yet). Blocks:
+    on PostgreSQL call it from a worker thread.
     """
+    target = db if isinstance(db, DbTarget) else parse_db(db)
+    return [_history_row(r) for r in alert_rows(target, run_id)]
+
+
+def _history_row(r: HistoryRecord) -> AlertHistoryRow:
     try:
-        db = sqlite3.connect(f"{Path(db_path).resolve().as_uri()}?mode=ro", uri=True)
-    except sqlite3.Error as exc:
-        raise StoreError(f"cannot read the alert outbox in {db_path}: {exc}") from exc
-    try:
-        db.execute("PRAGMA busy_timeout = 10000")
-        rows = db.execute(
-            "SELECT created_at, alertname, action, sink, state, attempts, last_error, event "
-            "FROM alert_outbox WHERE run_id = ? ORDER BY id",
-            (run_id,),
-        ).fetchall()
-    except sqlite3.OperationalError as exc:
-        if "no such table" in str(exc):
-            return []
-        raise StoreError(f"cannot read the alert outbox in {db_path}: {exc}") from exc
-    finally:
-        db.close()
-    out = []
-    for created, alertname, action, sink, state, attempts, error, event in rows:
-        try:
-            summary = str(json.loads(event)["annotations"].get("summary", ""))
-        except (ValueError, KeyError, TypeError, AttributeError):
-            summary = ""
-        out.append(
-            AlertHistoryRow(
-                float(created),
-                str(alertname),
-                str(action),
-                str(sink),
-                str(state),
-                int(attempts),
-                error,
-                summary,
-            )
-        )
-    return out
+        summary = str(json.loads(r.event)["annotations"].get("summary", ""))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        summary = ""
+    return AlertHistoryRow(
+        float(r.created_at),
+        str(r.alertname),
+        str(r.action),
+        str(r.sink),
+        str(r.state),
+        int(r.attempts),
+        r.last_error,
+        summary,
+    )

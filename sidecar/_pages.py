@@ -15,6 +15,7 @@ since a browser's Basic credentials travel with cross-site requests too.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import io
@@ -316,7 +317,13 @@ async def run_page(
     resolution = view["resolution"]
     started = view["started_at"]
     try:
-        alerts = history(alert_history(service.db_path, run_id))
+        target = service.database
+        rows = (
+            alert_history(target, run_id)
+            if target.backend == "sqlite"
+            else await asyncio.to_thread(alert_history, target, run_id)
+        )
+        alerts = history(rows)
     except StoreError as exc:
         alerts, problem = [], problem or str(exc)
     auth = '-H "Authorization: Bearer $SAGA_SIDECAR_TOKEN" ' if token else ""
@@ -384,11 +391,18 @@ async def resolve(request: web.Request) -> web.StreamResponse:
             f"was not saved: {note}", status=409,
         )  # fmt: skip
     try:
-        view = service.resolve(run_id, note)
+        view = await service.resolve(run_id, note, first=True)
     except StoreError as exc:
         return await run_page(request, note=note, problem=str(exc), status=503)
     if view is None:
         return _not_found(run_id)
+    resolution = view["resolution"]
+    if resolution is not None and resolution["note"] != note:
+        # Resolved by someone else between the check above and ours (a database round trip).
+        return await run_page(
+            request, problem="Someone resolved this run while you were writing; your note "
+            f"was not saved: {note}", status=409,
+        )  # fmt: skip
     # Post/redirect/get: a reload shows the page, it does not resolve twice.
     raise web.HTTPSeeOther(run_path(run_id))
 

@@ -1,19 +1,27 @@
 """The Sidecar service object: store, state, listeners, orphan ticker and the servers.
 
-One asyncio loop runs everything. Intake is synchronous inside a request
-handler (decode, one SQLite transaction, fold into the state, notify), which
-keeps a change, its commit and its listeners in one order with no locks.
+One asyncio loop runs everything. On SQLite intake is synchronous inside a
+request handler (decode, one SQLite transaction, fold into the state, notify),
+which keeps a change, its commit and its listeners in one order with no locks.
+On PostgreSQL (``store.inline`` False) every database call runs on one worker
+thread of the sidecar, in submission order, and intake holds an asyncio lock
+from screening to folding: the same order, without the loop waiting on the
+network.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import json
 import time
 from collections.abc import Awaitable, Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from types import TracebackType
+from typing import TypeVar
 
 from aiohttp import web
 from grpc import aio
@@ -21,6 +29,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from saga_otel import semconv as sc
 
+from ._backends import open_store
 from ._errors import SidecarError, StoreError
 from ._forward import Forwarder, cancel
 from ._grpc import start_grpc
@@ -29,6 +38,8 @@ from ._leases import (
     Lease,
     LeaseAction,
     LeaseRefusal,
+    LeaseRequest,
+    Liveness,
     Owner,
     SpanRefusal,
     grant,
@@ -43,8 +54,10 @@ from ._otlp import MAX_ERROR_MESSAGES, Decoded, SpanRecord, span_from_stored
 from ._redact import Redactor
 from ._settings import LINGERING_TIME, Settings
 from ._state import RunState, Transition
-from ._store import Store
+from ._storage import Changes, DbTarget, HeartbeatRow, SpanRow, Store
 from ._views import RunView
+
+T = TypeVar("T")
 
 log = get_logger("sidecar")
 
@@ -90,12 +103,22 @@ class Sidecar:
         self._span_counters: dict[tuple[str, str], Counter] = {}
         # Live connections per agent instance (saga_otel's presence streams).
         self._presence: dict[str, int] = {}
+        # A store that is not inline (PostgreSQL): its calls, one at a time, in order.
+        self._db_thread: ThreadPoolExecutor | None = None
+        self._intake = asyncio.Lock()
+        self.leading = False  # replicas: whether this one detects orphans (see _tick_loop)
+        self._resolving = asyncio.Lock()
 
     # --- hooks for the alerting side --------------------------------------------
 
     @property
     def db_path(self) -> Path:
+        """The SQLite file (see :attr:`database` for PostgreSQL)."""
         return self.settings.resolved_db_path
+
+    @property
+    def database(self) -> DbTarget:
+        return self.settings.database
 
     def add_listener(self, fn: Listener, *, facts_only: bool = False) -> None:
         """Call ``fn(before, after, now)`` after every committed change to a run view.
@@ -131,7 +154,7 @@ class Sidecar:
             "otlp_http": self.otlp_http_port,
             "otlp_grpc": self.otlp_grpc_port,
             "api": self.api_port,
-            "db": str(self.db_path),
+            "db": self.database.shown,
         }
 
     # --- lifecycle -----------------------------------------------------------------
@@ -152,8 +175,15 @@ class Sidecar:
         if self._started:
             return
         self.settings.validate()
-        self.store = Store(self.db_path)
-        self._rebuild()
+        target = self.database
+        if target.backend == "sqlite":
+            self.store = open_store(target)
+            self._rebuild()
+        else:
+            self.store = await asyncio.to_thread(open_store, target)
+            self._db_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="saga-db")
+            # Nothing listens yet: the state is ours alone while the thread folds it.
+            await self._call(self._rebuild)
         self._started = True
         try:
             host = self.settings.host
@@ -228,9 +258,42 @@ class Sidecar:
         for runner in self._runners:
             await runner.cleanup()
         self._runners.clear()
-        if self.store is not None:
-            self.store.close()
-            self.store = None
+        async with self._intake:
+            if self._db_thread is not None:
+                # Orphan marks and prunes submitted without waiting commit first.
+                await asyncio.to_thread(self._db_thread.shutdown, wait=True)
+                self._db_thread = None
+            if self.store is not None:
+                self.store.close()
+                self.store = None
+
+    # --- the database, inline or on its thread -----------------------------------
+
+    async def flush(self) -> None:
+        """Wait until every database write submitted so far is committed (see _submit)."""
+        await self._call(_nothing)
+
+    async def _call(self, fn: Callable[..., T], *args: object) -> T:
+        """``fn(*args)`` inline (SQLite) or on the database thread (PostgreSQL)."""
+        if self._db_thread is None:
+            return fn(*args)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._db_thread, functools.partial(fn, *args))
+
+    def _submit(self, what: str, fn: Callable[..., object], *args: object) -> None:
+        """``fn(*args)`` without waiting for it on PostgreSQL (in order with every other
+        call); at once on SQLite. Failures are logged (``what`` failed): only for writes
+        the state re-derives after a restart (orphan marks, prunes)."""
+        if self._db_thread is None:
+            fn(*args)
+            return
+
+        def done(future: Future[object]) -> None:
+            exc = future.exception()
+            if exc is not None:
+                log.error("sidecar.db.write_failed", what=what, error=str(exc), rederived=True)
+
+        self._db_thread.submit(fn, *args).add_done_callback(done)
 
     def _rebuild(self) -> None:
         """Fold every stored span back into the state (clocks restart now: we were deaf)."""
@@ -277,33 +340,100 @@ class Sidecar:
     def leave(self) -> None:
         self.in_flight -= 1
 
-    def ingest(
+    async def ingest(
         self, decoded: Decoded, transport: str, body: bytes | None = None, content_type: str = ""
     ) -> Decoded:
         """Screen, store, fold and announce one request's spans. Raises StoreError (503).
 
         Returns ``decoded`` less the spans the ownership, fencing and id rules refused
-        (counted in its ``rejected`` and ``errors``: answer with those).
+        (counted in its ``rejected`` and ``errors``: answer with those). The spans are
+        committed before this returns.
         """
         store = self.store
         if store is None:
             raise StoreError("the sidecar is not running: start it before sending spans")
-        decoded, owners, resent = self._screen(decoded, transport)
-        now = self.clock()
-        rows = []
-        heartbeats = []
+        if store.inline:
+            prior = store.stored_spans(self._known_keys(decoded))
+            decoded, owners, resent = self._screen(decoded, transport, prior)
+            now = self.clock()
+            rows, heartbeats = self._rows(decoded, now)
+            if rows or heartbeats:
+                # committed before anyone hears "stored"
+                store.write(rows, heartbeats, list(owners.items()))
+            return self._fold(decoded, transport, body, content_type, owners, now, resent)
+        async with self._intake:
+            if self.store is None:
+                raise StoreError("the sidecar is stopping: retry against another replica")
+            # Another replica may have opened these runs or leased them since our last
+            # sync: screen against the store's owners and leases, not only our memory.
+            keys = self._known_keys(decoded, every=True)
+            prior = {}
+            if keys:
+                found = await self._call(store.screening, keys)
+                self._learn(found.owners, found.leases.values())
+                prior = found.stored
+            decoded, owners, resent = self._screen(decoded, transport, prior)
+            now = self.clock()
+            rows, heartbeats = self._rows(decoded, now)
+            if rows or heartbeats:
+                await self._call(store.write, rows, heartbeats, list(owners.items()))
+            return self._fold(decoded, transport, body, content_type, owners, now, resent)
+
+    def _known_keys(self, decoded: Decoded, every: bool = False) -> list[tuple[str, str]]:
+        """(run_id, span_id) of saga spans of runs already owned (``every``: of all runs):
+        their duplicates are checked against the stored bytes."""
+        state = self.state
+        keys = []
+        for span in decoded.spans:
+            attrs = span.attributes
+            if attrs.get(sc.SAGA_PHASE) == sc.PHASE_HEARTBEAT:
+                continue
+            run_id = attrs[sc.SAGA_RUN_ID]
+            if every or state.owner(run_id) is not None:
+                keys.append((run_id, span.span_id))
+        return keys
+
+    def _learn(self, owners: dict[str, Owner], leases: Iterable[Lease]) -> None:
+        """Owners and leases from the store (other replicas') into the state."""
+        state = self.state
+        for run_id, owner in owners.items():
+            if state.owner(run_id) is None:
+                state.set_owner(run_id, owner)
+        for lease in leases:
+            current = state.lease(lease.run_id)
+            if current is None or (lease.token, lease.expires_at) > (
+                current.token,
+                current.expires_at,
+            ):
+                state.set_lease(lease)
+
+    @staticmethod
+    def _rows(decoded: Decoded, now: float) -> tuple[list[SpanRow], list[HeartbeatRow]]:
+        rows: list[SpanRow] = []
+        heartbeats: list[HeartbeatRow] = []
         for span, raw in zip(decoded.spans, decoded.raw, strict=True):
             attrs = span.attributes
             if attrs.get(sc.SAGA_PHASE) == sc.PHASE_HEARTBEAT:
                 interval = float(attrs.get(sc.SAGA_HEARTBEAT_INTERVAL_S, 1.0))
-                heartbeats.append((span.instance, now, interval))
+                open_runs = list(attrs.get(sc.SAGA_HEARTBEAT_OPEN_RUNS, ()))
+                heartbeats.append((span.instance, now, interval, json.dumps(open_runs)))
             else:
                 rows.append(
                     (attrs[sc.SAGA_RUN_ID], span.span_id, now, span.service, span.instance, raw)
                 )
-        if rows or heartbeats:
-            # committed before anyone hears "stored"
-            store.write(rows, heartbeats, list(owners.items()))
+        return rows, heartbeats
+
+    def _fold(
+        self,
+        decoded: Decoded,
+        transport: str,
+        body: bytes | None,
+        content_type: str,
+        owners: dict[str, Owner],
+        now: float,
+        resent: set[tuple[str, str]],
+    ) -> Decoded:
+        """Fold committed spans into the state, count them, tell the listeners, forward."""
         listeners = self._listeners
         every = any(not facts_only for _, facts_only in listeners)
         applied = self.state.apply(decoded.spans, now, keep_before=bool(listeners), owners=owners)
@@ -314,13 +444,14 @@ class Sidecar:
         if revived:
             # Late, not dead: their agent spoke again after the orphan mark.
             log.warning("sidecar.runs.revived", count=len(revived), run_ids=revived[:5])
-            try:
-                store.clear_orphaned(revived)
-            except StoreError:
-                log.exception(
-                    "sidecar.orphan_marks.not_cleared",
-                    fix="they come back at restart, until the agent is heard from again",
-                )
+            if self.store is not None:
+                try:
+                    self._submit("clear orphan marks", self.store.clear_orphaned, revived)
+                except StoreError:
+                    log.exception(
+                        "sidecar.orphan_marks.not_cleared",
+                        fix="they come back at restart, until the agent is heard from again",
+                    )
         self._spans_counter(transport, "accepted").inc(len(decoded.spans))
         if decoded.ignored:
             self._spans_counter(transport, "ignored").inc(decoded.ignored)
@@ -341,7 +472,7 @@ class Sidecar:
         return decoded
 
     def _screen(
-        self, decoded: Decoded, transport: str
+        self, decoded: Decoded, transport: str, stored: dict[tuple[str, str], bytes]
     ) -> tuple[Decoded, dict[str, Owner], set[tuple[str, str]]]:
         """Apply the run id, ownership, fencing and duplicate rules (``_leases.py``) to each
         saga span; refused spans are left out, so nothing stored changes because of them.
@@ -351,8 +482,7 @@ class Sidecar:
         same bytes (a resend); other content is refused, so the first stored wins, live
         and after a restart alike.
         """
-        state, store = self.state, self.store
-        assert store is not None
+        state = self.state
         owners: dict[str, Owner] = {}
         seen: dict[tuple[str, str], bytes] = {}
         spans, raws = [], []
@@ -384,7 +514,7 @@ class Sidecar:
             if refusal is None:
                 prior = seen.get(key)
                 if prior is None and owner is not None and run_id not in owners:
-                    prior = store.stored_span(run_id, span.span_id)
+                    prior = stored.get(key)
                 if prior is not None and prior == raw:
                     resent.add(key)
                 elif prior is not None:
@@ -479,7 +609,11 @@ class Sidecar:
         self.metrics.stream.transitions(transitions, self.state)
         if self.store is not None:
             try:
-                self.store.mark_orphaned((t.run_id, t.at) for t in transitions)
+                self._submit(
+                    "store orphan marks",
+                    self.store.mark_orphaned,
+                    [(t.run_id, t.at) for t in transitions],
+                )
             except StoreError:
                 log.exception(
                     "sidecar.orphan_marks.not_stored", fix="they are derived again at restart"
@@ -496,13 +630,80 @@ class Sidecar:
     async def _tick_loop(self) -> None:
         while True:
             await asyncio.sleep(self.settings.tick_interval)
-            self.tick()
+            if self._db_thread is None:
+                self.tick()
+                continue
+            # Replicas on one database: fold in what the others stored, then let one of
+            # them (the holder of the leader lock) decide which runs are orphaned.
+            try:
+                await self.sync()
+                self.leading = await self._call(self._require_store().try_lead)
+            except StoreError as exc:
+                log.warning("sidecar.sync.failed", error=str(exc))
+                continue
+            if self.leading:
+                self.tick()
+
+    def _require_store(self) -> Store:
+        if self.store is None:
+            raise StoreError("the sidecar is not running")
+        return self.store
+
+    async def sync(self) -> int:
+        """Fold in the spans, heartbeats, marks and leases other replicas committed; the
+        number of spans read. Nothing to do on a store of one process (SQLite)."""
+        store = self.store
+        if store is None or store.inline:
+            return 0
+        async with self._intake:  # between two intakes: the state moves in commit order
+            now = self.clock()
+            changes = await self._call(store.changes, now)
+            self._fold_changes(changes, now)
+        return len(changes.spans)
+
+    def _fold_changes(self, changes: Changes, now: float) -> None:
+        state = self.state
+        owners = {r: o for r, o in changes.owners if state.owner(r) is None}
+        records = []
+        for stored in changes.spans:
+            try:
+                records.append(span_from_stored(stored.data, stored.service, stored.instance))
+            except SidecarError as exc:
+                log.warning("sidecar.sync.span_skipped", span_id=stored.span_id, error=str(exc))
+        if records:
+            listeners = self._listeners
+            applied = state.apply(records, now, keep_before=bool(listeners), owners=owners)
+            # Alerts the writing replica raised are raised here too: the outbox keeps
+            # one row per dedup key, action and sink, whoever inserts it first.
+            for run_id in applied.facts_changed:
+                after = state.view(run_id)
+                if after is not None:
+                    self._notify(state.view_before(applied, run_id), after, now)
+        for instance, at, interval, open_runs in changes.instances:
+            try:
+                named = [str(r) for r in json.loads(open_runs)]
+            except (ValueError, TypeError):
+                named = []
+            state.heard(instance, at, interval, named)
+        for mark in changes.marks:
+            view = state.view(mark.run_id)
+            if view is None:
+                continue
+            if mark.orphaned_at is not None and view["status"] != sc.STATE_ORPHANED:
+                state.restore_orphaned(mark.run_id, mark.orphaned_at)
+            if mark.resolution_at is not None and not view["resolution"]:
+                state.resolve(mark.run_id, mark.resolution_note or "", mark.resolution_at)
+        self._learn({}, changes.leases)
 
     def prune(self) -> list[str]:
+        """Forget finished runs past the retention, in memory and in the store.
+
+        Replicas each prune what they hold: deleting a run twice is the same as once.
+        """
         now = self.clock()
         run_ids = self.state.prunable(now, self.settings.retention)
         if run_ids and self.store is not None:
-            self.store.delete_runs(run_ids)
+            self._submit("prune runs", self.store.delete_runs, run_ids)
             self.state.forget(run_ids)
         self.prune_instances(now)
         return run_ids
@@ -511,7 +712,7 @@ class Sidecar:
         """Forget agent instances silent for longer than the retention (memory and table)."""
         stale = self.state.stale_instances(now, self.settings.retention)
         if stale and self.store is not None:
-            self.store.delete_instances(stale)
+            self._submit("prune instances", self.store.delete_instances, stale)
             self.state.forget_instances(stale)
         return stale
 
@@ -523,12 +724,12 @@ class Sidecar:
                 if pruned:
                     log.info("sidecar.pruned", runs=len(pruned))
 
-    def lease(self, run_id: str, action: LeaseAction, data: object) -> Lease | LeaseRefusal:
+    async def lease(self, run_id: str, action: LeaseAction, data: object) -> Lease | LeaseRefusal:
         """Grant, renew or release ``run_id``'s recovery lease (rules: ``_leases.py``).
 
         Raises StoreError (answer 503). Each answer is counted by action and outcome.
         """
-        outcome = self._lease(run_id, action, data)
+        outcome = await self._lease(run_id, action, data)
         if isinstance(outcome, Lease):
             label = {"grant": "granted", "renew": "renewed", "release": "released"}[action]
             forced = outcome.override is not None and outcome.override.at == outcome.granted_at
@@ -539,7 +740,7 @@ class Sidecar:
         self.metrics.lease_requests.labels(action=action, outcome=label).inc()
         return outcome
 
-    def _lease(self, run_id: str, action: LeaseAction, data: object) -> Lease | LeaseRefusal:
+    async def _lease(self, run_id: str, action: LeaseAction, data: object) -> Lease | LeaseRefusal:
         req = parse_request(data, action)
         if isinstance(req, LeaseRefusal):
             return req
@@ -552,14 +753,14 @@ class Sidecar:
                 "unknown_run",
                 f"no run {run_id!r} is known here: list runs with `saga-sidecar runs list`",
             )
+        decide: Callable[[Lease | None], Lease | LeaseRefusal]
         if action == "grant":
-            outcome = self.store.decide_lease(
-                run_id, lambda cur: grant(run_id, cur, owner, req, now)
-            )
+            decide = functools.partial(_grant, run_id, owner, req, now)
         elif action == "renew":
-            outcome = self.store.decide_lease(run_id, lambda cur: renew(run_id, cur, req, now))
+            decide = functools.partial(_renew, run_id, req, now)
         else:
-            outcome = self.store.decide_lease(run_id, lambda cur: release(run_id, cur, req, now))
+            decide = functools.partial(_release, run_id, req, now)
+        outcome = await self._call(self.store.decide_lease, run_id, decide)
         if isinstance(outcome, Lease):
             before = self.state.view(run_id)
             self.state.set_lease(outcome)
@@ -575,16 +776,48 @@ class Sidecar:
                 )
         return outcome
 
-    def resolve(self, run_id: str, note: str) -> RunView | None:
-        """Record a person's resolution; the new view, or None for an unknown run."""
+    async def resolve(self, run_id: str, note: str, *, first: bool = False) -> RunView | None:
+        """Record a person's resolution; the new view, or None for an unknown run.
+
+        With ``first``, a run resolved already keeps its note: its view comes back
+        unchanged (resolutions of this sidecar are taken one at a time).
+        """
+        async with self._resolving:
+            return await self._resolve(run_id, note, first)
+
+    async def _resolve(self, run_id: str, note: str, first: bool) -> RunView | None:
         before = self.state.view(run_id)
         if before is None:
             return None
+        if first and before["resolution"]:
+            return before
         now = self.clock()
         if self.store is not None:
-            self.store.resolve(run_id, note, now)
+            await self._call(self.store.resolve, run_id, note, now)
         self.state.resolve(run_id, note, now)
         after = self.state.view(run_id)
         assert after is not None
         self._notify(before, after, now)
         return after
+
+
+def _grant(
+    run_id: str, owner: Liveness, req: LeaseRequest, now: float, current: Lease | None
+) -> Lease | LeaseRefusal:
+    return grant(run_id, current, owner, req, now)
+
+
+def _renew(
+    run_id: str, req: LeaseRequest, now: float, current: Lease | None
+) -> Lease | LeaseRefusal:
+    return renew(run_id, current, req, now)
+
+
+def _release(
+    run_id: str, req: LeaseRequest, now: float, current: Lease | None
+) -> Lease | LeaseRefusal:
+    return release(run_id, current, req, now)
+
+
+def _nothing() -> None:
+    return None

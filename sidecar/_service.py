@@ -8,7 +8,6 @@ through :class:`Service`, and aiohttp apps carry it under :data:`SERVICE`, so
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 from typing import Protocol
 
 from aiohttp import web
@@ -19,6 +18,7 @@ from ._otlp import Decoded
 from ._redact import Redactor
 from ._settings import Settings
 from ._state import RunState
+from ._storage import DbTarget
 from ._views import RunView
 
 
@@ -50,7 +50,9 @@ class Service(Protocol):
     def clock(self) -> Callable[[], float]: ...
 
     @property
-    def db_path(self) -> Path: ...
+    def database(self) -> DbTarget:
+        """Where the state and the alert outbox live (SQLite file or PostgreSQL)."""
+        ...
 
     @property
     def otlp_http_port(self) -> int | None:
@@ -63,7 +65,7 @@ class Service(Protocol):
 
     def leave(self) -> None: ...
 
-    def ingest(
+    async def ingest(
         self, decoded: Decoded, transport: str, body: bytes | None = None, content_type: str = ""
     ) -> Decoded:
         """Screen, store, fold and announce one request's spans. Raises StoreError (503).
@@ -81,9 +83,11 @@ class Service(Protocol):
         """Its live connection closed, with a goodbye (``clean``) or not."""
         ...
 
-    def resolve(self, run_id: str, note: str) -> RunView | None: ...
+    async def resolve(self, run_id: str, note: str, *, first: bool = False) -> RunView | None:
+        """Record a resolution; with ``first`` a resolved run keeps its note (view unchanged)."""
+        ...
 
-    def lease(self, run_id: str, action: LeaseAction, data: object) -> Lease | LeaseRefusal:
+    async def lease(self, run_id: str, action: LeaseAction, data: object) -> Lease | LeaseRefusal:
         """Grant, renew or release a run's recovery lease (``data``: the JSON body).
 
         Raises StoreError (answer 503).

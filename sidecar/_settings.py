@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ._errors import ConfigError
+from ._storage import DbTarget, parse_db, redact_url
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_OTLP_HTTP_PORT = 4318
@@ -113,7 +114,8 @@ class Settings:
     otlp_http_port: int = DEFAULT_OTLP_HTTP_PORT
     otlp_grpc_port: int = DEFAULT_OTLP_GRPC_PORT
     api_port: int = DEFAULT_API_PORT
-    db_path: Path | None = None
+    db_path: Path | None = None  # SQLite
+    db_url: str | None = None  # PostgreSQL (postgresql://...); at most one of the two
     token: str | None = None
     forward: str | None = None
     forward_queue: int = DEFAULT_FORWARD_QUEUE
@@ -137,13 +139,41 @@ class Settings:
 
     @property
     def resolved_db_path(self) -> Path:
+        """The SQLite file (the default one when PostgreSQL is chosen: unused then)."""
         return self.db_path if self.db_path is not None else default_db_path()
+
+    @property
+    def database(self) -> DbTarget:
+        """Where the state lives: ``db_url`` (PostgreSQL) or the SQLite file."""
+        if self.db_url is not None:
+            return parse_db(self.db_url)
+        return DbTarget("sqlite", path=self.resolved_db_path)
+
+    def __repr__(self) -> str:  # the URL may carry a password: never print it
+        shown = ", ".join(
+            f"{f}={self.database.shown!r}"
+            if f == "db_url" and self.db_url
+            else f"{f}={getattr(self, f)!r}"
+            for f in self.__dataclass_fields__
+            if f != "token"
+        )
+        return f"Settings({shown})"
 
     def validate(self) -> None:
         for name in ("otlp_http_port", "otlp_grpc_port", "api_port"):
             port = getattr(self, name)
             if not 0 <= port <= 65535:
                 raise ConfigError(f"{name}={port} is not a TCP port: use 0..65535 (0 = any free)")
+        if self.db_url is not None:
+            if self.db_path is not None:
+                raise ConfigError(
+                    "give the database once: db_path (SQLite) or db_url (PostgreSQL), not both"
+                )
+            if parse_db(self.db_url).backend != "postgresql":
+                raise ConfigError(
+                    f"db_url {redact_url(self.db_url)!r} is not a PostgreSQL URL: use "
+                    "postgresql://USER@HOST:PORT/DB, or db_path for a SQLite file"
+                )
         if not is_loopback(self.host) and not self.token:
             raise ConfigError(
                 f"refusing to listen on non-loopback host {self.host!r} without a token: "

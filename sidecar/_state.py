@@ -828,6 +828,25 @@ class RunState:
                         named[run_id] = None
         return list(named)
 
+    def _beat(self, instance: str, now: float, interval: float, open_runs: Iterable[str]) -> None:
+        """A heartbeat another replica stored (``heard``): the watch moves on, what it
+        learned of the instance's cadence stays."""
+        watch = self._instances.get(instance)
+        if watch is None:
+            self._instances[instance] = _Watch(now, interval)
+        else:
+            watch.at, watch.interval, watch.dead = now, interval, False
+        for run_id in open_runs:
+            run = self._runs.get(run_id)
+            # Only the owner's heartbeat keeps a run alive: a stranger naming it must not
+            # hold off its orphan watch (a recoverer is watched through its lease).
+            if run is not None and run.instance == instance:
+                run.last_seen = max(run.last_seen, now)
+                run.owner_seen = max(run.owner_seen, now)
+                if run_id in self._idle:  # still alive: to the young end of the queue
+                    del self._idle[run_id]
+                    self._idle[run_id] = None
+
     def _fold(self, run: _Run, span: SpanRecord, phase: object) -> bool:
         """Fold one span; False when it was a duplicate that changed nothing."""
         attrs = span.attributes
@@ -1029,6 +1048,12 @@ class RunState:
 
     def restore_instance(self, instance: str, at: float, interval: float) -> None:
         self._instances[_intern(instance)] = _Watch(at, interval)
+
+    def heard(self, instance: str, at: float, interval: float, open_runs: Iterable[str]) -> None:
+        """A heartbeat another replica received at ``at`` (ignored when ours is newer)."""
+        watch = self._instances.get(instance)
+        if watch is None or at > watch.at:
+            self._beat(_intern(instance), at, interval, open_runs)
 
     def resolve(self, run_id: str, note: str, now: float) -> bool:
         """Record that a person settled the run. False for an unknown run."""

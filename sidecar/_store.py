@@ -1,7 +1,10 @@
-"""SQLite persistence: the raw saga spans of every run, orphan marks, resolutions, heartbeats.
+"""SQLite persistence (the embedded backend): raw saga spans, marks, resolutions, heartbeats.
 
 The in-memory state is rebuilt from here on start, so the store keeps the
 spans themselves (the state machine is a function of them) rather than views.
+The alert outbox's tables live in the same file (:class:`SqliteAlertStore`).
+Both implement the interfaces of ``_storage.py``; the PostgreSQL backend is
+``_pgstore.py``.
 """
 
 from __future__ import annotations
@@ -10,20 +13,59 @@ import contextlib
 import os
 import sqlite3
 import stat
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ._errors import StoreError
 from ._leases import Lease, LeaseRefusal, Override, Owner
 from ._log import get_logger
-
-SCHEMA_VERSION = 1
+from ._storage import (
+    NO_CHANGES,
+    SCHEMA_VERSION,
+    AlertTx,
+    Changes,
+    DbTarget,
+    HeartbeatRow,
+    HistoryRecord,
+    InstanceRow,
+    NewAlert,
+    OutboxRecord,
+    RunMark,
+    Screening,
+    SpanRow,
+    StoredSpan,
+)
 
 log = get_logger("sidecar")
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+# The schema as it shipped first (version 1), then one step per version. A database
+# is brought from its version to SCHEMA_VERSION by the steps after it, in one
+# transaction. Version 0 is an empty file (or one only the outbox wrote, which had
+# no version): version 1's statements are all IF NOT EXISTS.
+_OUTBOX_V1 = """
+CREATE TABLE IF NOT EXISTS alert_outbox (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    dedup_key TEXT NOT NULL,
+    action TEXT NOT NULL,
+    sink TEXT NOT NULL,
+    alertname TEXT NOT NULL,
+    run_id TEXT NOT NULL,
+    event TEXT NOT NULL,
+    state TEXT NOT NULL DEFAULT 'pending',
+    created_at REAL NOT NULL,
+    attempts INTEGER NOT NULL DEFAULT 0,
+    last_error TEXT,
+    delivered_at REAL,
+    last_sent_at REAL,
+    UNIQUE (dedup_key, action, sink)
+);
+CREATE INDEX IF NOT EXISTS alert_outbox_pending ON alert_outbox (sink, state, id);
+CREATE INDEX IF NOT EXISTS alert_outbox_run ON alert_outbox (run_id);
+"""
+_STEPS: dict[int, str] = {
+    1: """
 CREATE TABLE IF NOT EXISTS spans (
     run_id TEXT NOT NULL,
     span_id TEXT NOT NULL,
@@ -66,23 +108,63 @@ CREATE TABLE IF NOT EXISTS run_leases (
     forced_at REAL
 );
 """
+    + _OUTBOX_V1,
+    # 2: the outbox is part of the versioned schema (a version-1 file may lack it), and
+    # its rows can be claimed by one delivering process until a time (replicas).
+    2: _OUTBOX_V1
+    + """
+ALTER TABLE alert_outbox ADD COLUMN claimed_by TEXT;
+ALTER TABLE alert_outbox ADD COLUMN claimed_until REAL;
+ALTER TABLE instances ADD COLUMN open_runs TEXT;
+""",
+}
 
 
-@dataclass(frozen=True, slots=True)
-class StoredSpan:
-    run_id: str
-    span_id: str
-    service: str
-    instance: str
-    data: bytes
+def _statements(script: str) -> list[str]:
+    lines = [line.split("--", 1)[0] for line in script.splitlines()]
+    return [s.strip() for s in "\n".join(lines).split(";") if s.strip()]
 
 
-@dataclass(frozen=True, slots=True)
-class RunMark:
-    run_id: str
-    orphaned_at: float | None
-    resolution_note: str | None
-    resolution_at: float | None
+def newer_schema_message(where: str, found: int) -> str:
+    return (
+        f"the database {where} has schema version {found}, newer than this sidecar's "
+        f"{SCHEMA_VERSION}: run the saga-sidecar release that wrote it (or a newer one), "
+        "or point --db at another database"
+    )
+
+
+def migrate(db: sqlite3.Connection, where: str) -> int:
+    """Bring the file to SCHEMA_VERSION in one transaction; the version found.
+
+    Raises StoreError for a newer version (nothing is changed).
+    """
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        db.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+        row = db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone()
+        found = int(row[0]) if row is not None else 0
+        if found > SCHEMA_VERSION:
+            raise StoreError(newer_schema_message(where, found))
+        for version in range(found + 1, SCHEMA_VERSION + 1):
+            for statement in _statements(_STEPS[version]):
+                db.execute(statement)
+        if found != SCHEMA_VERSION:
+            db.execute(
+                "INSERT OR REPLACE INTO meta(key, value) VALUES ('schema', ?)",
+                (str(SCHEMA_VERSION),),
+            )
+        db.execute("COMMIT")
+    except BaseException:
+        with contextlib.suppress(sqlite3.Error):
+            db.execute("ROLLBACK")
+        raise
+    if 0 < found < SCHEMA_VERSION:
+        log.info("sidecar.db.upgraded", db=where, from_schema=found, to_schema=SCHEMA_VERSION)
+    return found
+
+
+def _target(where: DbTarget | Path) -> DbTarget:
+    return where if isinstance(where, DbTarget) else DbTarget("sqlite", path=where)
 
 
 def prepare_db_file(path: Path, *, warn: bool = True) -> None:
@@ -118,11 +200,15 @@ def prepare_db_file(path: Path, *, warn: bool = True) -> None:
             os.chmod(side, 0o600)
 
 
-class Store:
-    """One connection, used from the event loop thread only."""
+class SqliteStore:
+    """One connection, used from the event loop thread only (``inline``: a local file)."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    inline = True
+
+    def __init__(self, where: DbTarget | Path) -> None:
+        self.target = _target(where)
+        assert self.target.path is not None
+        self.path = path = self.target.path
         try:
             prepare_db_file(path)
             self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
@@ -132,30 +218,30 @@ class Store:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.execute("PRAGMA busy_timeout=5000")
-            self._db.executescript(_SCHEMA)
+            migrate(self._db, repr(str(path)))
             # Another component (the alert outbox) may have created the file first with
             # the umask's mode: tighten it and WAL's side files either way.
             for suffix in ("", "-wal", "-shm"):
                 side = Path(f"{path}{suffix}")
                 if side.exists():
                     os.chmod(side, 0o600)
-            self._db.execute(
-                "INSERT OR IGNORE INTO meta(key, value) VALUES ('schema', ?)",
-                (str(SCHEMA_VERSION),),
-            )
         except (OSError, sqlite3.Error) as exc:
             raise StoreError(
                 f"cannot open the sidecar database {str(path)!r}: {exc}; pass a writable "
                 "path with --db (SAGA_SIDECAR_DB)"
             ) from exc
 
+    def schema_version(self) -> int:
+        row = self._db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone()
+        return int(row[0])
+
     def close(self) -> None:
         self._db.close()
 
     def write(
         self,
-        spans: Sequence[tuple[str, str, float, str, str, bytes]],
-        heartbeats: Sequence[tuple[str, float, float]] = (),
+        spans: Sequence[SpanRow],
+        heartbeats: Sequence[HeartbeatRow] = (),
         owners: Sequence[tuple[str, Owner]] = (),
     ) -> None:
         """Store one request's spans, heartbeats and new runs' owners in one transaction."""
@@ -176,9 +262,10 @@ class Store:
                 )
             if heartbeats:
                 db.executemany(
-                    "INSERT INTO instances(instance, last_heartbeat, interval_s) VALUES (?, ?, ?) "
-                    "ON CONFLICT(instance) DO UPDATE SET last_heartbeat=excluded.last_heartbeat, "
-                    "interval_s=excluded.interval_s",
+                    "INSERT INTO instances(instance, last_heartbeat, interval_s, open_runs) "
+                    "VALUES (?, ?, ?, ?) ON CONFLICT(instance) DO UPDATE SET "
+                    "last_heartbeat=excluded.last_heartbeat, interval_s=excluded.interval_s, "
+                    "open_runs=excluded.open_runs",
                     heartbeats,
                 )
             db.execute("COMMIT")
@@ -269,18 +356,22 @@ class Store:
         ).fetchall()
         return [RunMark(*row) for row in rows]
 
-    def instances(self) -> list[tuple[str, float, float]]:
+    def instances(self) -> list[InstanceRow]:
         rows = self._db.execute(
             "SELECT instance, last_heartbeat, interval_s FROM instances"
         ).fetchall()
         return [(str(a), float(b), float(c)) for a, b, c in rows]
 
-    def stored_span(self, run_id: str, span_id: str) -> bytes | None:
-        """The stored bytes of one span of a run, or None (duplicate detection)."""
-        row = self._db.execute(
-            "SELECT data FROM spans WHERE run_id = ? AND span_id = ?", (run_id, span_id)
-        ).fetchone()
-        return None if row is None else bytes(row[0])
+    def stored_spans(self, keys: Iterable[tuple[str, str]]) -> dict[tuple[str, str], bytes]:
+        """The stored bytes of those (run_id, span_id) that exist (duplicate detection)."""
+        out = {}
+        for run_id, span_id in keys:
+            row = self._db.execute(
+                "SELECT data FROM spans WHERE run_id = ? AND span_id = ?", (run_id, span_id)
+            ).fetchone()
+            if row is not None:
+                out[(run_id, span_id)] = bytes(row[0])
+        return out
 
     def owners(self) -> list[tuple[str, Owner]]:
         rows = self._db.execute(
@@ -293,7 +384,7 @@ class Store:
             "SELECT run_id, holder, token, granted_at, expires_at, released, forced_reason, "
             "forced_by, forced_at FROM run_leases"
         ).fetchall()
-        return [_lease(row) for row in rows]
+        return [lease_from_row(row) for row in rows]
 
     def decide_lease(
         self, run_id: str, decide: Callable[[Lease | None], Lease | LeaseRefusal]
@@ -311,7 +402,7 @@ class Store:
                 "forced_by, forced_at FROM run_leases WHERE run_id = ?",
                 (run_id,),
             ).fetchone()
-            outcome = decide(None if row is None else _lease(row))
+            outcome = decide(None if row is None else lease_from_row(row))
             if isinstance(outcome, Lease):
                 o = outcome.override
                 db.execute(
@@ -342,8 +433,18 @@ class Store:
     def span_count(self) -> int:
         return int(self._db.execute("SELECT count(*) FROM spans").fetchone()[0])
 
+    def screening(self, keys: Sequence[tuple[str, str]]) -> Screening:
+        # One process per file: its memory holds every owner and lease already.
+        return Screening({}, {}, self.stored_spans(keys))
 
-def _lease(row: tuple[object, ...]) -> Lease:
+    def changes(self, now: float) -> Changes:  # noqa: ARG002 (the interface's)
+        return NO_CHANGES  # one process per file: nothing changes behind its back
+
+    def try_lead(self) -> bool:
+        return True
+
+
+def lease_from_row(row: tuple[object, ...]) -> Lease:
     run_id, holder, token, granted, expires, released, f_reason, f_by, f_at = row
     override = (
         Override(str(f_reason), str(f_by or ""), float(f_at))  # type: ignore[arg-type]
@@ -359,3 +460,173 @@ def _lease(row: tuple[object, ...]) -> Lease:
         released=bool(released),
         override=override,
     )
+
+
+class _SqliteAlertTx:
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self._db = db
+
+    def fires(self, dedup_key: str) -> list[tuple[str, str, str]]:
+        rows = self._db.execute(
+            "SELECT sink, event, state FROM alert_outbox WHERE dedup_key = ? AND action = 'fire'",
+            (dedup_key,),
+        ).fetchall()
+        return [(str(a), str(b), str(c)) for a, b, c in rows]
+
+    def insert(self, row: NewAlert) -> bool:
+        cur = self._db.execute(
+            "INSERT OR IGNORE INTO alert_outbox (dedup_key, action, sink, alertname, run_id, "
+            "event, state, created_at) VALUES (?,?,?,?,?,?,?,?)",
+            tuple(row),
+        )
+        return bool(cur.rowcount)
+
+    def set_state(self, row_id: int, state: str, at: float) -> None:
+        self._db.execute(
+            "UPDATE alert_outbox SET state = ?, delivered_at = ? WHERE id = ?", (state, at, row_id)
+        )
+
+
+_ROW = "SELECT id, dedup_key, action, sink, state, attempts, last_error, event FROM alert_outbox"
+
+
+class SqliteAlertStore:
+    """The alert outbox's rows in the sidecar's SQLite file, on a connection of their own.
+
+    The outbox may call it from more than one thread: a lock serializes the calls.
+    """
+
+    inline = True
+
+    def __init__(self, where: DbTarget | Path | str) -> None:
+        memory = str(where) == ":memory:"
+        self.target = _target(Path(where) if isinstance(where, str) else where)
+        assert self.target.path is not None
+        path = self.target.path
+        self._lock = threading.Lock()
+        try:
+            if not memory:
+                prepare_db_file(path, warn=False)  # the Store warns, once
+            self._db = sqlite3.connect(
+                ":memory:" if memory else str(path), isolation_level=None, check_same_thread=False
+            )
+            self._db.execute("PRAGMA busy_timeout = 10000")
+            self._db.execute("PRAGMA journal_mode = WAL")
+            self._db.execute("PRAGMA synchronous = NORMAL")
+            migrate(self._db, repr(str(path)))
+        except (OSError, sqlite3.Error) as exc:
+            raise StoreError(
+                f"cannot open the alert outbox in {path}: {exc}; check the path is writable "
+                "(--db) and not on a network filesystem"
+            ) from exc
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[AlertTx]:
+        with self._lock:
+            try:
+                self._db.execute("BEGIN IMMEDIATE")
+                yield _SqliteAlertTx(self._db)
+                self._db.execute("COMMIT")
+            except sqlite3.Error as exc:
+                with contextlib.suppress(sqlite3.Error):
+                    self._db.execute("ROLLBACK")
+                raise StoreError(f"cannot write alerts to the outbox: {exc}") from exc
+            except BaseException:
+                with contextlib.suppress(sqlite3.Error):
+                    self._db.execute("ROLLBACK")
+                raise
+
+    def _all(self, sql: str, args: tuple[object, ...] = ()) -> list[tuple[Any, ...]]:
+        with self._lock:
+            return list(self._db.execute(sql, args).fetchall())
+
+    def held(self, no_sink: str, held: str) -> list[tuple[int, str]]:
+        rows = self._all(
+            "SELECT id, event FROM alert_outbox WHERE sink = ? AND state = ? ORDER BY id",
+            (no_sink, held),
+        )
+        return [(int(a), str(b)) for a, b in rows]
+
+    def open_alerts(self) -> list[tuple[str, str]]:
+        rows = self._all(
+            "SELECT DISTINCT f.run_id, f.alertname FROM alert_outbox f WHERE f.action = "
+            "'fire' AND NOT EXISTS (SELECT 1 FROM alert_outbox r WHERE r.dedup_key = "
+            "f.dedup_key AND r.action = 'resolve')"
+        )
+        return [(str(a), str(b)) for a, b in rows]
+
+    def rows(self, sink: str | None = None) -> list[OutboxRecord]:
+        query = _ROW + (" WHERE sink = ?" if sink else "") + " ORDER BY id"
+        return [OutboxRecord(*r) for r in self._all(query, (sink,) if sink else ())]
+
+    def count(self, state: str) -> int:
+        ((n,),) = self._all("SELECT COUNT(*) FROM alert_outbox WHERE state = ?", (state,))
+        return int(n)
+
+    def next_row(self, sink: str, state: str) -> OutboxRecord | None:
+        rows = self._all(_ROW + " WHERE sink = ? AND state = ? ORDER BY id LIMIT 1", (sink, state))
+        return OutboxRecord(*rows[0]) if rows else None
+
+    def mark(
+        self,
+        row_id: int,
+        state: str,
+        error: str | None,
+        sent: bool,
+        now: float,
+        hold: float = 0,  # noqa: ARG002 (one process per file: no claims to hold)
+    ) -> None:
+        with self._lock:
+            self._db.execute(
+                "UPDATE alert_outbox SET state = ?, attempts = attempts + 1, last_error = ?, "
+                "delivered_at = CASE WHEN ? THEN ? ELSE delivered_at END, "
+                "last_sent_at = CASE WHEN ? THEN ? ELSE last_sent_at END WHERE id = ?",
+                (state, error, sent, now, sent, now, row_id),
+            )
+
+    def firing(self, sink: str, delivered: str) -> list[tuple[int, float, str]]:
+        rows = self._all(
+            "SELECT f.id, f.last_sent_at, f.event FROM alert_outbox f WHERE f.sink = ? "
+            "AND f.action = 'fire' AND f.state = ? AND NOT EXISTS (SELECT 1 FROM "
+            "alert_outbox r WHERE r.dedup_key = f.dedup_key AND r.sink = f.sink AND "
+            "r.action = 'resolve')",
+            (sink, delivered),
+        )
+        return [(int(a), float(b or 0.0), str(c)) for a, b, c in rows]
+
+    def touch_sent(self, row_id: int, at: float) -> None:
+        with self._lock:
+            self._db.execute("UPDATE alert_outbox SET last_sent_at = ? WHERE id = ?", (at, row_id))
+
+    def history(self, run_id: str) -> list[HistoryRecord]:
+        assert self.target.path is not None
+        return sqlite_history(self.target.path, run_id)
+
+
+def sqlite_history(path: Path, run_id: str) -> list[HistoryRecord]:
+    """The alert rows of one run, oldest first, on a read-only connection of their own.
+
+    Empty when alerting never wrote to this database (no outbox table yet).
+    """
+    try:
+        db = sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=ro", uri=True)
+    except sqlite3.Error as exc:
+        raise StoreError(f"cannot read the alert outbox in {path}: {exc}") from exc
+    try:
+        db.execute("PRAGMA busy_timeout = 10000")
+        rows = db.execute(
+            "SELECT created_at, alertname, action, sink, state, attempts, last_error, event "
+            "FROM alert_outbox WHERE run_id = ? ORDER BY id",
+            (run_id,),
+        ).fetchall()
+    except sqlite3.OperationalError as exc:
+        if "no such table" in str(exc):
+            return []
+        raise StoreError(f"cannot read the alert outbox in {path}: {exc}") from exc
+    finally:
+        db.close()
+    return [HistoryRecord(*r) for r in rows]

@@ -32,6 +32,9 @@ SERVER_STACK = {
     "rich",
     "jinja2",
     "opentelemetry-exporter-otlp-proto-grpc",
+    "psycopg",  # --db postgresql://
+    "psycopg-binary",
+    "psycopg-pool",
 }
 # The framework adapters' distributions: each is an extra (saga-otel[mcp], ...), never pulled alone.
 FRAMEWORKS = {

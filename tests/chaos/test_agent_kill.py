@@ -81,9 +81,9 @@ def read_truth(path: Path, offset: int) -> tuple[list[list[str]], int]:
 
 
 def test_killed_agents_are_recovered_with_nothing_lost_or_repeated(
-    tmp_path: Path, sidecar_process: Any, chaos_results: dict[str, Any]
+    tmp_path: Path, sidecar_process: Any, chaos_results: dict[str, Any], db_backend: str | None
 ) -> None:
-    sc = sidecar_process("--idle-timeout", "600s")
+    sc = sidecar_process("--idle-timeout", "600s", db=db_backend)
     truth = tmp_path / "truth.log"
     zygote = Zygote(sc.otlp, sc.api, truth, tmp_path)
     rng = random.Random(20261202)
@@ -153,7 +153,7 @@ def test_killed_agents_are_recovered_with_nothing_lost_or_repeated(
     finally:
         zygote.close()
     print(f"\nagent-kill trials: {TRIALS}; {dict(stats)}")
-    chaos_results["agent_kill"] = {
+    chaos_results["agent_kill" if db_backend is None else "agent_kill_postgresql"] = {
         "trials": TRIALS,
         "lost": 0,
         "duplicated": 0,

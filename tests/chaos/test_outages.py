@@ -92,12 +92,15 @@ def test_a_sink_down_for_a_while_gets_every_alert_once(
 
 
 def test_sidecar_killed_under_load_loses_no_acknowledged_span(
-    tmp_path: Path, world: tuple[World, str], chaos_results: dict[str, Any]
+    tmp_path: Path,
+    world: tuple[World, str],
+    chaos_results: dict[str, Any],
+    db_backend: str | None,
 ) -> None:
     pager = AlertReceiver()
     ports = [str(free_port()) for _ in range(3)]
     args = ("--otlp-http-port", ports[0], "--otlp-grpc-port", ports[1], "--api-port", ports[2])
-    first = start_sidecar(tmp_path, "--webhook", pager.url, *args)
+    first = start_sidecar(tmp_path, "--webhook", pager.url, *args, db=db_backend)
     second: SidecarProcess | None = None
     proc = agent(first.otlp, world[1], runs=40)
     try:
@@ -140,7 +143,7 @@ def test_sidecar_killed_under_load_loses_no_acknowledged_span(
         wait_until(lambda: len(pager.keys()) >= 2 * len(before), timeout=60, what="alerts")
         time.sleep(1.0)  # let the restarted outbox finish anything it still holds
         assert all(n == 1 for n in pager.keys().values()), pager.keys()
-        chaos_results["sidecar_kill"] = {
+        chaos_results["sidecar_kill" if db_backend is None else "sidecar_kill_postgresql"] = {
             "runs": len(seen),
             "acknowledged_before_kill": len(before),
             "lost": 0,

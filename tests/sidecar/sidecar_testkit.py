@@ -12,8 +12,9 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import pytest
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
@@ -23,6 +24,9 @@ from opentelemetry.trace import Status, StatusCode
 
 from saga_otel import semconv as sc
 from sidecar import Settings, Sidecar
+
+if TYPE_CHECKING:
+    from pg_server import Databases
 
 NS = 1_000_000_000
 
@@ -268,12 +272,43 @@ def heartbeat_spans(
     return list(exporter.get_finished_spans())
 
 
+def rejoin(span: ReadableSpan, run: RunScript, *, token: int) -> ReadableSpan:
+    """A recoverer's span: in the run's own trace, with its lease token."""
+    ctx = span.context
+    return ReadableSpan(
+        name=span.name,
+        context=ctx.__class__(run.run.get_span_context().trace_id, ctx.span_id, False),
+        resource=span.resource,
+        attributes={**(span.attributes or {}), sc.SAGA_RECOVERY_TOKEN: token},
+        start_time=span.start_time,
+        end_time=span.end_time,
+        status=span.status,
+        events=span.events,
+    )
+
+
 class FakeClock:
     def __init__(self, now: float = 1_700_000_100.0) -> None:
         self.now = now
 
     def __call__(self) -> float:
         return self.now
+
+
+BOTH_BACKENDS = pytest.mark.parametrize("backend", ["sqlite", "postgresql"], indirect=True)
+"""``pytestmark = BOTH_BACKENDS``: the module's tests run on SQLite and on PostgreSQL."""
+
+_POSTGRES: list[Databases] = []  # set by the backend fixture (conftest.py) on PostgreSQL
+
+
+def use_postgres(databases: Databases | None) -> None:
+    _POSTGRES[:] = [databases] if databases is not None else []
+
+
+def db_for(path: Path) -> str:
+    """What ``--db`` (or an Outbox) takes for the database a test calls ``path``: the path
+    itself on SQLite, a database of its own on PostgreSQL."""
+    return _POSTGRES[0].url_for(path) if _POSTGRES else str(path)
 
 
 def settings_for(tmp_path: Path, **kw: Any) -> Settings:
@@ -283,7 +318,10 @@ def settings_for(tmp_path: Path, **kw: Any) -> Settings:
         "api_port": 0,
         "db_path": tmp_path / "sidecar.db",
     }
-    return Settings(**{**base, **kw})
+    merged = {**base, **kw}
+    if _POSTGRES and "db_url" not in merged:
+        merged["db_url"] = _POSTGRES[0].url_for(merged.pop("db_path"))
+    return Settings(**merged)
 
 
 async def export_http(sidecar: Sidecar, spans: Sequence[ReadableSpan], **kw: Any) -> Any:
@@ -324,7 +362,7 @@ def start_sidecar(db: Path, *extra: str) -> tuple[subprocess.Popen[str], dict[st
             "--api-port",
             "0",
             "--db",
-            str(db),
+            db_for(db),
             *extra,
         ],
         stdout=subprocess.PIPE,

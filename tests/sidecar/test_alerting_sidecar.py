@@ -15,6 +15,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 from sidecar_testkit import (
+    BOTH_BACKENDS,
     CREDIT,
     FakeClock,
     RunScript,
@@ -32,6 +33,8 @@ from saga_otel.testing import AlertReceiver
 from sidecar import Sidecar
 from sidecar._alert_service import AlertService, install_alerting
 from sidecar._alert_settings import AlertSettings
+
+pytestmark = BOTH_BACKENDS
 
 
 def free_port() -> int:

@@ -6,10 +6,12 @@ from pathlib import Path
 
 import aiohttp
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-from sidecar_testkit import FakeClock, settings_for
+from sidecar_testkit import BOTH_BACKENDS, FakeClock, settings_for
 
 from saga_otel import semconv as sc
 from sidecar import Sidecar
+
+pytestmark = BOTH_BACKENDS
 
 NS = 1_000_000_000
 
@@ -59,10 +61,12 @@ async def test_ten_thousand_dead_instances_are_forgotten_after_the_retention(
         # Batches came a minute apart: only the first one is past the retention yet.
         clock.now = t0 + 3600.0 + 30.0
         sidecar.prune()
+        await sidecar.flush()  # PostgreSQL: the delete is committed on the database thread
         assert sidecar.state.instance_count() == 9000
         assert sidecar.store.instance_count() == 9000
         clock.now += 3600.0
         sidecar.prune()
+        await sidecar.flush()
         assert sidecar.state.instance_count() == 0
         assert sidecar.store.instance_count() == 0
     # ...and a restart does not bring them back.

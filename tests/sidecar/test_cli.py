@@ -14,11 +14,19 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner, Result
-from sidecar_testkit import compensation_failed_run, completed_run, export_http, stuck_run
+from sidecar_testkit import (
+    BOTH_BACKENDS,
+    compensation_failed_run,
+    completed_run,
+    export_http,
+    stuck_run,
+)
 
 from saga_otel import semconv as sc
 from sidecar import Sidecar
 from sidecar._cli import main
+
+pytestmark = BOTH_BACKENDS
 
 
 async def cli(sidecar: Sidecar, *args: str, **env: str) -> Result:

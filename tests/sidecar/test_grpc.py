@@ -9,6 +9,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 from opentelemetry.sdk.trace.export import SpanExportResult
 from sidecar_testkit import (
+    BOTH_BACKENDS,
     CREDIT,
     compensation_failed_run,
     export_grpc,
@@ -18,6 +19,8 @@ from sidecar_testkit import (
 
 from saga_otel import semconv as sc
 from sidecar import Sidecar
+
+pytestmark = BOTH_BACKENDS
 
 METHOD = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
 

@@ -15,6 +15,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 from opentelemetry.sdk.trace.export import SpanExportResult
 from sidecar_testkit import (
+    BOTH_BACKENDS,
     CREDIT,
     TICKET,
     compensated_run,
@@ -27,6 +28,8 @@ from sidecar_testkit import (
 
 from saga_otel import semconv as sc
 from sidecar import Sidecar
+
+pytestmark = BOTH_BACKENDS
 
 
 def api(sidecar: Sidecar, path: str) -> str:

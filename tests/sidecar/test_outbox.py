@@ -6,13 +6,14 @@ import asyncio
 import logging
 import random
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from aiohttp import web
 from prometheus_client import CollectorRegistry
+from sidecar_testkit import BOTH_BACKENDS, db_for
 
 from saga_otel import semconv as sc
 from sidecar._alert_service import AlertService
@@ -21,6 +22,24 @@ from sidecar._alerting import Action, AlertEvent, evaluate
 from sidecar._errors import ConfigError
 from sidecar._outbox import DELIVERED, FAILED, PENDING, AlertMetrics, Backoff, Outbox, Routing
 from sidecar._sinks import DeliveryRetry, PagerDutySink, WebhookSink
+
+pytestmark = BOTH_BACKENDS
+
+
+@pytest.fixture(autouse=True)
+def close_outboxes(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Close every outbox a test opens (on PostgreSQL each holds a connection pool)."""
+    opened: list[Outbox] = []
+    init = Outbox.__init__
+
+    def tracked(self: Outbox, *args: Any, **kw: Any) -> None:
+        init(self, *args, **kw)
+        opened.append(self)
+
+    monkeypatch.setattr(Outbox, "__init__", tracked)
+    yield
+    for box in opened:
+        box.close()
 
 
 def free_port() -> int:
@@ -153,21 +172,21 @@ async def wait_for(cond: Any, limit: float = 15.0) -> None:
 
 def test_one_row_per_dedup_key_action_and_sink(tmp_path: Path) -> None:
     a, b = FakeSink(name="a"), FakeSink(name="b")
-    box = Outbox(tmp_path / "db", [a, b])
+    box = Outbox(db_for(tmp_path / "db"), [a, b])
     assert box.add([fire("r1")]) == 2
     # Re-evaluation and restarts raise the same events again: nothing new.
     assert box.add([fire("r1")]) == 0
     assert box.add([resolve("r1")]) == 2
     # A re-fire under the same dedup key after a resolve never pages again.
     assert box.add([fire("r1")]) == 0
-    assert Outbox(tmp_path / "db", [a, b]).add([fire("r1"), resolve("r1")]) == 0
+    assert Outbox(db_for(tmp_path / "db"), [a, b]).add([fire("r1"), resolve("r1")]) == 0
     assert len(box.rows()) == 4
 
 
 def test_a_resolve_follows_its_fire_only_and_repeats_its_labels(tmp_path: Path) -> None:
     pd, hook = FakeSink("pagerduty", "pd"), FakeSink("webhook", "hook")
     routing = Routing.parse(["warning=webhook", "critical=pagerduty,webhook"])
-    box = Outbox(tmp_path / "db", [pd, hook], routing)
+    box = Outbox(db_for(tmp_path / "db"), [pd, hook], routing)
     assert box.add([fire("r1")]) == 1  # warning: webhook only
     changed = resolve("r1")
     # The view changed since (say the failed step label); the resolve keeps the fire's.
@@ -206,7 +225,7 @@ async def test_retries_503_and_429_with_backoff_then_delivers_once(
 
     registry = CollectorRegistry()
     box = Outbox(
-        tmp_path / "db",
+        db_for(tmp_path / "db"),
         [PagerDutySink("rk", url=receiver.url)],
         metrics=AlertMetrics.create(registry),
         backoff=Backoff(initial=1.0, maximum=30.0, jitter=0.5),
@@ -237,7 +256,7 @@ async def test_400_is_not_retried_and_is_logged_with_the_answer(
     receiver.script.append((400, '{"message": "Invalid routing key"}', {}))
     registry = CollectorRegistry()
     box = Outbox(
-        tmp_path / "db",
+        db_for(tmp_path / "db"),
         [PagerDutySink("bad", url=receiver.url)],
         metrics=AlertMetrics.create(registry),
         sleep=no_sleep,
@@ -265,7 +284,7 @@ async def test_400_is_not_retried_and_is_logged_with_the_answer(
 async def test_a_sink_down_for_a_while_gets_every_alert_exactly_once(tmp_path: Path) -> None:
     receiver = Receiver()  # not listening yet
     sink = WebhookSink(receiver.url, timeout=2.0)
-    box = Outbox(tmp_path / "db", [sink], backoff=Backoff(initial=0.01, maximum=0.05))
+    box = Outbox(db_for(tmp_path / "db"), [sink], backoff=Backoff(initial=0.01, maximum=0.05))
     runs = [f"r{i}" for i in range(5)]
     box.add([fire(r) for r in runs])
     await box.start()
@@ -293,7 +312,7 @@ async def test_a_sink_down_for_a_while_gets_every_alert_exactly_once(tmp_path: P
 
 
 async def test_pending_rows_survive_a_restart(tmp_path: Path, receiver: Receiver) -> None:
-    db = tmp_path / "sidecar.db"
+    db = db_for(tmp_path / "sidecar.db")
     down = FakeSink(name=f"webhook:{receiver.url}")
     first = Outbox(db, [down])
     first.add([fire("r1")])
@@ -323,7 +342,9 @@ async def test_pending_rows_survive_a_restart(tmp_path: Path, receiver: Receiver
 async def test_metrics_depth_and_delay_from_the_events_own_time(tmp_path: Path) -> None:
     registry = CollectorRegistry()
     sink = FakeSink()
-    box = Outbox(tmp_path / "db", [sink], metrics=AlertMetrics.create(registry), clock=lambda: 11.0)
+    box = Outbox(
+        db_for(tmp_path / "db"), [sink], metrics=AlertMetrics.create(registry), clock=lambda: 11.0
+    )
     box.add([fire("r1"), fire("r2")])
     assert registry.get_sample_value(sc.M_SIDECAR_OUTBOX_DEPTH) == 2
     await box.start()
@@ -340,7 +361,7 @@ async def test_metrics_depth_and_delay_from_the_events_own_time(tmp_path: Path) 
 
 async def test_firing_alerts_are_resent_to_alertmanager_until_resolved(tmp_path: Path) -> None:
     sink = FakeSink("alertmanager", "am", resend=0.02)
-    box = Outbox(tmp_path / "db", [sink])
+    box = Outbox(db_for(tmp_path / "db"), [sink])
     box.add([fire("r1")])
     await box.start()
     try:
@@ -356,15 +377,16 @@ async def test_firing_alerts_are_resent_to_alertmanager_until_resolved(tmp_path:
     assert [r.state for r in box.rows()] == [DELIVERED, DELIVERED]
 
 
-async def test_writing_wakes_the_worker_without_polling(tmp_path: Path) -> None:
+async def test_writing_wakes_the_worker_without_polling(tmp_path: Path, backend: str) -> None:
     sink = FakeSink()
-    box = Outbox(tmp_path / "db", [sink])
+    box = Outbox(db_for(tmp_path / "db"), [sink])
     await box.start()
     try:
         await asyncio.sleep(0)  # the worker is now waiting on its event
         box.add([fire("r1")])
-        # A handful of loop iterations, no timer: the insert itself woke it.
-        for _ in range(50):
+        # A handful of loop iterations, no timer: the insert itself woke it. (On PostgreSQL
+        # the worker's reads are a round trip to the outbox's database thread each.)
+        for _ in range(50 if backend == "sqlite" else 20_000):
             if sink.got:
                 break
             await asyncio.sleep(0)
@@ -375,7 +397,7 @@ async def test_writing_wakes_the_worker_without_polling(tmp_path: Path) -> None:
 
 def test_duplicate_sink_names_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="different URL"):
-        Outbox(tmp_path / "db", [FakeSink(name="x"), FakeSink(name="x")])
+        Outbox(db_for(tmp_path / "db"), [FakeSink(name="x"), FakeSink(name="x")])
 
 
 # --- the service: listener and startup re-evaluation ---------------------------------------
@@ -384,7 +406,7 @@ def test_duplicate_sink_names_are_refused(tmp_path: Path) -> None:
 async def test_startup_reevaluation_raises_and_resolves_what_a_crash_missed(
     tmp_path: Path,
 ) -> None:
-    db = tmp_path / "sidecar.db"
+    db = db_for(tmp_path / "sidecar.db")
     sink = FakeSink()
     service = AlertService(db, AlertSettings(log_sink=False), sinks=[sink])
     # r1 fired before the crash; its resolving change was committed but never evaluated.
@@ -410,7 +432,9 @@ async def test_startup_reevaluation_raises_and_resolves_what_a_crash_missed(
 
 
 def test_listener_swallows_store_errors(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    service = AlertService(tmp_path / "db", AlertSettings(log_sink=False), sinks=[FakeSink()])
+    service = AlertService(
+        db_for(tmp_path / "db"), AlertSettings(log_sink=False), sinks=[FakeSink()]
+    )
     service.close()  # the connection is gone: writes fail
     with caplog.at_level(logging.ERROR, logger="sidecar.alerts"):
         assert service.on_change(view("r1"), unwinding("r1"), now=1.0) == []
@@ -419,7 +443,7 @@ def test_listener_swallows_store_errors(tmp_path: Path, caplog: pytest.LogCaptur
 
 
 def test_pending_state_names(tmp_path: Path) -> None:
-    box = Outbox(tmp_path / "db", [FakeSink()])
+    box = Outbox(db_for(tmp_path / "db"), [FakeSink()])
     box.add([fire("r1")])
     assert [r.state for r in box.rows()] == [PENDING]
 

@@ -3,6 +3,7 @@ run ids are data; conflicting duplicates resolve the same live and after a resta
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 from pathlib import Path
@@ -15,20 +16,24 @@ from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 from opentelemetry.sdk.trace import ReadableSpan
 from sidecar_testkit import (
+    BOTH_BACKENDS,
     CREDIT,
     FakeClock,
     RunScript,
     compensated_run,
     heartbeat_spans,
     open_run,
+    rejoin,
     settings_for,
 )
 
 from saga_otel import semconv as sc
 from sidecar import Sidecar
+from sidecar._backends import open_store
 from sidecar._otlp import extract, parse_protobuf
 from sidecar._render import render_run
-from sidecar._store import Store
+
+pytestmark = BOTH_BACKENDS
 
 
 async def post(sidecar: Sidecar, spans: list[ReadableSpan]) -> ExportTraceServiceResponse:
@@ -169,21 +174,6 @@ async def test_lease_refused_behind_a_live_agent_granted_once_orphaned_and_fence
     assert sample(sc.M_SIDECAR_LEASE_REQUESTS, {"action": "grant", "outcome": "agent_alive"}) == 1
 
 
-def rejoin(span: ReadableSpan, run: RunScript, *, token: int) -> ReadableSpan:
-    """A recoverer's span: in the run's own trace, with its lease token."""
-    ctx = span.context
-    return ReadableSpan(
-        name=span.name,
-        context=ctx.__class__(run.run.get_span_context().trace_id, ctx.span_id, False),
-        resource=span.resource,
-        attributes={**(span.attributes or {}), sc.SAGA_RECOVERY_TOKEN: token},
-        start_time=span.start_time,
-        end_time=span.end_time,
-        status=span.status,
-        events=span.events,
-    )
-
-
 async def test_forced_lease_is_recorded_on_the_run(sidecar: Sidecar, clock: FakeClock) -> None:
     run = open_run(instance="agent-1")
     await post(sidecar, run.spans())
@@ -291,7 +281,7 @@ async def test_a_dropped_span_marker_shows_on_the_run_and_escalates(sidecar: Sid
 def _open(db: Path, clock: FakeClock) -> Sidecar:
     """A sidecar without listeners on ``db``: intake and state only (fast enough for Hypothesis)."""
     sidecar = Sidecar(settings_for(db.parent, db_path=db), clock=clock)
-    sidecar.store = Store(db)
+    sidecar.store = open_store(sidecar.database)
     sidecar._rebuild()
     return sidecar
 
@@ -327,7 +317,7 @@ def test_any_interleaving_then_a_restart_gives_the_same_view(
     bounds = [0, *sorted(cuts), len(order)]
     for a, b in itertools.pairwise(bounds):
         body = encode_spans([POOL[i] for i in order[a:b]]).SerializeToString()
-        live.ingest(extract(parse_protobuf(body), body), "http")
+        asyncio.run(live.ingest(extract(parse_protobuf(body), body), "http"))
     views = {r: live.state.view(r) for r in live.state.run_ids()}
     assert live.store is not None
     live.store.close()

@@ -14,6 +14,7 @@ from urllib.parse import quote
 import aiohttp
 import pytest
 from sidecar_testkit import (
+    BOTH_BACKENDS,
     CREDIT,
     FakeClock,
     RunScript,
@@ -31,6 +32,8 @@ from sidecar import Sidecar
 from sidecar._alert_service import AlertService, install_alerting
 from sidecar._alert_settings import AlertSettings
 from sidecar._pages import wants_html
+
+pytestmark = BOTH_BACKENDS
 
 BROWSER = "text/html,application/xhtml+xml,application/xml;q=0.9,*/*;q=0.8"
 
@@ -180,6 +183,7 @@ async def test_resolve_form_resolves_the_run_and_its_alerts(
     assert status == 303 and headers["Location"] == f"/runs/{run.run_id}"
     view = sidecar.state.view(run.run_id)
     assert view is not None and view["resolution"]["note"] == "closed the ticket by hand"
+    await service.outbox.flush()  # PostgreSQL: alerts are written on the outbox's thread
     actions = {(r.event.alertname, r.action) for r in service.outbox.rows()}
     assert (sc.ALERT_RUN_STUCK, "resolve") in actions
     status, page, _ = await get(f"{api(sidecar)}/runs/{run.run_id}")
@@ -232,7 +236,7 @@ async def test_review_lists_runs_needing_a_person_oldest_first(
     assert "onboard" in text and "orphaned" in text and "1h 2m" in text  # age of the orphan
     assert "close_ticket" in text and "notify_billing" in text  # failed steps
     # Resolving takes a run off the queue.
-    sidecar.resolve(stuck.run_id, "settled")
+    await sidecar.resolve(stuck.run_id, "settled")
     _, page, _ = await get(f"{api(sidecar)}/review")
     assert stuck.run_id not in page and orphan.run_id in page
 
@@ -322,6 +326,7 @@ async def test_with_a_token_pages_need_it_as_the_api_does(tmp_path: Path, clock:
         status, _, _ = await post_form(url, "with token", headers=_basic(token))
         assert status == 303
         assert sidecar.state.view(run.run_id)["resolution"]["note"] == "with token"  # type: ignore[index]
+        await service.outbox.flush()
         assert any(r.action == "resolve" for r in service.outbox.rows())
 
 

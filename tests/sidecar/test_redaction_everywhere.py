@@ -19,10 +19,12 @@ import httpx
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.trace.export import SpanExportResult
 from receivers import RawReceiver
-from sidecar_testkit import RunScript
+from sidecar_testkit import BOTH_BACKENDS, RunScript
 
 from saga_otel import semconv as sc
 from saga_otel.testing import SidecarProcess, start_sidecar
+
+pytestmark = BOTH_BACKENDS
 
 SECRET = "sk_live_9f8e7d6c5b4a"
 OTHER = "pat-0a1b2c3d4e"  # caught by --redact-pattern, not by the key

@@ -14,10 +14,12 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
 )
-from sidecar_testkit import FakeClock, export_http, open_run, settings_for, stuck_run
+from sidecar_testkit import BOTH_BACKENDS, FakeClock, export_http, open_run, settings_for, stuck_run
 
 from saga_otel import semconv as sc
 from sidecar import Sidecar
+
+pytestmark = BOTH_BACKENDS
 
 
 async def test_http_overload_answers_429_with_retry_after(tmp_path: Path, clock: FakeClock) -> None:
@@ -111,7 +113,7 @@ async def test_background_tasks_start_and_are_cancelled(tmp_path: Path, clock: F
     async with sc_:
         await asyncio.wait_for(started.wait(), 30)
         assert not cancelled.is_set()
-        assert sc_.db_path == tmp_path / "sidecar.db"
+        assert sc_.database == settings_for(tmp_path).database
     assert cancelled.is_set()
 
 

@@ -11,6 +11,7 @@ import httpx
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.trace.export import SpanExportResult
 from sidecar_testkit import (
+    BOTH_BACKENDS,
     CREDIT,
     TICKET,
     FakeClock,
@@ -24,10 +25,13 @@ from sidecar_testkit import (
 
 from saga_otel import semconv as sc
 from sidecar import Sidecar
-from sidecar._store import Store
+from sidecar._backends import open_store
+from sidecar._storage import parse_db
+
+pytestmark = BOTH_BACKENDS
 
 
-def test_kill_9_then_restart_on_the_same_db(tmp_path: Path) -> None:
+def test_kill_9_then_restart_on_the_same_db(tmp_path: Path, backend: str) -> None:
     db = tmp_path / "state" / "sidecar.db"
     run = RunScript()
     run.do(0, "issue_credit", comp=CREDIT)
@@ -40,7 +44,8 @@ def test_kill_9_then_restart_on_the_same_db(tmp_path: Path) -> None:
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    assert stat.S_IMODE(os.stat(db).st_mode) == 0o600
+    if backend == "sqlite":
+        assert stat.S_IMODE(os.stat(db).st_mode) == 0o600
     proc, ports = start_sidecar(db)
     try:
         exporter = OTLPSpanExporter(endpoint=f"http://127.0.0.1:{ports['otlp_http']}/v1/traces")
@@ -64,7 +69,7 @@ async def test_restart_keeps_orphan_marks_and_resolutions(tmp_path: Path) -> Non
         await export_http(sc_, orphan.spans() + stuck.spans())
         clock.now += 11
         assert [t.after for t in sc_.tick()] == [sc.STATE_ORPHANED]
-        assert sc_.resolve(stuck.run_id, "settled by hand") is not None
+        assert await sc_.resolve(stuck.run_id, "settled by hand") is not None
     async with Sidecar(settings, clock=clock) as sc_:
         assert sc_.state.status(orphan.run_id) == sc.STATE_ORPHANED
         view = sc_.state.view(stuck.run_id)
@@ -84,7 +89,7 @@ async def test_prune_removes_finished_runs_from_memory_and_disk(tmp_path: Path) 
         assert sc_.prune() == []
         clock.now += 101
         assert sc_.prune() == [done.run_id]
-    store = Store(settings.resolved_db_path)
+    store = open_store(settings.database)
     try:
         assert {s.run_id for s in store.spans()} == {running.run_id}
     finally:
@@ -94,7 +99,7 @@ async def test_prune_removes_finished_runs_from_memory_and_disk(tmp_path: Path) 
 
 
 def test_store_ignores_duplicate_spans(tmp_path: Path) -> None:
-    store = Store(tmp_path / "x.db")
+    store = open_store(settings_for(tmp_path).database)
     try:
         row = ("run", "00000000000000aa", 1.0, "svc", "inst", b"span")
         store.write([row])
@@ -104,14 +109,16 @@ def test_store_ignores_duplicate_spans(tmp_path: Path) -> None:
         store.close()
 
 
-def test_unwritable_db_path_is_a_clear_error(tmp_path: Path) -> None:
+def test_unwritable_db_path_is_a_clear_error(tmp_path: Path, backend: str) -> None:
     from sidecar import StoreError
 
     blocker = tmp_path / "file"
     blocker.write_text("")
+    # PostgreSQL's twin: nothing listens on port 1 of loopback.
+    where = "postgresql://saga@127.0.0.1:1/x" if backend == "postgresql" else str(blocker / "x.db")
     try:
-        Store(blocker / "sub" / "x.db")
+        open_store(parse_db(where))
     except StoreError as exc:
         assert "--db" in str(exc)
     else:
-        raise AssertionError("opened a database under a file")
+        raise AssertionError("opened a database that cannot be")

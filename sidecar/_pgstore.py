@@ -1,0 +1,713 @@
+"""PostgreSQL persistence: the same tables as ``_store.py``, for sidecar replicas on one database.
+
+psycopg 3 with psycopg_pool: the maintained PostgreSQL driver for Python, typed
+(mypy strict sees its API), with a connection pool that replaces broken
+connections by itself. The store is synchronous (psycopg's blocking API); the
+sidecar calls it from a worker thread, never on its event loop (``inline`` is
+False), so a slow database delays requests, not the loop.
+
+Every method is one transaction on a pooled connection. Whatever may run on two
+replicas at once is serialized in the database: lease decisions under a
+per-run advisory lock, schema upgrades under a global one, inserts with
+``ON CONFLICT``. Error messages name the database without its password.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import socket
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+from urllib.parse import urlsplit
+
+from ._errors import StoreError
+from ._leases import Lease, LeaseRefusal, Owner
+from ._log import get_logger
+from ._storage import (
+    SCHEMA_VERSION,
+    AlertTx,
+    Changes,
+    DbTarget,
+    HeartbeatRow,
+    HistoryRecord,
+    InstanceRow,
+    NewAlert,
+    OutboxRecord,
+    RunMark,
+    Screening,
+    SpanRow,
+    StoredSpan,
+)
+from ._store import lease_from_row, newer_schema_message
+
+log = get_logger("sidecar")
+
+CONNECT_TIMEOUT_S = 5
+POOL_WAIT_S = 5.0  # a request waits this long for a connection, then answers 503
+INSTALL_HINT = "pip install 'saga-otel[sidecar]' (psycopg[binary] and psycopg-pool)"
+
+_OUTBOX_V1 = """
+CREATE TABLE IF NOT EXISTS alert_outbox (
+    id BIGSERIAL PRIMARY KEY,
+    dedup_key TEXT NOT NULL,
+    action TEXT NOT NULL,
+    sink TEXT NOT NULL,
+    alertname TEXT NOT NULL,
+    run_id TEXT NOT NULL,
+    event TEXT NOT NULL,
+    state TEXT NOT NULL DEFAULT 'pending',
+    created_at DOUBLE PRECISION NOT NULL,
+    attempts INTEGER NOT NULL DEFAULT 0,
+    last_error TEXT,
+    delivered_at DOUBLE PRECISION,
+    last_sent_at DOUBLE PRECISION,
+    UNIQUE (dedup_key, action, sink)
+);
+CREATE INDEX IF NOT EXISTS alert_outbox_pending ON alert_outbox (sink, state, id);
+CREATE INDEX IF NOT EXISTS alert_outbox_run ON alert_outbox (run_id);
+"""
+# One step per schema version, as in _store.py (same numbers, same meaning).
+_STEPS: dict[int, str] = {
+    1: """
+CREATE TABLE IF NOT EXISTS spans (
+    run_id TEXT NOT NULL,
+    span_id TEXT NOT NULL,
+    received_at DOUBLE PRECISION NOT NULL,
+    service TEXT NOT NULL,
+    instance TEXT NOT NULL,
+    data BYTEA NOT NULL,
+    PRIMARY KEY (run_id, span_id)
+);
+CREATE TABLE IF NOT EXISTS run_marks (
+    run_id TEXT PRIMARY KEY,
+    orphaned_at DOUBLE PRECISION,
+    resolution_note TEXT,
+    resolution_at DOUBLE PRECISION
+);
+CREATE TABLE IF NOT EXISTS instances (
+    instance TEXT PRIMARY KEY,
+    last_heartbeat DOUBLE PRECISION NOT NULL,
+    interval_s DOUBLE PRECISION NOT NULL
+);
+CREATE TABLE IF NOT EXISTS run_owners (
+    run_id TEXT PRIMARY KEY,
+    trace_id TEXT NOT NULL,
+    instance TEXT NOT NULL,
+    service TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS run_leases (
+    run_id TEXT PRIMARY KEY,
+    holder TEXT NOT NULL,
+    token BIGINT NOT NULL,
+    granted_at DOUBLE PRECISION NOT NULL,
+    expires_at DOUBLE PRECISION NOT NULL,
+    released BOOLEAN NOT NULL,
+    forced_reason TEXT,
+    forced_by TEXT,
+    forced_at DOUBLE PRECISION
+);
+"""
+    + _OUTBOX_V1,
+    2: _OUTBOX_V1
+    + """
+ALTER TABLE alert_outbox ADD COLUMN IF NOT EXISTS claimed_by TEXT;
+ALTER TABLE alert_outbox ADD COLUMN IF NOT EXISTS claimed_until DOUBLE PRECISION;
+-- Commit order of spans, so each replica folds in what the others stored (changes()).
+ALTER TABLE instances ADD COLUMN IF NOT EXISTS open_runs TEXT;
+ALTER TABLE spans ADD COLUMN IF NOT EXISTS seq BIGSERIAL;
+CREATE INDEX IF NOT EXISTS spans_seq ON spans (seq);
+""",
+}
+_MIGRATION_LOCK = 0x5A6A_0001  # pg_advisory_xact_lock key: one schema upgrade at a time
+_LEADER_LOCK = 0x5A6A_0002  # pg_try_advisory_lock key: the replica that detects orphans
+# A sequence number below the newest one seen may still commit (its transaction began
+# first) or never (ON CONFLICT DO NOTHING and rollbacks burn numbers): such gaps are
+# looked up again for this long, then given up.
+GAP_WAIT_S = 30.0
+GAP_WINDOW = 10_000  # at start, only the newest numbers can belong to open transactions
+# Heartbeats, marks and leases carry writer clock times: read back this much further.
+CLOCK_MARGIN_S = 5.0
+SYNC_BATCH = 5000
+CLAIM_TTL_S = 120.0  # an outbox row taken by a replica that died is free again after this
+
+
+def _statements(script: str) -> list[str]:
+    return [s.strip() for s in script.split(";") if s.strip()]
+
+
+def lock_key(text: str) -> int:
+    """A signed 64-bit advisory lock key for ``text``."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), signed=True)
+
+
+def _password(target: DbTarget) -> str | None:
+    try:
+        parts = urlsplit(target.url or "")
+    except ValueError:
+        return None
+    found = parts.password
+    for pair in parts.query.split("&"):
+        key, _, value = pair.partition("=")
+        if key.lower() == "password" and value:
+            found = value
+    return found
+
+
+def _where(target: DbTarget) -> str:
+    try:
+        parts = urlsplit(target.url or "")
+        host = parts.hostname or "localhost"
+        port = parts.port or 5432
+    except ValueError:
+        return target.shown
+    return f"{host}:{port}{parts.path or '/'}"
+
+
+def scrub(target: DbTarget, exc: BaseException) -> str:
+    """The first line of ``exc``'s message, without the password (libpq may echo the URL)."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    secret = _password(target)
+    if secret:
+        text = text.replace(secret, "***")
+    if target.url:
+        text = text.replace(target.url, target.shown)
+    return text
+
+
+def _psycopg() -> Any:
+    try:
+        import psycopg
+        import psycopg_pool
+    except ImportError as exc:
+        raise StoreError(
+            f"--db names PostgreSQL but its driver is not installed ({exc.name}): {INSTALL_HINT}"
+        ) from exc
+    return psycopg, psycopg_pool
+
+
+def connect_error(target: DbTarget, exc: BaseException) -> StoreError:
+    return StoreError(
+        f"cannot connect to PostgreSQL at {_where(target)} ({target.shown}): "
+        f"{scrub(target, exc)}; check the URL given with --db (SAGA_SIDECAR_DB) and that "
+        "the server is up"
+    )
+
+
+def _open_pool(target: DbTarget, max_size: int, name: str) -> Any:
+    """An open pool on ``target``, after one direct connection (for a clear error) and the
+    schema migration. Raises StoreError naming the host and what failed."""
+    psycopg, psycopg_pool = _psycopg()
+    try:
+        with psycopg.connect(target.url, connect_timeout=CONNECT_TIMEOUT_S) as conn:
+            migrate(conn, target)
+    except psycopg.Error as exc:
+        raise connect_error(target, exc) from None
+    pool = psycopg_pool.ConnectionPool(
+        target.url,
+        min_size=1,
+        max_size=max_size,
+        kwargs={"connect_timeout": CONNECT_TIMEOUT_S},
+        check=psycopg_pool.ConnectionPool.check_connection,
+        name=name,
+        timeout=POOL_WAIT_S,
+        open=False,
+    )
+    try:
+        pool.open(wait=True, timeout=CONNECT_TIMEOUT_S * 2)
+    except psycopg_pool.PoolTimeout as exc:
+        pool.close()
+        raise connect_error(target, exc) from None
+    return pool
+
+
+def migrate(conn: Any, target: DbTarget) -> int:
+    """Bring the database to SCHEMA_VERSION in one transaction; the version found."""
+    with conn.transaction():
+        conn.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK,))
+        conn.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+        row = conn.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone()
+        found = int(row[0]) if row is not None else 0
+        if found > SCHEMA_VERSION:
+            raise StoreError(newer_schema_message(_where(target), found))
+        for version in range(found + 1, SCHEMA_VERSION + 1):
+            for statement in _statements(_STEPS[version]):
+                conn.execute(statement)
+        if found != SCHEMA_VERSION:
+            conn.execute(
+                "INSERT INTO meta(key, value) VALUES ('schema', %s) "
+                "ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+                (str(SCHEMA_VERSION),),
+            )
+    if 0 < found < SCHEMA_VERSION:
+        log.info(
+            "sidecar.db.upgraded", db=target.shown, from_schema=found, to_schema=SCHEMA_VERSION
+        )
+    return found
+
+
+class _Pooled:
+    """A pool and the errors of its users, shown without the password."""
+
+    inline = False
+
+    def __init__(self, target: DbTarget, max_size: int, name: str) -> None:
+        self.target = target
+        self._psycopg, _ = _psycopg()
+        self._pool = _open_pool(target, max_size, name)
+
+    def close(self) -> None:
+        self._pool.close()
+
+    @contextlib.contextmanager
+    def _tx(self, what: str) -> Iterator[Any]:
+        """A connection in a transaction (committed on leaving); StoreError on failure."""
+        try:
+            with self._pool.connection() as conn:
+                yield conn
+        except self._psycopg.Error as exc:
+            raise StoreError(
+                f"could not {what} in PostgreSQL at {_where(self.target)}: "
+                f"{scrub(self.target, exc)}"
+            ) from None
+        except Exception as exc:
+            if type(exc).__module__.startswith("psycopg_pool"):  # PoolTimeout, PoolClosed
+                raise StoreError(
+                    f"could not {what} in PostgreSQL at {_where(self.target)}: "
+                    f"{scrub(self.target, exc)}"
+                ) from None
+            raise
+
+    def _all(self, sql: str, args: Sequence[object] = ()) -> list[tuple[Any, ...]]:
+        with self._tx("read") as conn:
+            return list(conn.execute(sql, args).fetchall())
+
+
+class PgStore(_Pooled):
+    """The run store on PostgreSQL (see :class:`sidecar._storage.Store`)."""
+
+    def __init__(self, target: DbTarget) -> None:
+        super().__init__(target, max_size=4, name="saga-sidecar-store")
+        self._seq = 0  # the newest span sequence number folded in
+        self._own: set[int] = set()  # sequence numbers of spans this process wrote
+        self._gaps: dict[int, float | None] = {}  # missing numbers -> give up at (None: unset)
+        self._since: float | None = None  # writer time of the last changes() read
+        self._lead: Any = None  # the connection holding the leader lock
+        self._leading = False
+
+    def close(self) -> None:
+        if self._lead is not None:
+            with contextlib.suppress(Exception):
+                self._lead.close()
+            self._lead = None
+        super().close()
+
+    def try_lead(self) -> bool:
+        """The session advisory lock on its own connection: held while the connection lives,
+        so a replica that dies (or loses the database) hands it on."""
+        psycopg = self._psycopg
+        try:
+            if self._lead is None or self._lead.closed:
+                self._leading = False
+                self._lead = psycopg.connect(
+                    self.target.url, autocommit=True, connect_timeout=CONNECT_TIMEOUT_S
+                )
+            if self._leading:
+                self._lead.execute("SELECT 1")
+                return True
+            row = self._lead.execute("SELECT pg_try_advisory_lock(%s)", (_LEADER_LOCK,)).fetchone()
+            self._leading = bool(row and row[0])
+        except psycopg.Error as exc:
+            log.warning(
+                "sidecar.leader.lost", db=_where(self.target), error=scrub(self.target, exc)
+            )
+            with contextlib.suppress(Exception):
+                self._lead.close()
+            self._lead, self._leading = None, False
+        return self._leading
+
+    def changes(self, now: float) -> Changes:
+        since = self._since if self._since is not None else now
+        self._since = now
+        floor = since - CLOCK_MARGIN_S
+        self._gaps = {
+            g: (now + GAP_WAIT_S if until is None else until)
+            for g, until in self._gaps.items()
+            if until is None or until > now
+        }
+        with self._tx("read what other replicas stored") as conn:
+            rows = conn.execute(
+                "SELECT seq, run_id, span_id, service, instance, data FROM spans "
+                "WHERE seq > %s OR seq = ANY(%s) ORDER BY seq LIMIT %s",
+                (self._seq, list(self._gaps), SYNC_BATCH),
+            ).fetchall()
+            spans = []
+            for seq, run_id, span_id, service, instance, data in rows:
+                self._gaps.pop(seq, None)
+                if seq > self._seq:
+                    for missing in range(self._seq + 1, seq):
+                        self._gaps[missing] = now + GAP_WAIT_S
+                    self._seq = seq
+                if seq in self._own:
+                    self._own.discard(seq)
+                    continue
+                spans.append(StoredSpan(run_id, span_id, service, instance, bytes(data)))
+            run_ids = sorted({s.run_id for s in spans})
+            owners = conn.execute(
+                "SELECT run_id, trace_id, instance, service FROM run_owners WHERE run_id = ANY(%s)",
+                (run_ids,),
+            ).fetchall()
+            instances = conn.execute(
+                "SELECT instance, last_heartbeat, interval_s, open_runs FROM instances "
+                "WHERE last_heartbeat > %s",
+                (floor,),
+            ).fetchall()
+            marks = conn.execute(
+                "SELECT run_id, orphaned_at, resolution_note, resolution_at FROM run_marks "
+                "WHERE orphaned_at > %s OR resolution_at > %s",
+                (floor, floor),
+            ).fetchall()
+            leases = conn.execute(
+                "SELECT run_id, holder, token, granted_at, expires_at, released, forced_reason, "
+                "forced_by, forced_at FROM run_leases WHERE granted_at > %s OR expires_at > %s",
+                (floor, floor),
+            ).fetchall()
+        return Changes(
+            spans,
+            [(str(r), Owner(str(t), str(i), str(s))) for r, t, i, s in owners],
+            [(str(a), float(b), float(c), str(d or "[]")) for a, b, c, d in instances],
+            [RunMark(*m) for m in marks],
+            [lease_from_row(row) for row in leases],
+        )
+
+    def schema_version(self) -> int:
+        ((value,),) = self._all("SELECT value FROM meta WHERE key = 'schema'")
+        return int(value)
+
+    def write(
+        self,
+        spans: Sequence[SpanRow],
+        heartbeats: Sequence[HeartbeatRow] = (),
+        owners: Sequence[tuple[str, Owner]] = (),
+    ) -> None:
+        with self._tx("store spans") as conn, conn.cursor() as cur:
+            if owners:
+                cur.executemany(
+                    "INSERT INTO run_owners(run_id, trace_id, instance, service) "
+                    "VALUES (%s, %s, %s, %s) ON CONFLICT (run_id) DO NOTHING",
+                    [(r, o.trace_id, o.instance, o.service) for r, o in owners],
+                )
+            if spans:
+                cur.executemany(
+                    "INSERT INTO spans(run_id, span_id, received_at, service, instance, data) "
+                    "VALUES (%s, %s, %s, %s, %s, %s) ON CONFLICT (run_id, span_id) DO NOTHING "
+                    "RETURNING seq",
+                    spans,
+                    returning=True,
+                )
+                # Our own spans are in our state already: changes() skips them.
+                while True:
+                    self._own.update(seq for (seq,) in cur.fetchall())
+                    if not cur.nextset():
+                        break
+            if heartbeats:
+                cur.executemany(
+                    "INSERT INTO instances(instance, last_heartbeat, interval_s, open_runs) "
+                    "VALUES (%s, %s, %s, %s) ON CONFLICT (instance) DO UPDATE SET "
+                    "last_heartbeat = excluded.last_heartbeat, interval_s = excluded.interval_s, "
+                    "open_runs = excluded.open_runs",
+                    heartbeats,
+                )
+
+    def mark_orphaned(self, marks: Iterable[tuple[str, float]]) -> None:
+        rows = list(marks)
+        if rows:
+            with self._tx("store orphan marks") as conn, conn.cursor() as cur:
+                cur.executemany(
+                    "INSERT INTO run_marks(run_id, orphaned_at) VALUES (%s, %s) "
+                    "ON CONFLICT (run_id) DO UPDATE SET orphaned_at = excluded.orphaned_at",
+                    rows,
+                )
+
+    def clear_orphaned(self, run_ids: Iterable[str]) -> None:
+        rows = [(r,) for r in run_ids]
+        if rows:
+            with self._tx("clear orphan marks") as conn, conn.cursor() as cur:
+                cur.executemany("UPDATE run_marks SET orphaned_at = NULL WHERE run_id = %s", rows)
+
+    def resolve(self, run_id: str, note: str, at: float) -> None:
+        with self._tx("store the resolution") as conn:
+            conn.execute(
+                "INSERT INTO run_marks(run_id, resolution_note, resolution_at) "
+                "VALUES (%s, %s, %s) ON CONFLICT (run_id) DO UPDATE SET "
+                "resolution_note = excluded.resolution_note, "
+                "resolution_at = excluded.resolution_at",
+                (run_id, note, at),
+            )
+
+    def delete_runs(self, run_ids: list[str]) -> None:
+        if run_ids:
+            with self._tx("prune runs") as conn:
+                for table in ("spans", "run_marks", "run_owners", "run_leases"):
+                    conn.execute(f"DELETE FROM {table} WHERE run_id = ANY(%s)", (run_ids,))
+
+    def delete_instances(self, instances: list[str]) -> None:
+        if instances:
+            with self._tx("prune instances") as conn:
+                conn.execute("DELETE FROM instances WHERE instance = ANY(%s)", (instances,))
+
+    def decide_lease(
+        self, run_id: str, decide: Callable[[Lease | None], Lease | LeaseRefusal]
+    ) -> Lease | LeaseRefusal:
+        """Under a per-run advisory lock held to commit: no replica grants in between."""
+        with self._tx("update the lease") as conn:
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", (lock_key(f"lease:{run_id}"),))
+            row = conn.execute(
+                "SELECT run_id, holder, token, granted_at, expires_at, released, forced_reason, "
+                "forced_by, forced_at FROM run_leases WHERE run_id = %s",
+                (run_id,),
+            ).fetchone()
+            outcome = decide(None if row is None else lease_from_row(row))
+            if isinstance(outcome, Lease):
+                o = outcome.override
+                conn.execute(
+                    "INSERT INTO run_leases(run_id, holder, token, granted_at, expires_at, "
+                    "released, forced_reason, forced_by, forced_at) "
+                    "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT (run_id) DO UPDATE "
+                    "SET holder = excluded.holder, token = excluded.token, "
+                    "granted_at = excluded.granted_at, expires_at = excluded.expires_at, "
+                    "released = excluded.released, forced_reason = excluded.forced_reason, "
+                    "forced_by = excluded.forced_by, forced_at = excluded.forced_at",
+                    (
+                        run_id,
+                        outcome.holder,
+                        outcome.token,
+                        outcome.granted_at,
+                        outcome.expires_at,
+                        outcome.released,
+                        o.reason if o else None,
+                        o.by if o else None,
+                        o.at if o else None,
+                    ),
+                )
+            return outcome
+
+    def spans(self) -> Iterator[StoredSpan]:
+        with self._tx("read spans") as conn, conn.cursor(name="saga_spans") as cur:
+            cur.itersize = 2000
+            cur.execute(
+                "SELECT seq, run_id, span_id, service, instance, data FROM spans ORDER BY run_id"
+            )
+            seen: set[int] = set()
+            for seq, run_id, span_id, service, instance, data in cur:
+                seen.add(seq)
+                if len(seen) > 4 * GAP_WINDOW:  # keep only the newest numbers
+                    seen = set(sorted(seen)[-GAP_WINDOW:])
+                yield StoredSpan(run_id, span_id, service, instance, bytes(data))
+            # Later changes() read on from the newest; numbers missing just below it may
+            # belong to transactions still open: they are looked up again a while.
+            newest = max(seen, default=self._seq)
+            low = max(self._seq, newest - GAP_WINDOW)
+            self._gaps = {g: None for g in range(low + 1, newest) if g not in seen}
+            self._seq = max(self._seq, newest)
+
+    def stored_spans(self, keys: Iterable[tuple[str, str]]) -> dict[tuple[str, str], bytes]:
+        pairs = list(keys)
+        if not pairs:
+            return {}
+        rows = self._all(
+            "SELECT s.run_id, s.span_id, s.data FROM spans s "
+            "JOIN unnest(%s::text[], %s::text[]) AS k(run_id, span_id) "
+            "ON s.run_id = k.run_id AND s.span_id = k.span_id",
+            ([r for r, _ in pairs], [s for _, s in pairs]),
+        )
+        return {(r, s): bytes(d) for r, s, d in rows}
+
+    def screening(self, keys: Sequence[tuple[str, str]]) -> Screening:
+        run_ids = sorted({r for r, _ in keys})
+        with self._tx("read the runs' owners and leases") as conn:
+            owners = conn.execute(
+                "SELECT run_id, trace_id, instance, service FROM run_owners WHERE run_id = ANY(%s)",
+                (run_ids,),
+            ).fetchall()
+            leases = conn.execute(
+                "SELECT run_id, holder, token, granted_at, expires_at, released, forced_reason, "
+                "forced_by, forced_at FROM run_leases WHERE run_id = ANY(%s)",
+                (run_ids,),
+            ).fetchall()
+            stored = conn.execute(
+                "SELECT s.run_id, s.span_id, s.data FROM spans s "
+                "JOIN unnest(%s::text[], %s::text[]) AS k(run_id, span_id) "
+                "ON s.run_id = k.run_id AND s.span_id = k.span_id",
+                ([r for r, _ in keys], [s for _, s in keys]),
+            ).fetchall()
+        return Screening(
+            {str(r): Owner(str(t), str(i), str(s)) for r, t, i, s in owners},
+            {str(row[0]): lease_from_row(row) for row in leases},
+            {(r, s): bytes(d) for r, s, d in stored},
+        )
+
+    def marks(self) -> list[RunMark]:
+        rows = self._all(
+            "SELECT run_id, orphaned_at, resolution_note, resolution_at FROM run_marks"
+        )
+        return [RunMark(*row) for row in rows]
+
+    def instances(self) -> list[InstanceRow]:
+        rows = self._all("SELECT instance, last_heartbeat, interval_s FROM instances")
+        return [(str(a), float(b), float(c)) for a, b, c in rows]
+
+    def owners(self) -> list[tuple[str, Owner]]:
+        rows = self._all("SELECT run_id, trace_id, instance, service FROM run_owners")
+        return [(str(r), Owner(str(t), str(i), str(s))) for r, t, i, s in rows]
+
+    def leases(self) -> list[Lease]:
+        rows = self._all(
+            "SELECT run_id, holder, token, granted_at, expires_at, released, forced_reason, "
+            "forced_by, forced_at FROM run_leases"
+        )
+        return [lease_from_row(row) for row in rows]
+
+    def span_count(self) -> int:
+        ((n,),) = self._all("SELECT count(*) FROM spans")
+        return int(n)
+
+    def instance_count(self) -> int:
+        ((n,),) = self._all("SELECT count(*) FROM instances")
+        return int(n)
+
+
+class _PgAlertTx:
+    def __init__(self, conn: Any) -> None:
+        self._conn = conn
+
+    def fires(self, dedup_key: str) -> list[tuple[str, str, str]]:
+        rows = self._conn.execute(
+            "SELECT sink, event, state FROM alert_outbox WHERE dedup_key = %s "
+            "AND action = 'fire' ORDER BY id",
+            (dedup_key,),
+        ).fetchall()
+        return [(str(a), str(b), str(c)) for a, b, c in rows]
+
+    def insert(self, row: NewAlert) -> bool:
+        cur = self._conn.execute(
+            "INSERT INTO alert_outbox (dedup_key, action, sink, alertname, run_id, event, "
+            "state, created_at) VALUES (%s, %s, %s, %s, %s, %s, %s, %s) "
+            "ON CONFLICT (dedup_key, action, sink) DO NOTHING",
+            tuple(row),
+        )
+        return bool(cur.rowcount)
+
+    def set_state(self, row_id: int, state: str, at: float) -> None:
+        self._conn.execute(
+            "UPDATE alert_outbox SET state = %s, delivered_at = %s WHERE id = %s",
+            (state, at, row_id),
+        )
+
+
+_ROW = "SELECT id, dedup_key, action, sink, state, attempts, last_error, event FROM alert_outbox"
+
+
+class PgAlertStore(_Pooled):
+    """The alert outbox's rows on PostgreSQL (see :class:`sidecar._storage.AlertStore`)."""
+
+    def __init__(self, target: DbTarget) -> None:
+        super().__init__(target, max_size=2, name="saga-sidecar-outbox")
+        self._me = f"{socket.gethostname()}:{os.getpid()}:{id(self):x}"
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[AlertTx]:
+        with self._tx("write alerts to the outbox") as conn:
+            yield _PgAlertTx(conn)
+
+    def held(self, no_sink: str, held: str) -> list[tuple[int, str]]:
+        rows = self._all(
+            "SELECT id, event FROM alert_outbox WHERE sink = %s AND state = %s ORDER BY id",
+            (no_sink, held),
+        )
+        return [(int(a), str(b)) for a, b in rows]
+
+    def open_alerts(self) -> list[tuple[str, str]]:
+        rows = self._all(
+            "SELECT DISTINCT f.run_id, f.alertname FROM alert_outbox f WHERE f.action = "
+            "'fire' AND NOT EXISTS (SELECT 1 FROM alert_outbox r WHERE r.dedup_key = "
+            "f.dedup_key AND r.action = 'resolve')"
+        )
+        return [(str(a), str(b)) for a, b in rows]
+
+    def rows(self, sink: str | None = None) -> list[OutboxRecord]:
+        query = _ROW + (" WHERE sink = %s" if sink else "") + " ORDER BY id"
+        return [OutboxRecord(*r) for r in self._all(query, (sink,) if sink else ())]
+
+    def count(self, state: str) -> int:
+        ((n,),) = self._all("SELECT COUNT(*) FROM alert_outbox WHERE state = %s", (state,))
+        return int(n)
+
+    def next_row(self, sink: str, state: str) -> OutboxRecord | None:
+        """Claim the next row: rows locked by another replica's claim are skipped (SKIP
+        LOCKED), and so are rows it holds (claimed_until, on the database's clock)."""
+        with self._tx("claim an alert") as conn:
+            row = conn.execute(
+                "UPDATE alert_outbox SET claimed_by = %(me)s, claimed_until = "
+                "extract(epoch FROM clock_timestamp()) + %(ttl)s WHERE id = ("
+                "SELECT o.id FROM alert_outbox o WHERE o.sink = %(sink)s AND o.state = %(state)s "
+                "AND (o.claimed_until IS NULL OR o.claimed_by = %(me)s "
+                "OR o.claimed_until < extract(epoch FROM clock_timestamp())) "
+                "AND NOT EXISTS (SELECT 1 FROM alert_outbox e WHERE e.sink = o.sink AND "
+                "e.dedup_key = o.dedup_key AND e.id < o.id AND e.state = %(state)s) "
+                "ORDER BY o.id LIMIT 1 FOR UPDATE SKIP LOCKED) "
+                "RETURNING id, dedup_key, action, sink, state, attempts, last_error, event",
+                {"me": self._me, "ttl": CLAIM_TTL_S, "sink": sink, "state": state},
+            ).fetchone()
+        return OutboxRecord(*row) if row else None
+
+    def mark(
+        self, row_id: int, state: str, error: str | None, sent: bool, now: float, hold: float = 0
+    ) -> None:
+        with self._tx("update an alert") as conn:
+            conn.execute(
+                "UPDATE alert_outbox SET state = %s, attempts = attempts + 1, last_error = %s, "
+                "delivered_at = CASE WHEN %s THEN %s ELSE delivered_at END, "
+                "last_sent_at = CASE WHEN %s THEN %s ELSE last_sent_at END, "
+                "claimed_until = CASE WHEN %s > 0 THEN extract(epoch FROM clock_timestamp()) "
+                "+ %s END, claimed_by = CASE WHEN %s > 0 THEN claimed_by END WHERE id = %s",
+                (state, error, sent, now, sent, now, hold, hold, hold, row_id),
+            )
+
+    def firing(self, sink: str, delivered: str) -> list[tuple[int, float, str]]:
+        rows = self._all(
+            "SELECT f.id, f.last_sent_at, f.event FROM alert_outbox f WHERE f.sink = %s "
+            "AND f.action = 'fire' AND f.state = %s AND NOT EXISTS (SELECT 1 FROM "
+            "alert_outbox r WHERE r.dedup_key = f.dedup_key AND r.sink = f.sink AND "
+            "r.action = 'resolve')",
+            (sink, delivered),
+        )
+        return [(int(a), float(b or 0.0), str(c)) for a, b, c in rows]
+
+    def touch_sent(self, row_id: int, at: float) -> None:
+        with self._tx("update an alert") as conn:
+            conn.execute("UPDATE alert_outbox SET last_sent_at = %s WHERE id = %s", (at, row_id))
+
+    def history(self, run_id: str) -> list[HistoryRecord]:
+        return pg_history(self.target, run_id)
+
+
+def pg_history(target: DbTarget, run_id: str) -> list[HistoryRecord]:
+    """The alert rows of one run, oldest first, on a short connection of its own."""
+    psycopg, _ = _psycopg()
+    try:
+        with psycopg.connect(target.url, connect_timeout=CONNECT_TIMEOUT_S) as conn:
+            exists = conn.execute("SELECT to_regclass('alert_outbox')").fetchone()
+            if exists is None or exists[0] is None:
+                return []
+            rows = conn.execute(
+                "SELECT created_at, alertname, action, sink, state, attempts, last_error, event "
+                "FROM alert_outbox WHERE run_id = %s ORDER BY id",
+                (run_id,),
+            ).fetchall()
+    except psycopg.Error as exc:
+        raise StoreError(
+            f"cannot read the alert outbox in PostgreSQL at {_where(target)}: {scrub(target, exc)}"
+        ) from None
+    return [HistoryRecord(*r) for r in rows]

@@ -1,0 +1,363 @@
+"""The store interface: what the sidecar keeps in its database, whichever database it is.
+
+Two backends implement it: SQLite (``_store.py``, the embedded default: one
+machine, the demo, the tests) and PostgreSQL (``_pgstore.py``: any number of
+sidecar replicas on one database). :func:`parse_db` turns ``--db`` into a
+:class:`DbTarget`; ``_backends.py`` opens the backend it names (the PostgreSQL
+driver is imported only then, so SQLite needs none).
+
+A store is synchronous. ``inline`` says how the sidecar may call it: True
+(SQLite, a local file) on the event loop as before; False (PostgreSQL, a
+network round trip) only from a worker thread, never on the loop.
+
+This module is a leaf: it imports only the pure ``_errors`` and ``_leases``, so
+both backends and their users import it without a circle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, NamedTuple, Protocol
+from urllib.parse import urlsplit
+
+from ._errors import ConfigError
+from ._leases import Lease, LeaseRefusal, Owner
+
+SCHEMA_VERSION = 2
+"""The schema this sidecar writes. 1: the first (no outbox claims); 2: outbox claims.
+
+Opening an older database upgrades it in place; a newer one is refused
+(``_store.py`` and ``_pgstore.py`` hold the steps, one per version).
+"""
+
+Backend = Literal["sqlite", "postgresql"]
+POSTGRES_SCHEMES = ("postgresql", "postgres")
+DB_FORMS = "a file path, sqlite:///PATH, or postgresql://USER@HOST:PORT/DB"
+
+
+@dataclass(frozen=True, slots=True)
+class DbTarget:
+    """Where the sidecar's state lives: a SQLite file or a PostgreSQL URL.
+
+    ``shown`` is what logs, errors and metrics may print: the URL without its
+    password (and without any ``password=`` query parameter).
+    """
+
+    backend: Backend
+    path: Path | None = None
+    url: str | None = None
+
+    @property
+    def shown(self) -> str:
+        if self.path is not None:
+            return str(self.path)
+        return redact_url(self.url or "")
+
+    def __str__(self) -> str:
+        return self.shown
+
+    def __repr__(self) -> str:  # never the password, whatever prints it
+        return f"DbTarget({self.backend}, {self.shown!r})"
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password (user:PASSWORD@ and password=...) replaced by ``***``."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparsable database URL>"
+    netloc = parts.netloc
+    if "@" in netloc:
+        userinfo, _, hostport = netloc.rpartition("@")
+        user = userinfo.split(":", 1)[0]
+        netloc = f"{user}:***@{hostport}" if ":" in userinfo else f"{user}@{hostport}"
+    query = "&".join(
+        f"{k}=***" if k.lower() == "password" else p
+        for p in parts.query.split("&")
+        if p
+        for k in [p.split("=", 1)[0]]
+    )
+    out = f"{parts.scheme}://{netloc}{parts.path}"
+    return f"{out}?{query}" if query else out
+
+
+def parse_db(text: str | Path) -> DbTarget:
+    """A :class:`DbTarget` from ``--db``: a path, ``sqlite:///PATH`` or a PostgreSQL URL.
+
+    Any other scheme is an error naming the supported forms (a URL must never
+    turn into a file under a ``postgresql:`` folder).
+    """
+    if isinstance(text, Path):
+        return DbTarget("sqlite", path=text)
+    raw = text.strip()
+    if not raw:
+        raise ConfigError(f"--db is empty: give {DB_FORMS}")
+    scheme, sep, rest = raw.partition("://")
+    if not sep:
+        if raw.lower().startswith(("sqlite:", "postgresql:", "postgres:")):
+            raise ConfigError(f"--db {redact_url(raw)!r} is not a URL: give {DB_FORMS}")
+        return DbTarget("sqlite", path=Path(raw).expanduser())
+    scheme = scheme.lower()
+    if scheme == "sqlite":
+        # sqlite:///relative/... is not a thing: three slashes then an absolute path,
+        # as SQLAlchemy writes it (sqlite:////abs is also accepted).
+        if not rest.startswith("/") or rest == "/":
+            raise ConfigError(
+                f"--db {raw!r}: a SQLite URL is sqlite:/// then the path; give {DB_FORMS}"
+            )
+        path = rest[1:] if rest.startswith("//") else rest
+        return DbTarget("sqlite", path=Path(path).expanduser())
+    if scheme in POSTGRES_SCHEMES:
+        parts = urlsplit(raw)
+        if not parts.hostname and "host=" not in parts.query:
+            raise ConfigError(
+                f"--db {redact_url(raw)!r} names no host: write postgresql://USER@HOST:PORT/DB"
+            )
+        return DbTarget("postgresql", url=raw)
+    raise ConfigError(
+        f"--db {redact_url(raw)!r}: unsupported scheme {scheme + '://'!r}; give {DB_FORMS}"
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class StoredSpan:
+    run_id: str
+    span_id: str
+    service: str
+    instance: str
+    data: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class RunMark:
+    run_id: str
+    orphaned_at: float | None
+    resolution_note: str | None
+    resolution_at: float | None
+
+
+class Changes(NamedTuple):
+    """What other processes on the same database committed since the last call."""
+
+    spans: list[StoredSpan]
+    owners: list[tuple[str, Owner]]
+    instances: list[HeartbeatRow]
+    marks: list[RunMark]
+    leases: list[Lease]
+
+
+NO_CHANGES = Changes([], [], [], [], [])
+
+
+class Screening(NamedTuple):
+    """What the store holds about the runs of one request, for screening its spans."""
+
+    owners: dict[str, Owner]
+    leases: dict[str, Lease]
+    stored: dict[tuple[str, str], bytes]
+
+
+SpanRow = tuple[str, str, float, str, str, bytes]
+"""(run_id, span_id, received_at, service, instance, protobuf bytes)."""
+HeartbeatRow = tuple[str, float, float, str]
+"""(instance, heard at, interval seconds, the open runs it named as a JSON list)."""
+InstanceRow = tuple[str, float, float]
+"""(instance, last heartbeat, interval seconds)."""
+
+
+class Store(Protocol):
+    """Spans, run marks and resolutions, instances, run owners and recovery leases."""
+
+    @property
+    def target(self) -> DbTarget: ...
+
+    @property
+    def inline(self) -> bool:
+        """True: cheap local calls, made on the event loop. False: from a worker thread."""
+        ...
+
+    def close(self) -> None: ...
+
+    def schema_version(self) -> int: ...
+
+    # --- writing -------------------------------------------------------------------
+
+    def write(
+        self,
+        spans: Sequence[SpanRow],
+        heartbeats: Sequence[HeartbeatRow] = (),
+        owners: Sequence[tuple[str, Owner]] = (),
+    ) -> None:
+        """One request's spans, heartbeats and new runs' owners, in one transaction.
+
+        Committed on return (a 200 may follow); raises StoreError otherwise.
+        """
+        ...
+
+    def mark_orphaned(self, marks: Iterable[tuple[str, float]]) -> None: ...
+
+    def clear_orphaned(self, run_ids: Iterable[str]) -> None:
+        """Drop the orphan marks of runs whose agent was heard from again."""
+
+    def resolve(self, run_id: str, note: str, at: float) -> None: ...
+
+    def delete_runs(self, run_ids: list[str]) -> None: ...
+
+    def delete_instances(self, instances: list[str]) -> None: ...
+
+    def decide_lease(
+        self, run_id: str, decide: Callable[[Lease | None], Lease | LeaseRefusal]
+    ) -> Lease | LeaseRefusal:
+        """Read the run's lease, let ``decide`` grant, renew, release or refuse, write it.
+
+        Serialized per run across every process on the database.
+        """
+        ...
+
+    # --- reading -------------------------------------------------------------------
+
+    def spans(self) -> Iterator[StoredSpan]:
+        """Every stored span, grouped by run."""
+        ...
+
+    def stored_spans(self, keys: Iterable[tuple[str, str]]) -> dict[tuple[str, str], bytes]:
+        """The stored bytes of the given (run_id, span_id) that exist (duplicate checks)."""
+        ...
+
+    def screening(self, keys: Sequence[tuple[str, str]]) -> Screening:
+        """Owners and leases of the runs of ``keys`` and the stored bytes of those spans: a
+        shared store's truth, which another replica may have changed since our last sync.
+        """
+        ...
+
+    def marks(self) -> list[RunMark]: ...
+
+    def instances(self) -> list[InstanceRow]: ...
+
+    def owners(self) -> list[tuple[str, Owner]]: ...
+
+    def leases(self) -> list[Lease]: ...
+
+    def span_count(self) -> int: ...
+
+    def instance_count(self) -> int: ...
+
+    # --- replicas (a store shared by several sidecars) -------------------------------
+
+    def changes(self, now: float) -> Changes:
+        """Spans (with their runs' owners), heartbeats, marks and leases committed since
+        the last call (or since :meth:`spans`), by any process. A span may come twice
+        (folding is idempotent); none is missed. Empty for a store of one process.
+        """
+        ...
+
+    def try_lead(self) -> bool:
+        """Whether this process is (or now became) the one that runs orphan detection and
+        retention. Always True for a store of one process."""
+        ...
+
+
+class OutboxRecord(NamedTuple):
+    """One alert_outbox row as the outbox reads it (``event``: its JSON text)."""
+
+    id: int
+    dedup_key: str
+    action: str
+    sink: str
+    state: str
+    attempts: int
+    last_error: str | None
+    event: str
+
+
+class NewAlert(NamedTuple):
+    dedup_key: str
+    action: str
+    sink: str
+    alertname: str
+    run_id: str
+    event: str  # JSON
+    state: str
+    created_at: float
+
+
+class HistoryRecord(NamedTuple):
+    created_at: float
+    alertname: str
+    action: str
+    sink: str
+    state: str
+    attempts: int
+    last_error: str | None
+    event: str
+
+
+class AlertTx(Protocol):
+    """The writes of one outbox transaction."""
+
+    def fires(self, dedup_key: str) -> list[tuple[str, str, str]]:
+        """(sink, event JSON, state) of the fire rows of ``dedup_key``."""
+        ...
+
+    def insert(self, row: NewAlert) -> bool:
+        """Insert unless (dedup_key, action, sink) exists; True when inserted."""
+        ...
+
+    def set_state(self, row_id: int, state: str, at: float) -> None: ...
+
+
+class AlertStore(Protocol):
+    """The alert outbox's rows: one per (dedup_key, action, sink)."""
+
+    @property
+    def target(self) -> DbTarget: ...
+
+    @property
+    def inline(self) -> bool:
+        """True: one process's local file. False: shared (poll for others' rows)."""
+        ...
+
+    def close(self) -> None: ...
+
+    def transaction(self) -> AbstractContextManager[AlertTx]:
+        """A write transaction (rolled back on an exception, StoreError on a database one)."""
+        ...
+
+    def held(self, no_sink: str, held: str) -> list[tuple[int, str]]: ...
+
+    def open_alerts(self) -> list[tuple[str, str]]:
+        """(run_id, alertname) of fires without a resolve."""
+        ...
+
+    def rows(self, sink: str | None = None) -> list[OutboxRecord]: ...
+
+    def count(self, state: str) -> int: ...
+
+    def next_row(self, sink: str, state: str) -> OutboxRecord | None:
+        """The oldest row of ``sink`` in ``state`` (the next delivery), never one whose
+        dedup key has an older row in ``state`` (a resolve never overtakes its fire).
+
+        A shared store claims it for this process (other processes skip it until
+        :meth:`mark` or the claim's expiry), so each row is sent by one process.
+        """
+        ...
+
+    def mark(
+        self, row_id: int, state: str, error: str | None, sent: bool, now: float, hold: float = 0
+    ) -> None:
+        """Record a delivery attempt. ``hold`` > 0 (a retry's delay): no other process may
+        take the row for that long; otherwise the row's claim (see :meth:`next_row`) ends."""
+        ...
+
+    def firing(self, sink: str, delivered: str) -> list[tuple[int, float, str]]:
+        """(id, last_sent_at, event JSON) of delivered fires of ``sink`` without a resolve."""
+        ...
+
+    def touch_sent(self, row_id: int, at: float) -> None: ...
+
+    def history(self, run_id: str) -> list[HistoryRecord]:
+        """The rows of one run, oldest first; empty when the outbox was never created."""
+        ...

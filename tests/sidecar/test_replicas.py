@@ -1,0 +1,198 @@
+"""Two sidecars on one PostgreSQL database behave as one: alerts once, no false orphans."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
+from sidecar_testkit import (
+    CREDIT,
+    FakeClock,
+    RunScript,
+    db_for,
+    export_http,
+    heartbeat_spans,
+    open_run,
+    rejoin,
+    settings_for,
+)
+
+from saga_otel import semconv as sc
+from sidecar import Sidecar
+from sidecar._alert_service import install_alerting
+from sidecar._alert_settings import AlertSettings
+from sidecar._alerting import Action, AlertEvent, evaluate
+from sidecar._leases import Lease
+from sidecar._outbox import Backoff, Outbox
+from sidecar._sinks import DeliveryRetry
+
+pytestmark = pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
+
+
+class SharedSink:
+    """One receiver seen through two replicas: every delivery lands in one list, in order."""
+
+    def __init__(self, got: list[tuple[str, AlertEvent]], replica: str, flaky: int = 0) -> None:
+        self.got, self.replica, self.fail = got, replica, flaky
+
+    kind = "webhook"
+    name = "webhook:http://receiver"
+    resend_interval = None
+
+    async def send(self, event: AlertEvent) -> None:
+        if self.fail:
+            self.fail -= 1
+            raise DeliveryRetry("down")
+        await asyncio.sleep(0)  # let the other replica's worker run in between
+        self.got.append((self.replica, event))
+
+    async def close(self) -> None:
+        return None
+
+
+def _view(run_id: str, status: str) -> dict[str, object]:
+    unwinding = status == "unwinding"
+    return {
+        "run_id": run_id, "saga": "refund", "service": "agent", "instance": "i1",
+        "status": status, "updated_at": 1.0, "failed_step": "send" if unwinding else None,
+        "unwind_reason": "E: x" if unwinding else None,
+        "unwind_started_at": 1.0 if unwinding else None, "steps": [], "stack": [],
+        "escalation": None, "pivot": None, "resolution": None,
+    }  # fmt: skip
+
+
+def _events(run_ids: list[str]) -> list[AlertEvent]:
+    events = []
+    for r in run_ids:
+        events += evaluate(_view(r, "running"), _view(r, "unwinding"), now=2.0)  # type: ignore[arg-type]
+        events += evaluate(_view(r, "unwinding"), _view(r, "compensated"), now=3.0)  # type: ignore[arg-type]
+    return events
+
+
+async def _until(probe: Callable[[], bool], what: str, tries: int = 3000) -> None:
+    for _ in range(tries):
+        if probe():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"never: {what}")
+
+
+async def test_two_outboxes_deliver_each_alert_once_and_in_order(tmp_path: Path) -> None:
+    where = db_for(tmp_path / "sidecar.db")
+    got: list[tuple[str, AlertEvent]] = []
+    fast = Backoff(initial=0.01, maximum=0.02)
+    a = Outbox(where, [SharedSink(got, "a", flaky=3)], backoff=fast)
+    b = Outbox(where, [SharedSink(got, "b", flaky=3)], backoff=fast)
+    try:
+        await a.start()
+        await b.start()
+        run_ids = [f"r{i}" for i in range(40)]
+        events = _events(run_ids)
+        # Each replica inserts half (a run's fire through one, its resolve through the
+        # other), then both evaluate everything again (each saw the spans): duplicates.
+        await asyncio.gather(a.call(a.add, events[::2]), b.call(b.add, events[1::2]))
+        await asyncio.gather(a.call(a.add, events), b.call(b.add, events))
+        await _until(lambda: len(got) >= len(events), "every alert delivered")
+        assert await a.wait_idle() and await b.wait_idle()
+        await asyncio.sleep(0.05)  # nothing more arrives
+    finally:
+        await a.stop()
+        await b.stop()
+        a.close()
+        b.close()
+    keys = [(e.dedup_key, e.action.value) for _, e in got]
+    assert sorted(keys) == sorted({(e.dedup_key, e.action.value) for e in events})
+    for r in run_ids:  # a resolve never overtakes its fire, whichever replica sent them
+        mine = [e.action for _, e in got if e.run_id == r]
+        assert mine == [Action.FIRE, Action.RESOLVE]
+
+
+async def test_spans_at_one_replica_heartbeats_at_the_other(tmp_path: Path) -> None:
+    """No live agent is paged; a dead one is orphaned once, paged once, and recovered
+    through the replica that never saw its spans."""
+    clock = FakeClock()
+    settings = settings_for(tmp_path, idle_timeout=5.0, tick_interval=0.02)
+    got: list[tuple[str, AlertEvent]] = []
+    a, b = Sidecar(settings, clock=clock), Sidecar(settings, clock=clock)
+    for name, replica in (("a", a), ("b", b)):
+        install_alerting(replica, AlertSettings(log_sink=False), sinks=[SharedSink(got, name)])
+    async with a, b:
+        await _until(lambda: a.leading != b.leading, "one leader")
+        run = open_run(instance="agent-1")
+        await export_http(a, run.spans())
+        for _ in range(20):  # 20 s of a live agent beating at the other replica only
+            clock.now += 1.0
+            await export_http(b, heartbeat_spans("agent-1", [run.run_id], clock.now))
+            await asyncio.sleep(0.03)  # a few ticks of the leader
+        await b.sync()
+        await a.sync()
+        for replica in (a, b):
+            assert replica.state.status(run.run_id) == sc.STATE_RUNNING
+        view_a, view_b = a.state.view(run.run_id), b.state.view(run.run_id)
+        assert view_a is not None and view_b is not None
+        for key in ("status", "steps", "stack", "instance"):
+            assert view_a[key] == view_b[key]
+        assert not [e for _, e in got if e.alertname == sc.ALERT_RUN_ORPHANED]
+
+        clock.now += 10.0  # the agent died: no more heartbeats
+        await _until(
+            lambda: all(r.state.status(run.run_id) == sc.STATE_ORPHANED for r in (a, b)),
+            "orphaned on both replicas",
+        )
+        await _until(lambda: any(e.alertname == sc.ALERT_RUN_ORPHANED for _, e in got), "paged")
+        leader = a if a.leading else b
+        other = b if leader is a else a
+        lease = await other.lease(run.run_id, "grant", {"holder": "recoverer:1"})
+        assert isinstance(lease, Lease) and lease.token == 1
+        await leader.sync()
+        assert await leader.lease(run.run_id, "grant", {"holder": "second"}) is not None
+        current = leader.state.lease(run.run_id)
+        assert current is not None and current.holder == "recoverer:1"
+        await asyncio.sleep(0.1)  # any duplicate page would be out by now
+    orphaned = [e for _, e in got if e.alertname == sc.ALERT_RUN_ORPHANED]
+    assert [e.action for e in orphaned] == [Action.FIRE]
+
+
+async def _post(sidecar: Sidecar, spans: list[Any]) -> ExportTraceServiceResponse:
+    body = encode_spans(spans).SerializeToString()
+    async with httpx.AsyncClient() as client:
+        resp = await client.post(
+            f"http://127.0.0.1:{sidecar.otlp_http_port}/v1/traces",
+            content=body,
+            headers={"Content-Type": "application/x-protobuf"},
+        )
+    assert resp.status_code == 200, resp.text
+    return ExportTraceServiceResponse.FromString(resp.content)
+
+
+async def test_a_replica_screens_by_the_store_not_only_what_it_folded(tmp_path: Path) -> None:
+    """Before B folds in A's run (no tick here), B refuses a stranger on it, as A would,
+    and takes the spans of the recoverer A leased it to."""
+    clock = FakeClock()
+    settings = settings_for(tmp_path, idle_timeout=5.0, tick_interval=3600.0)
+    async with Sidecar(settings, clock=clock) as a, Sidecar(settings, clock=clock) as b:
+        run = open_run(instance="agent-1")
+        assert not (await _post(a, run.spans())).partial_success.rejected_spans
+        stranger = RunScript(instance="intruder", run_id=run.run_id, t0=1_500_000_000.0)
+        stranger.do(0, "wipe", "compensable", comp=("delete_account", {}, "x"))
+        refused = await _post(b, stranger.spans())
+        assert refused.partial_success.rejected_spans == len(stranger.spans())
+        assert "belongs to trace" in refused.partial_success.error_message
+        clock.now += 10.0
+        a.tick()  # the agent is gone: A may lease the run
+        lease = await a.lease(run.run_id, "grant", {"holder": "recoverer:1"})
+        assert isinstance(lease, Lease)
+        # The recoverer's spans go to B, which never saw the grant: B reads the lease.
+        undo = RunScript(instance="recoverer", run_id=run.run_id)
+        undo.compensate(1, "issue_credit", CREDIT[0], CREDIT[1])
+        spans = [rejoin(s, run, token=lease.token) for s in undo.spans() if s.name != undo.run.name]
+        assert not (await _post(b, spans)).partial_success.rejected_spans
+        assert b.state.lease(run.run_id) == lease
+        view = b.state.view(run.run_id)
+        assert view is not None and view["stack"] == []
