@@ -445,7 +445,7 @@ class Outbox:
                 await sink.send(row.event)
             except DeliveryRejected as exc:
                 failures = 0
-                await self.call(self._mark, row.id, FAILED, str(exc), False)
+                await self._settle(row.id, FAILED, str(exc), False)
                 self._count(row.event.alertname, sink.kind, OUTCOME_FAILED)
                 log.error(
                     "sidecar.alert.rejected",
@@ -462,9 +462,7 @@ class Outbox:
                 retry_after = exc.retry_after if isinstance(exc, DeliveryRetry) else None
                 delay = self.backoff.delay(failures, self._rng, retry_after)
                 # Held for the delay: another replica must not retry it sooner.
-                await self.call(
-                    self._mark, row.id, PENDING, f"{type(exc).__name__}: {exc}", False, delay
-                )
+                await self._settle(row.id, PENDING, f"{type(exc).__name__}: {exc}", False, delay)
                 self._count(row.event.alertname, sink.kind, OUTCOME_RETRIED)
                 if failures == 1:
                     # Once per outage (and once when it ends): the retries are counted
@@ -483,11 +481,19 @@ class Outbox:
                 if failures:
                     log.info("sidecar.sink.up", sink=sink.name, failed_attempts=failures)
                 failures = 0
-                await self.call(self._mark, row.id, DELIVERED, None, True)
+                await self._settle(row.id, DELIVERED, None, True)
                 self._count(row.event.alertname, sink.kind, OUTCOME_DELIVERED)
                 if self.metrics is not None:
                     delay_s = max(0.0, self._clock() - row.event.at)
                     self.metrics.delay.labels(sink=sink.kind).observe(delay_s)
+
+    async def _settle(
+        self, row_id: int, state: str, error: str | None, sent: bool, hold: float = 0.0
+    ) -> None:
+        """Record what a send did, even when the sidecar stops meanwhile: a delivered
+        alert left pending would page again after the restart. Shielded, the write
+        still runs on the database thread, and `close` waits for it."""
+        await asyncio.shield(self.call(self._mark, row_id, state, error, sent, hold))
 
     async def _idle(self, sink: Sink, wake: asyncio.Event) -> None:
         interval = sink.resend_interval

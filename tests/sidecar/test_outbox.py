@@ -464,3 +464,32 @@ def test_retry_policy_and_outbox_share_the_backoff_formula() -> None:
     policy = RetryPolicy(attempts=5, initial=0.1, maximum=5.0, jitter=0.1)
     a, b = random.Random(1), random.Random(1)
     assert policy.delay(4, a) == backoff_seconds(4, initial=0.1, maximum=5.0, jitter=0.1, rng=b)
+
+
+async def test_a_delivery_is_recorded_even_when_the_outbox_stops_right_after_it(
+    tmp_path: Path,
+) -> None:
+    """Stopping between a send and its "delivered" write must not leave the row pending:
+    the next start would page the same alert again."""
+    db = db_for(tmp_path / "sidecar.db")
+    sent = asyncio.Event()
+
+    class StopsTheWorld(FakeSink):
+        async def send(self, event: AlertEvent) -> None:
+            await super().send(event)
+            sent.set()
+
+    sink = StopsTheWorld()
+    box = Outbox(db, [sink])
+    box.add([fire("r1")])
+    await box.start()
+    await sent.wait()
+    await box.stop()  # cancels the worker as it goes to record the delivery
+    box.close()
+    assert len(sink.got) == 1
+    again = Outbox(db, [FakeSink()])
+    try:
+        assert again.depth() == 0
+        assert [r.state for r in again.rows()] == [DELIVERED]
+    finally:
+        again.close()
