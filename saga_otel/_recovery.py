@@ -126,18 +126,7 @@ def find_run_id(
     no run matches.
     """
     api = _target(sidecar, token, CLI_HINTS if cli else PYTHON_HINTS)
-    try:
-        resp = httpx.get(
-            f"{api.base}/runs",
-            params={"id_prefix": given, "limit": 1000},
-            headers=api.headers,
-            timeout=10.0,
-        )
-    except httpx.HTTPError as exc:
-        raise RecoveryError(
-            f"cannot reach the sidecar at {api.base} ({type(exc).__name__}: {exc}); start it "
-            f"with `saga-sidecar serve` or {api.flag_hint}"
-        ) from exc
+    resp = _get(api, f"{api.base}/runs", {"id_prefix": given, "limit": 1000})
     if resp.status_code != 200:
         raise RecoveryError(
             f"the sidecar at {api.base} answered {resp.status_code} to a run id lookup: "
@@ -151,17 +140,21 @@ def find_run_id(
     return run_id
 
 
-def _fetch(api: ApiTarget, run_id: str) -> dict[str, Any]:
+def _get(api: ApiTarget, url: str, params: dict[str, str | int]) -> httpx.Response:
+    """One GET to the sidecar; an unreachable sidecar is one `RecoveryError` saying how
+    to start it or point at it (one wording for every call here)."""
     try:
-        # reveal=args: the real undo arguments, where the sidecar masks them for people.
-        resp = httpx.get(
-            api.url(run_id), params={"reveal": "args"}, headers=api.headers, timeout=10.0
-        )
+        return httpx.get(url, params=params, headers=api.headers, timeout=10.0)
     except httpx.HTTPError as exc:
         raise RecoveryError(
             f"cannot reach the sidecar at {api.base} ({type(exc).__name__}: {exc}); start it "
             f"with `saga-sidecar serve` or {api.flag_hint}"
         ) from exc
+
+
+def _fetch(api: ApiTarget, run_id: str) -> dict[str, Any]:
+    # reveal=args: the real undo arguments, where the sidecar masks them for people.
+    resp = _get(api, api.url(run_id), {"reveal": "args"})
     if resp.status_code == 404:
         raise RecoveryError(
             f"the sidecar at {api.base} knows no run {run_id!r}; check the id with "

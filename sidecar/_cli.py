@@ -311,19 +311,28 @@ def _request(api: str, token: str | None, method: str, path: str, **kw: Any) -> 
         raise ApiError(f"{api}{path} answered {resp.status_code} with non-JSON") from exc
     if resp.status_code >= 400:
         message = str(body.get("error") if isinstance(body, dict) else body)
-        raise ApiError(message)
+        raise ApiError(message, resp.status_code)
     if not isinstance(body, dict):
         raise ApiError(f"{api}{path} answered with {type(body).__name__}, expected an object")
     return body
 
 
-def _full_id(api: str, token: str | None, given: str) -> str:
-    """The run id ``given`` names (any unique prefix; the rule is the contract's)."""
+def _on_run(
+    api: str, token: str | None, method: str, given: str, suffix: str = "", **kw: Any
+) -> dict[str, Any]:
+    """``method /runs/{id}{suffix}`` for the run ``given`` names: a whole id (pasted from
+    an alert) costs one request; only when no run has that id is it taken as a prefix
+    (the contract's rule) and the request made for the one run it names."""
+    try:
+        return _request(api, token, method, f"/runs/{sc.run_id_segment(given)}{suffix}", **kw)
+    except ApiError as exc:
+        if exc.status != 404:
+            raise
     body = _request(api, token, "GET", "/runs", params={"id_prefix": given, "limit": 1000})
     run_id, problem = sc.run_id_match_problem(given, (str(r["run_id"]) for r in body["runs"]))
     if run_id is None:
-        raise ApiError(problem)
-    return run_id
+        raise ApiError(str(problem))
+    return _request(api, token, method, f"/runs/{sc.run_id_segment(run_id)}{suffix}", **kw)
 
 
 @main.group()
@@ -405,8 +414,7 @@ def show(run_id: str, api: str, token: str | None, as_json: bool) -> None:
     RUN_ID may be any prefix of the id that no other run shares.
     """
     try:
-        run_id = _full_id(api, token, run_id)
-        view = _request(api, token, "GET", f"/runs/{sc.run_id_segment(run_id)}")
+        view = _on_run(api, token, "GET", run_id)
     except SidecarError as exc:
         raise _fail(exc) from exc
     if as_json:
@@ -427,8 +435,7 @@ def stack(run_id: str, api: str, token: str | None, as_json: bool) -> None:
     RUN_ID may be any prefix of the id that no other run shares.
     """
     try:
-        run_id = _full_id(api, token, run_id)
-        body = _request(api, token, "GET", f"/runs/{sc.run_id_segment(run_id)}/stack")
+        body = _on_run(api, token, "GET", run_id, "/stack")
     except SidecarError as exc:
         raise _fail(exc) from exc
     if as_json:
@@ -450,10 +457,7 @@ def resolve(run_id: str, note: str, api: str, token: str | None) -> None:
     RUN_ID may be any prefix of the id that no other run shares.
     """
     try:
-        run_id = _full_id(api, token, run_id)
-        view = _request(
-            api, token, "POST", f"/runs/{sc.run_id_segment(run_id)}/resolve", json={"note": note}
-        )
+        view = _on_run(api, token, "POST", run_id, "/resolve", json={"note": note})
     except SidecarError as exc:
         raise _fail(exc) from exc
     click.echo(f"resolved {view['run_id']} ({view['status']}): {view['resolution']['note']}")
