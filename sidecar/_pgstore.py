@@ -25,6 +25,7 @@ from urllib.parse import urlsplit
 from ._errors import StoreError
 from ._leases import Lease, LeaseRefusal, Owner
 from ._log import get_logger
+from ._outbox_sql import OutboxReads
 from ._storage import (
     SCHEMA_VERSION,
     AlertTx,
@@ -606,11 +607,10 @@ class _PgAlertTx:
         )
 
 
-_ROW = "SELECT id, dedup_key, action, sink, state, attempts, last_error, event FROM alert_outbox"
-
-
-class PgAlertStore(_Pooled):
+class PgAlertStore(OutboxReads, _Pooled):
     """The alert outbox's rows on PostgreSQL (see :class:`sidecar._storage.AlertStore`)."""
+
+    placeholder = "%s"
 
     def __init__(self, target: DbTarget) -> None:
         super().__init__(target, max_size=2, name="saga-sidecar-outbox")
@@ -620,29 +620,6 @@ class PgAlertStore(_Pooled):
     def transaction(self) -> Iterator[AlertTx]:
         with self._tx("write alerts to the outbox") as conn:
             yield _PgAlertTx(conn)
-
-    def held(self, no_sink: str, held: str) -> list[tuple[int, str]]:
-        rows = self._all(
-            "SELECT id, event FROM alert_outbox WHERE sink = %s AND state = %s ORDER BY id",
-            (no_sink, held),
-        )
-        return [(int(a), str(b)) for a, b in rows]
-
-    def open_alerts(self) -> list[tuple[str, str]]:
-        rows = self._all(
-            "SELECT DISTINCT f.run_id, f.alertname FROM alert_outbox f WHERE f.action = "
-            "'fire' AND NOT EXISTS (SELECT 1 FROM alert_outbox r WHERE r.dedup_key = "
-            "f.dedup_key AND r.action = 'resolve')"
-        )
-        return [(str(a), str(b)) for a, b in rows]
-
-    def rows(self, sink: str | None = None) -> list[OutboxRecord]:
-        query = _ROW + (" WHERE sink = %s" if sink else "") + " ORDER BY id"
-        return [OutboxRecord(*r) for r in self._all(query, (sink,) if sink else ())]
-
-    def count(self, state: str) -> int:
-        ((n,),) = self._all("SELECT COUNT(*) FROM alert_outbox WHERE state = %s", (state,))
-        return int(n)
 
     def next_row(self, sink: str, state: str) -> OutboxRecord | None:
         """Claim the next row: rows locked by another replica's claim are skipped (SKIP
@@ -674,16 +651,6 @@ class PgAlertStore(_Pooled):
                 "+ %s END, claimed_by = CASE WHEN %s > 0 THEN claimed_by END WHERE id = %s",
                 (state, error, sent, now, sent, now, hold, hold, hold, row_id),
             )
-
-    def firing(self, sink: str, delivered: str) -> list[tuple[int, float, str]]:
-        rows = self._all(
-            "SELECT f.id, f.last_sent_at, f.event FROM alert_outbox f WHERE f.sink = %s "
-            "AND f.action = 'fire' AND f.state = %s AND NOT EXISTS (SELECT 1 FROM "
-            "alert_outbox r WHERE r.dedup_key = f.dedup_key AND r.sink = f.sink AND "
-            "r.action = 'resolve')",
-            (sink, delivered),
-        )
-        return [(int(a), float(b or 0.0), str(c)) for a, b, c in rows]
 
     def touch_sent(self, row_id: int, at: float) -> None:
         with self._tx("update an alert") as conn:

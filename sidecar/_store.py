@@ -21,6 +21,7 @@ from typing import Any
 from ._errors import StoreError
 from ._leases import Lease, LeaseRefusal, Override, Owner
 from ._log import get_logger
+from ._outbox_sql import ROW, OutboxReads
 from ._storage import (
     NO_CHANGES,
     SCHEMA_VERSION,
@@ -487,16 +488,14 @@ class _SqliteAlertTx:
         )
 
 
-_ROW = "SELECT id, dedup_key, action, sink, state, attempts, last_error, event FROM alert_outbox"
-
-
-class SqliteAlertStore:
+class SqliteAlertStore(OutboxReads):
     """The alert outbox's rows in the sidecar's SQLite file, on a connection of their own.
 
     The outbox may call it from more than one thread: a lock serializes the calls.
     """
 
     inline = True
+    placeholder = "?"
 
     def __init__(self, where: DbTarget | Path | str) -> None:
         memory = str(where) == ":memory:"
@@ -544,31 +543,8 @@ class SqliteAlertStore:
         with self._lock:
             return list(self._db.execute(sql, args).fetchall())
 
-    def held(self, no_sink: str, held: str) -> list[tuple[int, str]]:
-        rows = self._all(
-            "SELECT id, event FROM alert_outbox WHERE sink = ? AND state = ? ORDER BY id",
-            (no_sink, held),
-        )
-        return [(int(a), str(b)) for a, b in rows]
-
-    def open_alerts(self) -> list[tuple[str, str]]:
-        rows = self._all(
-            "SELECT DISTINCT f.run_id, f.alertname FROM alert_outbox f WHERE f.action = "
-            "'fire' AND NOT EXISTS (SELECT 1 FROM alert_outbox r WHERE r.dedup_key = "
-            "f.dedup_key AND r.action = 'resolve')"
-        )
-        return [(str(a), str(b)) for a, b in rows]
-
-    def rows(self, sink: str | None = None) -> list[OutboxRecord]:
-        query = _ROW + (" WHERE sink = ?" if sink else "") + " ORDER BY id"
-        return [OutboxRecord(*r) for r in self._all(query, (sink,) if sink else ())]
-
-    def count(self, state: str) -> int:
-        ((n,),) = self._all("SELECT COUNT(*) FROM alert_outbox WHERE state = ?", (state,))
-        return int(n)
-
     def next_row(self, sink: str, state: str) -> OutboxRecord | None:
-        rows = self._all(_ROW + " WHERE sink = ? AND state = ? ORDER BY id LIMIT 1", (sink, state))
+        rows = self._all(ROW + " WHERE sink = ? AND state = ? ORDER BY id LIMIT 1", (sink, state))
         return OutboxRecord(*rows[0]) if rows else None
 
     def mark(
@@ -587,16 +563,6 @@ class SqliteAlertStore:
                 "last_sent_at = CASE WHEN ? THEN ? ELSE last_sent_at END WHERE id = ?",
                 (state, error, sent, now, sent, now, row_id),
             )
-
-    def firing(self, sink: str, delivered: str) -> list[tuple[int, float, str]]:
-        rows = self._all(
-            "SELECT f.id, f.last_sent_at, f.event FROM alert_outbox f WHERE f.sink = ? "
-            "AND f.action = 'fire' AND f.state = ? AND NOT EXISTS (SELECT 1 FROM "
-            "alert_outbox r WHERE r.dedup_key = f.dedup_key AND r.sink = f.sink AND "
-            "r.action = 'resolve')",
-            (sink, delivered),
-        )
-        return [(int(a), float(b or 0.0), str(c)) for a, b, c in rows]
 
     def touch_sent(self, row_id: int, at: float) -> None:
         with self._lock:
