@@ -368,7 +368,8 @@ def by_name(tools: Iterable[T], kind: type, what: str, fix: str) -> dict[str, T]
 
 def outside_call_id(name: str) -> str:
     """The call id a framework sees for an undo or a snapshot: no model asked for it, so
-    the saga's own stable key for the call (``<run>:<step>:compensate``)."""
+    the saga's own stable key for the call (``<run>:<step>:compensate``); a snapshot,
+    taken before the do's call begins, gets ``saga-otel:<tool>``."""
     call = current_call()
     return call.idempotency_key if call is not None else f"saga-otel:{name}"
 
