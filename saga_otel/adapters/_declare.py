@@ -18,7 +18,7 @@ import inspect
 import json
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Literal, NamedTuple, TypeVar
+from typing import Any, Generic, Literal, NamedTuple, TypeVar
 
 from saga_otel import (
     CallInfo,
@@ -381,30 +381,39 @@ _in_flight: contextvars.ContextVar[tuple[str, Callable[[], Awaitable[Any]]] | No
 )
 
 
-class DeclaredTools:
-    """What each framework's ``SagaTools`` shares: its rows, registry and review.
+ToolsIn = TypeVar("ToolsIn")
+FrameworkTool = TypeVar("FrameworkTool")
 
-    A subclass holds the framework's tool objects and says how to read a tool's
-    parameters (:meth:`params`) and how to call one through the framework when
-    no agent asked for it (:meth:`invoke`: an undo during an unwind or a
-    recovery, or a snapshot). The model's own calls reach the registry tool
-    through :meth:`model_call`, which runs them through the framework with the
-    agent's context instead.
+
+class DeclaredTools(Generic[ToolsIn, FrameworkTool]):
+    """What each framework's ``SagaTools`` shares: its constructor, rows, registry and review.
+
+    A subclass says where its tools come from (:meth:`collect`, :attr:`where`),
+    how to read a tool's parameters (:meth:`params`) and how to call one
+    through the framework when no agent asked for it (:meth:`invoke`: an undo
+    during an unwind or a recovery, or a snapshot). The model's own calls
+    reach the registry tool through :meth:`model_call`, which runs them
+    through the framework with the agent's context instead.
     """
+
+    where: str = "the tools"
 
     def __init__(
         self,
-        names: Iterable[str],
-        declare: Mapping[str, Declare] | None,
+        tools: ToolsIn,
+        declare: Mapping[str, Declare] | None = None,
         *,
-        unannotated: Unannotated,
-        unwind_on_tool_error: bool,
-        where: str,
+        unannotated: Unannotated = "refuse",
+        unwind_on_tool_error: bool = False,
     ) -> None:
+        self.tools: dict[str, FrameworkTool] = self.collect(tools)
         self.unwind_on_tool_error = unwind_on_tool_error
         declared = dict(declare or {})
         self.mappings: tuple[ToolMapping, ...] = classified(
-            [Described(n) for n in names], declared, unannotated=unannotated, where=where
+            [Described(n) for n in self.tools],
+            declared,
+            unannotated=unannotated,
+            where=self.where,
         )
         for row in self.mappings:
             for other in (row.undo, row.snapshot):
@@ -417,6 +426,9 @@ class DeclaredTools:
             params=self.params,
             snapshot=self._snapshot,
         )
+
+    def collect(self, tools: ToolsIn) -> dict[str, FrameworkTool]:
+        raise NotImplementedError
 
     def params(self, name: str) -> list[str]:
         raise NotImplementedError

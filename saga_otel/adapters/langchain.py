@@ -42,7 +42,6 @@ from saga_otel.adapters._declare import (
     DeclaredTools,
     ToolErrorUnwind,
     ToolMapping,
-    Unannotated,
     by_name,
 )
 
@@ -58,28 +57,18 @@ def _strict(t: BaseTool) -> BaseTool:
     return t.model_copy(update={"handle_tool_error": False, "handle_validation_error": False})
 
 
-class SagaTools(DeclaredTools):
-    """The agent's LangChain tools as a :class:`~saga_otel.ToolRegistry`, bound per run."""
+class SagaTools(DeclaredTools[Sequence[BaseTool], BaseTool]):
+    """The agent's LangChain tools as a :class:`~saga_otel.ToolRegistry`, bound per run.
 
-    def __init__(
-        self,
-        tools: Sequence[BaseTool],
-        declare: Mapping[str, Declare] | None = None,
-        *,
-        unannotated: Unannotated = "refuse",
-        unwind_on_tool_error: bool = False,
-    ) -> None:
-        self.tools = by_name(
-            tools, BaseTool, "LangChain tool", "wrap it with langchain_core.tools.tool"
-        )
-        self.strict = {name: _strict(t) for name, t in self.tools.items()}
-        super().__init__(
-            self.tools,
-            declare,
-            unannotated=unannotated,
-            unwind_on_tool_error=unwind_on_tool_error,
-            where="the LangChain tools",
-        )
+    ``SagaTools(tools, declare, *, unannotated="refuse", unwind_on_tool_error=False)``.
+    """
+
+    where = "the LangChain tools"
+
+    def collect(self, tools: Sequence[BaseTool]) -> dict[str, BaseTool]:
+        named = by_name(tools, BaseTool, "LangChain tool", "wrap it with langchain_core.tools.tool")
+        self.strict = {name: _strict(t) for name, t in named.items()}
+        return named
 
     def params(self, name: str) -> list[str]:
         return list(self.tools[name].args)

@@ -53,7 +53,6 @@ from saga_otel.adapters._declare import (
     DeclaredTools,
     ToolErrorUnwind,
     ToolMapping,
-    Unannotated,
     by_name,
     outside_call_id,
 )
@@ -66,28 +65,18 @@ def _strict(t: FunctionTool) -> FunctionTool:
     return set_function_tool_failure_error_function(copy.copy(t), None)
 
 
-class SagaTools(DeclaredTools):
-    """The agent's function tools as a :class:`~saga_otel.ToolRegistry`, bound per run."""
+class SagaTools(DeclaredTools[Sequence[FunctionTool], FunctionTool]):
+    """The agent's function tools as a :class:`~saga_otel.ToolRegistry`, bound per run.
 
-    def __init__(
-        self,
-        tools: Sequence[FunctionTool],
-        declare: Mapping[str, Declare] | None = None,
-        *,
-        unannotated: Unannotated = "refuse",
-        unwind_on_tool_error: bool = False,
-    ) -> None:
-        self.tools = by_name(
-            tools, FunctionTool, "FunctionTool", "wrap it with agents.function_tool"
-        )
-        self.strict = {name: _strict(t) for name, t in self.tools.items()}
-        super().__init__(
-            self.tools,
-            declare,
-            unannotated=unannotated,
-            unwind_on_tool_error=unwind_on_tool_error,
-            where="the agent's function tools",
-        )
+    ``SagaTools(tools, declare, *, unannotated="refuse", unwind_on_tool_error=False)``.
+    """
+
+    where = "the agent's function tools"
+
+    def collect(self, tools: Sequence[FunctionTool]) -> dict[str, FunctionTool]:
+        named = by_name(tools, FunctionTool, "FunctionTool", "wrap it with agents.function_tool")
+        self.strict = {name: _strict(t) for name, t in named.items()}
+        return named
 
     def params(self, name: str) -> list[str]:
         return list((self.tools[name].params_json_schema.get("properties") or {}).keys())

@@ -51,7 +51,6 @@ from saga_otel.adapters._declare import (
     DeclaredTools,
     ToolErrorUnwind,
     ToolMapping,
-    Unannotated,
     outside_call_id,
 )
 
@@ -69,28 +68,23 @@ def _no_model(_messages: list[ModelMessage], _info: AgentInfo) -> NoReturn:
 _UNWIND_MODEL = FunctionModel(_no_model, model_name="saga-otel-unwind")
 
 
-class SagaTools(DeclaredTools):
-    """The agent's tools as a :class:`~saga_otel.ToolRegistry` and a toolset bound per run."""
+PaiTools = FunctionToolset[Any] | Sequence[PaiTool[Any] | Callable[..., Any]]
 
-    def __init__(
-        self,
-        tools: FunctionToolset[Any] | Sequence[PaiTool[Any] | Callable[..., Any]],
-        declare: Mapping[str, Declare] | None = None,
-        *,
-        unannotated: Unannotated = "refuse",
-        unwind_on_tool_error: bool = False,
-    ) -> None:
+
+class SagaTools(DeclaredTools[PaiTools, PaiTool[Any]]):
+    """The agent's tools as a :class:`~saga_otel.ToolRegistry` and a toolset bound per run.
+
+    ``SagaTools(tools, declare, *, unannotated="refuse", unwind_on_tool_error=False)``:
+    ``tools`` is a ``FunctionToolset``, or a list of ``Tool`` objects and functions.
+    """
+
+    where = "the pydantic-ai toolset"
+
+    def collect(self, tools: PaiTools) -> dict[str, PaiTool[Any]]:
         self.wrapped: FunctionToolset[Any] = (
             tools if isinstance(tools, FunctionToolset) else FunctionToolset(list(tools))
         )
-        self.tools: dict[str, PaiTool[Any]] = dict(self.wrapped.tools)
-        super().__init__(
-            self.tools,
-            declare,
-            unannotated=unannotated,
-            unwind_on_tool_error=unwind_on_tool_error,
-            where="the pydantic-ai toolset",
-        )
+        return dict(self.wrapped.tools)
 
     def params(self, name: str) -> list[str]:
         return list(self.tools[name].function_schema.json_schema.get("properties") or {})
