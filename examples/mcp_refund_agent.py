@@ -19,10 +19,10 @@ import argparse
 import asyncio
 import json
 import os
-from typing import Any
 
 from mcp import Client
 
+from examples.framework_refund import SCRIPT, print_outcome
 from examples.mcp_refund_server import refund_server
 from examples.world import World
 from saga_otel import Saga, SagaReport, ToolRegistry, configure
@@ -48,14 +48,6 @@ DECLARE = {
         undo_args={"ticket_id": "args.ticket_id", "status": "snapshot.status"},
     ),
 }
-
-# The calls a model would make, each with the id the model gave it.
-SCRIPT: list[tuple[str, str, dict[str, Any]]] = [
-    ("call_1", "get_order", {"order_id": 4921}),
-    ("call_2", "issue_credit", {"order_id": 4921, "amount": 2500}),
-    ("call_3", "set_ticket_status", {"ticket_id": "T-9104", "status": "refunded"}),
-    ("call_4", "send_reply", {"ticket_id": "T-9104", "body": "We credited 2500 cents."}),
-]
 
 
 async def run_script(saga: Saga, tools: McpTools, pause_after: str | None = None) -> SagaReport:
@@ -109,9 +101,7 @@ def main() -> None:
         report = asyncio.run(main_async(world, ns.server, ns.pause_after))
     finally:
         export.shutdown()
-    print(f"run {report.run_id}: {report.status.value}")
-    print("ledger:", world.ledger)
-    print("ticket:", world.tickets)
+    print_outcome(world, report)
 
 
 if __name__ == "__main__":

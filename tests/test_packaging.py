@@ -148,6 +148,11 @@ def test_library_only_install_has_no_server_stack_and_runs_an_agent(
         imported = _run([py, "-c", f"import {module}"], agent_dir, env)
         assert imported.returncode == 1
         assert f"pip install 'saga-otel[{extra}]'" in imported.stderr.splitlines()[-1]
+    # Declarations need no framework: Declare comes from the adapters package itself.
+    declared = _run(
+        [py, "-c", "from saga_otel.adapters import Declare; Declare(undo='u')"], agent_dir, env
+    )
+    assert declared.returncode == 0, declared.stderr
     review = _run([str(venv / "bin" / "saga-otel"), "mcp-tools", "server"], agent_dir, env)
     assert review.returncode == 2 and "Traceback" not in review.stderr
     (line,) = review.stderr.splitlines()

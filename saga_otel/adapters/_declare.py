@@ -3,16 +3,33 @@
 Each adapter describes its framework's tools as :class:`Described` (name, the class
 the framework's own metadata gives, whether it says the tool destroys), and
 :func:`map_declared` applies the user's :class:`Declare` per tool name to them.
+:func:`build_registry` turns the rows into saga tools whose functions call the
+framework's own tool objects, and :class:`DeclaredTools` is what the
+pydantic-ai, LangChain and OpenAI Agents SDK adapters share: the rows, the
+registry, the review, and the one rule for telling the model's call (run
+through the framework with the agent's context) from an undo or a snapshot
+(run through the framework with a context built for it).
 """
 
 from __future__ import annotations
 
+import contextvars
+import inspect
 import json
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Literal, NamedTuple
+from typing import Any, Generic, Literal, NamedTuple, TypeVar
 
-from saga_otel import CallInfo, ConfigurationError, RetryPolicy, SagaError, StepClass
+from saga_otel import (
+    CallInfo,
+    ConfigurationError,
+    RetryPolicy,
+    SagaError,
+    StepClass,
+    Tool,
+    ToolRegistry,
+    current_call,
+)
 
 IDEMPOTENCY_PARAM = "idempotency_key"
 _PATH_ROOTS = ("args", "result", "snapshot")
@@ -22,6 +39,10 @@ Unannotated = Literal["refuse", "irreversible"]
 class ToolErrorUnwind(SagaError):
     """A tool error the framework would hand to the model, raised to unwind the run instead
     (``unwind_on_tool_error=True``)."""
+
+    @classmethod
+    def of(cls, name: str, exc: BaseException) -> ToolErrorUnwind:
+        return cls(f"tool {name!r} failed ({exc}) and unwind_on_tool_error is set")
 
 
 ArgsSpec = Mapping[str, Any] | Callable[[CallInfo], Mapping[str, Any]]
@@ -267,3 +288,189 @@ def describe(
         user = d.describe
         return lambda info: user(replace(info, result=decode(info.result)))
     return d.describe
+
+
+def _same(result: Any) -> Any:
+    return result
+
+
+def classified(
+    tools: Sequence[Described],
+    declare: Mapping[str, Declare] | None,
+    *,
+    unannotated: Unannotated,
+    where: str,
+) -> tuple[ToolMapping, ...]:
+    """:func:`map_declared`, refusing at start, listed, the tools left with no class."""
+    rows = map_declared(tools, declare, unannotated=unannotated, where=where)
+    refused = refusal(rows)
+    if refused is not None:
+        raise ConfigurationError(refused)
+    return tuple(rows)
+
+
+def keyed_signature(params: Iterable[str]) -> inspect.Signature:
+    """A saga tool function's signature: the engine passes the stable idempotency key
+    only to a tool whose own parameters take it."""
+    return inspect.Signature(
+        [inspect.Parameter(IDEMPOTENCY_PARAM, inspect.Parameter.KEYWORD_ONLY, default=None)]
+        if IDEMPOTENCY_PARAM in params
+        else []
+    )
+
+
+def build_registry(
+    rows: Iterable[ToolMapping],
+    declare: Mapping[str, Declare],
+    *,
+    call: Callable[[str], Callable[..., Any]],
+    params: Callable[[str], Sequence[str]],
+    snapshot: Callable[[str], Callable[..., Any]],
+    decode: Callable[[Any], Any] = _same,
+) -> ToolRegistry:
+    """The classified rows as saga tools: ``call(name)`` is each one's function,
+    ``params(name)`` its parameters, ``snapshot(name)`` a read tool as a snapshot."""
+    registry = ToolRegistry()
+    for row in rows:
+        assert row.step_class is not None  # classified() refused the others
+        d = declare.get(row.name, Declare())
+        registry.register(
+            Tool(
+                name=row.name,
+                fn=call(row.name),
+                step_class=row.step_class,
+                compensate=row.undo,
+                compensate_args=(
+                    undo_recipe(d.undo_args, params(row.undo), decode) if row.undo else None
+                ),
+                describe=describe(d, decode),
+                snapshot=snapshot(row.snapshot) if row.snapshot else None,
+                retry=d.retry,
+                pivot=row.pivot,
+            )
+        )
+    registry.check_compensations()
+    return registry
+
+
+T = TypeVar("T")
+
+
+def by_name(tools: Iterable[T], kind: type, what: str, fix: str) -> dict[str, T]:
+    """The framework's tool objects by name, refusing anything else with ``fix``."""
+    named: dict[str, T] = {}
+    for t in tools:
+        if not isinstance(t, kind):
+            raise ConfigurationError(f"{t!r} is not a {what}: {fix}")
+        named[getattr(t, "name")] = t  # noqa: B009 - every framework tool has a name
+    return named
+
+
+def outside_call_id(name: str) -> str:
+    """The call id a framework sees for an undo or a snapshot: no model asked for it, so
+    the saga's own stable key for the call (``<run>:<step>:compensate``); a snapshot,
+    taken before the do's call begins, gets ``saga-otel:<tool>``."""
+    call = current_call()
+    return call.idempotency_key if call is not None else f"saga-otel:{name}"
+
+
+# The model's call in flight: (tool name, its run through the framework with the agent's
+# context). Set by a bound tool around run.call, read by the registry tool's function.
+_in_flight: contextvars.ContextVar[tuple[str, Callable[[], Awaitable[Any]]] | None] = (
+    contextvars.ContextVar("saga_otel_adapter_call", default=None)
+)
+
+
+ToolsIn = TypeVar("ToolsIn")
+FrameworkTool = TypeVar("FrameworkTool")
+
+
+class DeclaredTools(Generic[ToolsIn, FrameworkTool]):
+    """What each framework's ``SagaTools`` shares: its constructor, rows, registry and review.
+
+    A subclass says where its tools come from (:meth:`collect`, :attr:`where`),
+    how to read a tool's parameters (:meth:`params`) and how to call one
+    through the framework when no agent asked for it (:meth:`invoke`: an undo
+    during an unwind or a recovery, or a snapshot). The model's own calls
+    reach the registry tool through :meth:`model_call`, which runs them
+    through the framework with the agent's context instead.
+    """
+
+    where: str = "the tools"
+
+    def __init__(
+        self,
+        tools: ToolsIn,
+        declare: Mapping[str, Declare] | None = None,
+        *,
+        unannotated: Unannotated = "refuse",
+        unwind_on_tool_error: bool = False,
+    ) -> None:
+        self.tools: dict[str, FrameworkTool] = self.collect(tools)
+        self.unwind_on_tool_error = unwind_on_tool_error
+        declared = dict(declare or {})
+        self.mappings: tuple[ToolMapping, ...] = classified(
+            [Described(n) for n in self.tools],
+            declared,
+            unannotated=unannotated,
+            where=self.where,
+        )
+        for row in self.mappings:
+            for other in (row.undo, row.snapshot):
+                if other is not None:
+                    self.check_outside(other, row.name)
+        self.registry: ToolRegistry = build_registry(
+            self.mappings,
+            declared,
+            call=self._call,
+            params=self.params,
+            snapshot=self._snapshot,
+        )
+
+    def collect(self, tools: ToolsIn) -> dict[str, FrameworkTool]:
+        raise NotImplementedError
+
+    def params(self, name: str) -> list[str]:
+        raise NotImplementedError
+
+    async def invoke(self, name: str, kwargs: Mapping[str, Any]) -> Any:
+        raise NotImplementedError
+
+    def check_outside(self, name: str, user: str) -> None:
+        """Refuse, at start, a tool that cannot run without the agent (``name`` undoes
+        or snapshots ``user``)."""
+
+    def review(self) -> str:
+        """Each tool's class, pivot and undo, for a person to check before the agent runs."""
+        return review(self.mappings)
+
+    @staticmethod
+    async def model_call(
+        name: str, run_call: Awaitable[T], through: Callable[[], Awaitable[Any]]
+    ) -> T:
+        """Await ``run_call`` (``run.call(name, ...)``) with the framework's own call
+        of the tool, with the agent's context, as what the registry tool runs."""
+        token = _in_flight.set((name, through))
+        try:
+            return await run_call
+        finally:
+            _in_flight.reset(token)
+
+    def _call(self, name: str) -> Callable[..., Any]:
+        async def call(**kwargs: Any) -> Any:
+            flight = _in_flight.get()
+            if flight is not None and flight[0] == name:
+                return await flight[1]()  # the model's call, with the agent's context
+            return await self.invoke(name, kwargs)  # an undo: no agent, a context built for it
+
+        call.__signature__ = keyed_signature(self.params(name))  # type: ignore[attr-defined]
+        call.__name__ = name
+        return call
+
+    def _snapshot(self, name: str) -> Callable[..., Any]:
+        wanted = set(self.params(name))
+
+        async def snap(**kwargs: Any) -> Any:
+            return await self.invoke(name, {k: v for k, v in kwargs.items() if k in wanted})
+
+        return snap

@@ -36,18 +36,13 @@ except ImportError as exc:  # pragma: no cover - exercised by the library-only i
         "saga_otel.adapters.langchain needs langchain-core: pip install 'saga-otel[langchain]'"
     ) from exc
 
-from saga_otel import ConfigurationError, Run, Tool, ToolRegistry, tool_call_id
+from saga_otel import ConfigurationError, Run, tool_call_id
 from saga_otel.adapters._declare import (
     Declare,
-    Described,
+    DeclaredTools,
     ToolErrorUnwind,
     ToolMapping,
-    Unannotated,
-    describe,
-    map_declared,
-    refusal,
-    review,
-    undo_recipe,
+    by_name,
 )
 
 __all__ = ["Declare", "SagaTools", "ToolErrorUnwind", "ToolMapping"]
@@ -62,65 +57,26 @@ def _strict(t: BaseTool) -> BaseTool:
     return t.model_copy(update={"handle_tool_error": False, "handle_validation_error": False})
 
 
-class SagaTools:
-    """The agent's LangChain tools as a :class:`~saga_otel.ToolRegistry`, bound per run."""
+class SagaTools(DeclaredTools[Sequence[BaseTool], BaseTool]):
+    """The agent's LangChain tools as a :class:`~saga_otel.ToolRegistry`, bound per run.
 
-    def __init__(
-        self,
-        tools: Sequence[BaseTool],
-        declare: Mapping[str, Declare] | None = None,
-        *,
-        unannotated: Unannotated = "refuse",
-        unwind_on_tool_error: bool = False,
-    ) -> None:
-        self.tools: dict[str, BaseTool] = {}
-        for t in tools:
-            if not isinstance(t, BaseTool):
-                raise ConfigurationError(
-                    f"{t!r} is not a LangChain tool: wrap it with langchain_core.tools.tool"
-                )
-            self.tools[t.name] = t
-        self.unwind_on_tool_error = unwind_on_tool_error
-        declare = dict(declare or {})
-        self.mappings: tuple[ToolMapping, ...] = tuple(
-            map_declared(
-                [Described(name) for name in self.tools],
-                declare,
-                unannotated=unannotated,
-                where="the LangChain tools",
-            )
-        )
-        refused = refusal(self.mappings)
-        if refused is not None:
-            raise ConfigurationError(refused)
-        self.registry = ToolRegistry()
-        for row in self.mappings:
-            assert row.step_class is not None
-            d = declare.get(row.name, Declare())
-            self.registry.register(
-                Tool(
-                    name=row.name,
-                    fn=_caller(_strict(self.tools[row.name])),
-                    step_class=row.step_class,
-                    compensate=row.undo,
-                    compensate_args=(
-                        undo_recipe(d.undo_args, list(self.tools[row.undo].args))
-                        if row.undo
-                        else None
-                    ),
-                    describe=describe(d),
-                    snapshot=(
-                        _snapshotter(_strict(self.tools[row.snapshot])) if row.snapshot else None
-                    ),
-                    retry=d.retry,
-                    pivot=row.pivot,
-                )
-            )
-        self.registry.check_compensations()
+    ``SagaTools(tools, declare, *, unannotated="refuse", unwind_on_tool_error=False)``.
+    """
 
-    def review(self) -> str:
-        """Each tool's class, pivot and undo, for a person to check before the agent runs."""
-        return review(self.mappings)
+    where = "the LangChain tools"
+
+    def collect(self, tools: Sequence[BaseTool]) -> dict[str, BaseTool]:
+        named = by_name(tools, BaseTool, "LangChain tool", "wrap it with langchain_core.tools.tool")
+        self.strict = {name: _strict(t) for name, t in named.items()}
+        return named
+
+    def params(self, name: str) -> list[str]:
+        return list(self.tools[name].args)
+
+    async def invoke(self, name: str, kwargs: Mapping[str, Any]) -> Any:
+        """The original tool's ``ainvoke``, its own error handling off. LangChain needs no
+        agent context, so the model's calls (validated by the bound tool) come here too."""
+        return await self.strict[name].ainvoke(dict(kwargs))
 
     def bind(self, run: Run) -> list[BaseTool]:
         """Tools to give the model and the ``ToolNode`` for this run."""
@@ -135,23 +91,6 @@ class SagaTools:
             )
             for t in self.tools.values()
         ]
-
-
-def _caller(strict: BaseTool) -> Any:
-    async def call(**kwargs: Any) -> Any:
-        return await strict.ainvoke(kwargs)
-
-    call.__name__ = strict.name
-    return call
-
-
-def _snapshotter(strict: BaseTool) -> Any:
-    wanted = set(strict.args)
-
-    async def snap(**kwargs: Any) -> Any:
-        return await strict.ainvoke({k: v for k, v in kwargs.items() if k in wanted})
-
-    return snap
 
 
 class _SagaTool(BaseTool):
@@ -173,9 +112,7 @@ class _SagaTool(BaseTool):
                 return await self.saga_run.call(self.name, **kwargs)
         except ToolException as exc:
             if self.unwind_on_tool_error:
-                raise ToolErrorUnwind(
-                    f"tool {self.name!r} failed ({exc}) and unwind_on_tool_error is set"
-                ) from exc
+                raise ToolErrorUnwind.of(self.name, exc) from exc
             raise
 
     def _run(self, **_kwargs: Any) -> Any:

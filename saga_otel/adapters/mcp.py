@@ -50,7 +50,6 @@ from saga_otel import (
     Run,
     SagaError,
     StepClass,
-    Tool,
     ToolRegistry,
     tool_call_id,
 )
@@ -59,11 +58,10 @@ from saga_otel.adapters._declare import (
     Described,
     ToolMapping,
     Unannotated,
-    describe,
+    build_registry,
     map_declared,
     refusal,
     review,
-    undo_recipe,
 )
 from saga_otel.records import describe_error
 
@@ -302,28 +300,14 @@ def build_tools(
     if refused is not None:
         raise ConfigurationError(refused)
     by_name = {t.name: t for t in definitions}
-    registry = ToolRegistry()
-    for row in rows:
-        t, d = by_name[row.name], declare.get(row.name, Declare())
-        assert row.step_class is not None
-        registry.register(
-            Tool(
-                name=row.name,
-                fn=_caller(session, t),
-                step_class=row.step_class,
-                compensate=row.undo,
-                compensate_args=(
-                    undo_recipe(d.undo_args, _params(by_name[row.undo]), _decode)
-                    if row.undo
-                    else None
-                ),
-                describe=describe(d, _decode),
-                snapshot=_snapshotter(session, by_name[row.snapshot]) if row.snapshot else None,
-                retry=d.retry,
-                pivot=row.pivot,
-            )
-        )
-    registry.check_compensations()
+    registry = build_registry(
+        rows,
+        declare,
+        call=lambda name: _caller(session, by_name[name]),
+        params=lambda name: _params(by_name[name]),
+        snapshot=lambda name: _snapshotter(session, by_name[name]),
+        decode=_decode,
+    )
     return McpTools(
         session,
         registry,

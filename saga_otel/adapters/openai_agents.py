@@ -17,21 +17,25 @@ to the model as a message by default (the tool's ``failure_error_function``):
   guardrail tripwire, the model's own error) unwinds when it leaves
   ``async with saga.run()``; so does cancelling the task.
 
-Undos run without the agent: the undo tool's Python function (``__wrapped__``)
-is called with the undo's arguments, so it must not take a context parameter.
+Undos and snapshots run through the tool's own ``on_invoke_tool`` (the SDK
+parses the JSON arguments, validates and coerces them with the tool's schema,
+and calls the function), with its error handling off, so a failing undo is a
+failed compensation, never a message. No agent runs during an unwind, so the
+``ToolContext`` is built for the call: ``context`` None, the compensation's
+idempotency key as ``tool_call_id``. An undo must not take a context (checked
+at start for ``@function_tool`` functions).
 """
 
 from __future__ import annotations
 
-import contextvars
 import copy
 import inspect
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 try:
-    from agents import FunctionTool
+    from agents import FunctionTool, Usage
     from agents.tool import (
         maybe_invoke_function_tool_failure_error_function,
         set_function_tool_failure_error_function,
@@ -43,152 +47,72 @@ except ImportError as exc:  # pragma: no cover - exercised by the library-only i
         "pip install 'saga-otel[openai-agents]'"
     ) from exc
 
-from saga_otel import ConfigurationError, Run, Tool, ToolRegistry, tool_call_id
+from saga_otel import ConfigurationError, Run, tool_call_id
 from saga_otel.adapters._declare import (
     Declare,
-    Described,
+    DeclaredTools,
     ToolErrorUnwind,
     ToolMapping,
-    Unannotated,
-    describe,
-    map_declared,
-    refusal,
-    review,
-    undo_recipe,
+    by_name,
+    outside_call_id,
 )
 
 __all__ = ["Declare", "SagaTools", "ToolErrorUnwind", "ToolMapping"]
 
-# (tool name, ToolContext, input JSON) of the model's call in flight, for the registry tool.
-_forward: contextvars.ContextVar[tuple[str, Any, str] | None] = contextvars.ContextVar(
-    "saga_otel_openai_agents_forward", default=None
-)
+
+def _strict(t: FunctionTool) -> FunctionTool:
+    """A copy whose failures raise: the saga must see them (the bound tool formats them)."""
+    return set_function_tool_failure_error_function(copy.copy(t), None)
 
 
-def _raw(t: FunctionTool) -> Callable[..., Any]:
-    """The Python function behind ``@function_tool``; an undo must have one and take no context."""
-    try:
-        fn: Callable[..., Any] = t.__wrapped__
-    except AttributeError:
-        raise ConfigurationError(
-            f"tool {t.name!r} undoes or snapshots another but is not a @function_tool "
-            "function: an undo is called without the agent, so it must be one"
-        ) from None
-    params = list(inspect.signature(fn).parameters.values())
-    if params and "Context" in str(params[0].annotation):
-        raise ConfigurationError(
-            f"tool {t.name!r} undoes or snapshots another but takes a context; an undo runs "
-            "without the agent (unwind, recovery): give it no context parameter"
-        )
-    return fn
+class SagaTools(DeclaredTools[Sequence[FunctionTool], FunctionTool]):
+    """The agent's function tools as a :class:`~saga_otel.ToolRegistry`, bound per run.
 
+    ``SagaTools(tools, declare, *, unannotated="refuse", unwind_on_tool_error=False)``.
+    """
 
-def _params(t: FunctionTool) -> list[str]:
-    return list((t.params_json_schema.get("properties") or {}).keys())
+    where = "the agent's function tools"
 
+    def collect(self, tools: Sequence[FunctionTool]) -> dict[str, FunctionTool]:
+        named = by_name(tools, FunctionTool, "FunctionTool", "wrap it with agents.function_tool")
+        self.strict = {name: _strict(t) for name, t in named.items()}
+        return named
 
-async def _call_raw(fn: Callable[..., Any], kwargs: Mapping[str, Any]) -> Any:
-    out = fn(**kwargs)
-    return await out if inspect.isawaitable(out) else out
+    def params(self, name: str) -> list[str]:
+        return list((self.tools[name].params_json_schema.get("properties") or {}).keys())
 
-
-class SagaTools:
-    """The agent's function tools as a :class:`~saga_otel.ToolRegistry`, bound per run."""
-
-    def __init__(
-        self,
-        tools: Sequence[FunctionTool],
-        declare: Mapping[str, Declare] | None = None,
-        *,
-        unannotated: Unannotated = "refuse",
-        unwind_on_tool_error: bool = False,
-    ) -> None:
-        self.tools: dict[str, FunctionTool] = {}
-        for t in tools:
-            if not isinstance(t, FunctionTool):
-                raise ConfigurationError(
-                    f"{t!r} is not a FunctionTool: wrap it with agents.function_tool"
-                )
-            self.tools[t.name] = t
-        self.unwind_on_tool_error = unwind_on_tool_error
-        declare = dict(declare or {})
-        self.mappings: tuple[ToolMapping, ...] = tuple(
-            map_declared(
-                [Described(name) for name in self.tools],
-                declare,
-                unannotated=unannotated,
-                where="the agent's function tools",
+    def check_outside(self, name: str, user: str) -> None:
+        fn = getattr(self.tools[name], "__wrapped__", None)  # the @function_tool function
+        params = list(inspect.signature(fn).parameters.values()) if callable(fn) else []
+        if params and "Context" in str(params[0].annotation):
+            raise ConfigurationError(
+                f"tool {name!r} undoes or snapshots {user!r} but takes a context; an undo runs "
+                "without the agent (unwind, recovery): give it no context parameter"
             )
+
+    async def invoke(self, name: str, kwargs: Mapping[str, Any]) -> Any:
+        """The tool's own ``on_invoke_tool``, with a ``ToolContext`` built for the call."""
+        input_json = json.dumps(dict(kwargs))
+        ctx: ToolContext[Any] = ToolContext(
+            context=None,
+            usage=Usage(),
+            tool_name=name,
+            tool_call_id=outside_call_id(name),
+            tool_arguments=input_json,
         )
-        refused = refusal(self.mappings)
-        if refused is not None:
-            raise ConfigurationError(refused)
-        self.registry = ToolRegistry()
-        for row in self.mappings:
-            assert row.step_class is not None
-            d = declare.get(row.name, Declare())
-            if row.undo:
-                _raw(self.tools[row.undo])  # checked now: an undo runs without the agent
-            self.registry.register(
-                Tool(
-                    name=row.name,
-                    fn=self._caller(self.tools[row.name]),
-                    step_class=row.step_class,
-                    compensate=row.undo,
-                    compensate_args=(
-                        undo_recipe(d.undo_args, _params(self.tools[row.undo]))
-                        if row.undo
-                        else None
-                    ),
-                    describe=describe(d),
-                    snapshot=_snapshotter(self.tools[row.snapshot]) if row.snapshot else None,
-                    retry=d.retry,
-                    pivot=row.pivot,
-                )
-            )
-        self.registry.check_compensations()
-
-    @staticmethod
-    def _caller(t: FunctionTool) -> Callable[..., Any]:
-        # A copy whose failures raise: the saga must see them (the bound tool formats them).
-        strict = set_function_tool_failure_error_function(copy.copy(t), None)
-        name = t.name
-
-        async def call(**kwargs: Any) -> Any:
-            forward = _forward.get()
-            if forward is not None and forward[0] == name:
-                # The model's call: the SDK's own pipeline (parsing, validation, context).
-                return await strict.on_invoke_tool(forward[1], forward[2])
-            return await _call_raw(_raw(t), kwargs)  # an undo, during an unwind or a recovery
-
-        call.__signature__ = inspect.Signature()  # type: ignore[attr-defined]
-        call.__name__ = name
-        return call
-
-    def review(self) -> str:
-        """Each tool's class, pivot and undo, for a person to check before the agent runs."""
-        return review(self.mappings)
+        return await self.strict[name].on_invoke_tool(ctx, input_json)
 
     def bind(self, run: Run) -> list[FunctionTool]:
         """Copies of the tools, for ``Agent(tools=...)``, whose calls go through ``run``."""
         bound: list[FunctionTool] = []
         for t in self.tools.values():
             copied = copy.copy(t)
-            copied.on_invoke_tool = _invoker(t, run, self.unwind_on_tool_error)
+            copied.on_invoke_tool = _invoker(t, self.strict[t.name], run, self)
             bound.append(copied)
         return bound
 
 
-def _snapshotter(t: FunctionTool) -> Callable[..., Any]:
-    fn, wanted = _raw(t), set(_params(t))
-
-    async def snap(**kwargs: Any) -> Any:
-        return await _call_raw(fn, {k: v for k, v in kwargs.items() if k in wanted})
-
-    return snap
-
-
-def _invoker(t: FunctionTool, run: Run, unwind_on_tool_error: bool) -> Any:
+def _invoker(t: FunctionTool, strict: FunctionTool, run: Run, tools: SagaTools) -> Any:
     name = t.name
 
     async def invoke(ctx: ToolContext[Any], input_json: str) -> Any:
@@ -198,15 +122,16 @@ def _invoker(t: FunctionTool, run: Run, unwind_on_tool_error: bool) -> Any:
             args = None
         if not isinstance(args, dict):
             args = {}  # the SDK's pipeline reports the bad JSON to the model as the tool's error
-        token = _forward.set((name, ctx, input_json))
+
+        async def through() -> Any:  # the SDK's own pipeline, with the agent's context
+            return await strict.on_invoke_tool(ctx, input_json)
+
         try:
             with tool_call_id(ctx.tool_call_id):
-                return await run.call(name, **args)
+                return await tools.model_call(name, run.call(name, **args), through)
         except Exception as exc:
-            if unwind_on_tool_error:
-                raise ToolErrorUnwind(
-                    f"tool {name!r} failed ({exc}) and unwind_on_tool_error is set"
-                ) from exc
+            if tools.unwind_on_tool_error:
+                raise ToolErrorUnwind.of(name, exc) from exc
             # As the SDK would: the tool's failure_error_function makes the model's message.
             message = await maybe_invoke_function_tool_failure_error_function(
                 function_tool=t, context=ctx, error=exc
@@ -214,7 +139,5 @@ def _invoker(t: FunctionTool, run: Run, unwind_on_tool_error: bool) -> Any:
             if message is None:
                 raise
             return message
-        finally:
-            _forward.reset(token)
 
     return invoke

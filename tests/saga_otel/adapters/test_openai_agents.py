@@ -5,10 +5,19 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Iterator
-from typing import Any
+from typing import Annotated, Any
 
 import pytest
-from agents import Agent, RunContextWrapper, Runner, function_tool, set_tracing_disabled
+from agents import (
+    Agent,
+    FunctionTool,
+    RunContextWrapper,
+    Runner,
+    function_tool,
+    set_tracing_disabled,
+)
+from agents.tool_context import ToolContext
+from pydantic import Field
 
 from examples.openai_agents_refund_agent import DECLARE, SCRIPT, ScriptedModel, refund_tools
 from examples.world import ServiceDown, World
@@ -150,5 +159,98 @@ def test_undeclared_tools_are_refused_and_undos_must_take_no_context() -> None:
         SagaTools(
             [do, undo], {"do": Declare(undo="undo"), "undo": Declare(step_class="convergent")}
         )
-    with pytest.raises(ConfigurationError, match="not a FunctionTool"):
+    with pytest.raises(ConfigurationError, match="is not a FunctionTool: wrap it"):
         SagaTools([print], {})  # type: ignore[list-item]
+
+
+class Booth:
+    """A seat to hold, whose release runs through the SDK and says what it saw."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[Any, ...]] = []
+
+    def tools(self) -> list[FunctionTool]:
+        @function_tool
+        def hold(seat: int) -> dict[str, str]:
+            """Hold a seat; the booking system answers with the seat as text."""
+            self.seen.append(("hold", seat))
+            return {"seat": str(seat)}
+
+        @function_tool
+        def release(seat: Annotated[int, Field(ge=1)]) -> str:
+            """Release a seat."""
+            self.seen.append(("release", seat, type(seat).__name__))
+            return "released"
+
+        @function_tool(failure_error_function=None)
+        def pay(seat: int) -> str:
+            """Pay; the card is declined."""
+            raise RuntimeError("card declined")
+
+        return [hold, release, pay]
+
+
+BOOTH_SCRIPT = [("call_h", "hold", {"seat": 7}), ("call_p", "pay", {"seat": 7})]
+
+
+async def _booth_run(cap: Captured, tools_list: list[FunctionTool], undo_args: Any) -> Any:
+    tools = SagaTools(
+        tools_list,
+        {
+            "hold": Declare(undo="release", undo_args=undo_args),
+            "release": Declare(step_class="convergent"),
+            "pay": Declare(step_class="irreversible"),
+        },
+    )
+    run = cap.saga("booking", tools=tools.registry).run()
+    with pytest.raises(Exception) as escaped:
+        async with run:
+            agent = Agent(name="b", model=ScriptedModel(BOOTH_SCRIPT), tools=tools.bind(run))
+            await Runner.run(agent, "book")
+    assert "card declined" in str(escaped.value)
+    assert run.report is not None
+    return run.report
+
+
+async def test_the_undo_runs_through_the_function_tools_own_pipeline(cap: Captured) -> None:
+    booth = Booth()
+    report = await _booth_run(cap, booth.tools(), {"seat": "result.seat"})
+    assert report.status is RunStatus.COMPENSATED
+    # The undo's argument came from the result as "7": the SDK's schema made it an int.
+    assert booth.seen == [("hold", 7), ("release", 7, "int")]
+
+
+async def test_undo_args_the_sdk_rejects_fail_the_compensation(cap: Captured) -> None:
+    booth = Booth()
+    report = await _booth_run(cap, booth.tools(), {"seat": 0})  # the schema says seat >= 1
+    assert report.status is RunStatus.COMPENSATION_FAILED
+    (failed,) = report.compensations_failed
+    assert failed.error == "ModelBehaviorError: Invalid JSON input for tool release"  # the SDK's
+    assert booth.seen == [("hold", 7)]  # the function never ran
+
+
+async def test_an_undo_with_no_python_function_runs_by_its_on_invoke_tool(cap: Captured) -> None:
+    """A FunctionTool built by hand has only its on_invoke_tool: the unwind calls that, with
+    a ToolContext built for it and the arguments as JSON, as the SDK would."""
+    booth = Booth()
+    hold, _, pay = booth.tools()
+    calls: list[tuple[str, str, str, Any]] = []
+
+    async def on_invoke(ctx: ToolContext[Any], input_json: str) -> str:
+        calls.append((ctx.tool_name, ctx.tool_call_id, input_json, ctx.context))
+        return "released"
+
+    release = FunctionTool(
+        name="release",
+        description="Release a seat.",
+        params_json_schema={
+            "type": "object",
+            "properties": {"seat": {"type": "string"}},
+            "required": ["seat"],
+            "additionalProperties": False,
+        },
+        on_invoke_tool=on_invoke,
+    )
+    report = await _booth_run(cap, [hold, release, pay], {"seat": "result.seat"})
+    assert report.status is RunStatus.COMPENSATED
+    assert calls == [("release", f"{report.run_id}:0:compensate", '{"seat": "7"}', None)]

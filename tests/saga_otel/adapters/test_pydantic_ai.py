@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import Annotated, Any
 
 import pytest
+from pydantic import Field
 from pydantic_ai import Agent, ModelRetry, RunContext
 from pydantic_ai.exceptions import UnexpectedModelBehavior
 from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart, ToolCallPart
@@ -197,3 +199,105 @@ def test_an_undo_taking_run_context_is_refused() -> None:
 
     with pytest.raises(ConfigurationError, match="takes a RunContext"):
         SagaTools(toolset, {"do": Declare(undo="undo"), "undo": Declare(step_class="convergent")})
+
+
+class Booth:
+    """A seat to hold, whose release runs through pydantic-ai and says what it saw."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[Any, ...]] = []
+
+    def toolset(self) -> FunctionToolset[None]:
+        tools: FunctionToolset[None] = FunctionToolset()
+
+        @tools.tool_plain
+        def hold(seat: int) -> dict[str, str]:
+            """Hold a seat; the booking system answers with the seat as text."""
+            self.seen.append(("hold", seat))
+            return {"seat": str(seat)}
+
+        def audit(ctx: RunContext[None], seat: int) -> None:
+            # pydantic-ai's args_validator hook: only pydantic-ai's call path runs it.
+            self.seen.append(("validated", ctx.tool_name, ctx.tool_call_id, seat))
+
+        @tools.tool_plain(args_validator=audit)
+        def release(seat: Annotated[int, Field(ge=1)]) -> str:
+            """Release a seat."""
+            self.seen.append(("release", seat, type(seat).__name__))
+            return "released"
+
+        @tools.tool_plain
+        def pay(seat: int) -> str:
+            """Pay; the card is declined."""
+            raise RuntimeError("card declined")
+
+        return tools
+
+
+BOOTH_SCRIPT = [("call_h", "hold", {"seat": 7}), ("call_p", "pay", {"seat": 7})]
+
+
+async def _booth_run(cap: Captured, booth: Booth, undo_args: dict[str, Any]) -> Any:
+    tools = SagaTools(
+        booth.toolset(),
+        {
+            "hold": Declare(undo="release", undo_args=undo_args),
+            "release": Declare(step_class="convergent"),
+            "pay": Declare(step_class="irreversible"),
+        },
+    )
+    run = cap.saga("booking", tools=tools.registry).run()
+    with pytest.raises(RuntimeError, match="card declined"):
+        async with run:
+            await Agent(scripted_model(BOOTH_SCRIPT)).run("book", toolsets=[tools.toolset(run)])
+    assert run.report is not None
+    return run.report
+
+
+async def test_the_undo_runs_through_pydantic_ais_own_tool_call(cap: Captured) -> None:
+    booth = Booth()
+    report = await _booth_run(cap, booth, {"seat": "result.seat"})
+    assert report.status is RunStatus.COMPENSATED
+    # The undo's argument came from the result as "7": pydantic-ai's schema made it the int
+    # the function declares, and its args_validator saw the call, named, with the key as id.
+    (validated, released) = booth.seen[1:]
+    assert released == ("release", 7, "int")
+    assert validated[:2] == ("validated", "release") and validated[3] == 7
+    assert validated[2] == f"{report.run_id}:0:compensate"
+
+
+async def test_undo_args_pydantic_ai_rejects_fail_the_compensation(cap: Captured) -> None:
+    booth = Booth()
+    report = await _booth_run(cap, booth, {"seat": 0})  # the schema says seat >= 1
+    assert report.status is RunStatus.COMPENSATION_FAILED
+    (failed,) = report.compensations_failed
+    assert "greater than or equal to 1" in (failed.error or "")
+    assert [s[0] for s in booth.seen] == ["hold"]  # the function never ran
+
+
+async def test_the_snapshot_runs_through_pydantic_ai_too(cap: Captured) -> None:
+    world = World(mail_down=True)
+    toolset = refund_toolset(world)
+    asked: list[str | None] = []
+
+    @toolset.tool_plain(args_validator=lambda ctx, ticket_id: asked.append(ctx.tool_call_id))
+    def peek_ticket(ticket_id: str) -> dict[str, Any]:
+        """A ticket's status, audited."""
+        return {"ticket_id": ticket_id, "status": world.ticket_status(ticket_id)}
+
+    declare = {
+        **DECLARE,
+        "set_ticket_status": Declare(
+            undo="set_ticket_status",
+            snapshot="peek_ticket",
+            undo_args={"ticket_id": "args.ticket_id", "status": "snapshot.status"},
+        ),
+        "peek_ticket": Declare(step_class="read"),
+    }
+    tools = SagaTools(toolset, declare)
+    run = cap.saga("refund", tools=tools.registry).run()
+    with pytest.raises(ServiceDown):
+        async with run:
+            await Agent(scripted_model(SCRIPT)).run("refund", toolsets=[tools.toolset(run)])
+    assert world.tickets == {"T-9104": "open"}
+    assert asked == ["saga-otel:peek_ticket"]  # once, before set_ticket_status wrote
