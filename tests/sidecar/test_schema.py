@@ -215,7 +215,8 @@ def test_a_newer_database_is_refused_with_what_to_do(tmp_path: Path, backend: st
     with pytest.raises(StoreError) as info:
         open_store(settings.database)
     (line,) = str(info.value).splitlines()
-    assert f"schema version 99, newer than this sidecar's {SCHEMA_VERSION}" in line and "--db" in line
+    newer = f"schema version 99, newer than this sidecar's {SCHEMA_VERSION}"
+    assert newer in line and "--db" in line
     # And through the command: one line, exit 1, no traceback, nothing changed.
     out = subprocess.run(
         [sys.executable, "-c", "from sidecar._cli import main; main()", "serve", "--db", where],
