@@ -1,8 +1,8 @@
 """Memory bounded by open runs: finished runs leave memory and are served from the store.
 
-Every test runs on SQLite and on PostgreSQL. What a finished run answers (its view,
-its stack, its place in the listing, its page) must not change when it is put away,
-after a restart, or when a late span brings it back.
+The tests run on SQLite and on PostgreSQL (the replicas' one on PostgreSQL). What a
+finished run answers (its view, its stack, its place in the listing, its page) must not
+change when it is put away, after a restart, or when a late span brings it back.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 from sidecar_testkit import (
     BOTH_BACKENDS,
     FakeClock,
@@ -24,8 +25,6 @@ from sidecar_testkit import (
 
 from saga_otel import semconv as sc
 from sidecar import Sidecar
-
-pytestmark = BOTH_BACKENDS
 
 
 async def _get(sidecar: Sidecar, path: str, **headers: str) -> tuple[int, Any]:
@@ -69,6 +68,7 @@ def _runs(t0: float) -> list[Any]:
     ]
 
 
+@BOTH_BACKENDS
 async def test_finished_runs_leave_memory_and_answer_the_same(
     tmp_path: Path, clock: FakeClock
 ) -> None:
@@ -91,6 +91,7 @@ async def test_finished_runs_leave_memory_and_answer_the_same(
         assert await _answers(sc_, ids) == before
 
 
+@BOTH_BACKENDS
 async def test_a_late_span_reopens_a_run_put_away(tmp_path: Path, clock: FakeClock) -> None:
     """The last span of a run arrives after the rest was put away: the run comes back
     whole, its view equals a sidecar's that saw every span at once."""
@@ -120,6 +121,7 @@ async def test_a_late_span_reopens_a_run_put_away(tmp_path: Path, clock: FakeClo
         assert got == want
 
 
+@BOTH_BACKENDS
 async def test_resolve_and_prune_reach_runs_put_away(tmp_path: Path, clock: FakeClock) -> None:
     run = completed_run(t0=clock.now - 50)
     async with Sidecar(settings_for(tmp_path, retention=3600.0), clock=clock) as sc_:
@@ -140,3 +142,36 @@ async def test_resolve_and_prune_reach_runs_put_away(tmp_path: Path, clock: Fake
         status, body = await _get(sc_, f"/runs/{run.run_id}")
         assert status == 404, body
         assert (await _get(sc_, "/runs"))[1]["runs"] == []
+
+
+@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
+async def test_replicas_put_away_and_reopen_through_each_other(
+    tmp_path: Path, clock: FakeClock, backend: str
+) -> None:
+    """A run put away by both replicas gets its last span at one of them: the other folds
+    it in on its next sync onto the whole run (not onto an empty one), and both agree."""
+    assert backend == "postgresql"
+    run = compensated_run(t0=clock.now - 50)
+    spans = run.spans()
+    settings = settings_for(tmp_path, tick_interval=3600.0)  # syncs only when told
+    async with Sidecar(settings, clock=clock) as a, Sidecar(settings, clock=clock) as b:
+        await export_http(a, spans)
+        await b.sync()
+        assert run.run_id in b.state
+        assert await a.evict_async() == [run.run_id]
+        assert await b.evict_async() == [run.run_id]
+        # A late span of the run (the agent's escalation, after its end) reaches B.
+        run.escalate(sc.ESCALATION_COMPENSATION_FAILED, {"not_undone": ["a late card"]})
+        late = [s for s in run.spans() if s not in spans]
+        assert len(late) == 1
+        await export_http(b, late)
+        assert run.run_id in b.state
+        await a.sync()  # A sees a span of a run it put away: it reopens it from the store
+        assert run.run_id in a.state
+        views = [r.state.view(run.run_id) for r in (a, b)]
+        assert views[0] == views[1]
+        assert views[0] is not None and views[0]["status"] == sc.STATUS_COMPENSATED
+        assert len(views[0]["steps"]) == 4 and views[0]["escalation"] is not None
+        assert await a.evict_async() == [run.run_id]
+        got = (await a.lookup(run.run_id)).view(run.run_id)
+        assert got == views[0]
