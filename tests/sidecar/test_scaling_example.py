@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,14 +28,8 @@ from saga_otel import semconv as sc
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "replicas"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture
-def replicas(postgres: PgServer) -> Any:
+def replicas(postgres: PgServer, tmp_path: Path) -> Any:
     name = postgres.create()
     env = {
         **os.environ,
@@ -46,12 +39,13 @@ def replicas(postgres: PgServer) -> Any:
     }
     for letter in "ABC":
         for kind in ("HTTP", "GRPC", "API"):
-            env[f"{letter}_{kind}"] = str(_free_port())
+            env[f"{letter}_{kind}"] = "0"  # any free port: each replica says which it bound
+    errors = tmp_path / "stderr"
     proc = subprocess.Popen(
         ["sh", str(EXAMPLE / "run.sh")],
         env=env,
         stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
+        stderr=errors.open("w"),
         text=True,
         start_new_session=True,
     )
@@ -60,7 +54,7 @@ def replicas(postgres: PgServer) -> Any:
         listening = []
         for _ in range(3):
             line = proc.stdout.readline()
-            assert line, "a replica exited before listening"
+            assert line, f"a replica exited before listening: {errors.read_text()[-2000:]}"
             info = json.loads(line)
             assert info["event"] == "sidecar.listening" and "***" in info["db"]
             listening.append(info)
