@@ -71,6 +71,7 @@ class _Hook:
 
     def __init__(self) -> None:
         self.arrivals: dict[tuple[str, str, str], float] = {}
+        self.deliveries = 0  # every POST, duplicates included
         self._cond = threading.Condition()
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
@@ -86,6 +87,7 @@ class _Hook:
             with self._cond:
                 key = (body["alertname"], body["status"], body["run_id"])
                 self.arrivals.setdefault(key, now)
+                self.deliveries += 1
                 self._cond.notify_all()
             return web.Response(text="ok")
 

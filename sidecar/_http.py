@@ -26,6 +26,7 @@ from ._pages import browser_auth, page_routes, run_page, wants_html
 from ._service import SERVICE, Service
 from ._settings import BODY_RATE_GRACE
 from ._state import ALL_STATES
+from ._storage import RunQuery
 from ._views import RunView
 
 PROTOBUF = "application/x-protobuf"
@@ -436,46 +437,48 @@ def build_api_app(service: Service) -> web.Application:
             cursor = decode_cursor(q["cursor"]) if "cursor" in q else None
         except DecodeError as exc:
             return error(400, str(exc))
-        runs = sidecar.state.summaries(
+        query = RunQuery(
             status=status,
             saga=q.get("saga"),
             since=since,
             until=until,
-            needs_person=needs == "person",
             id_prefix=q.get("id_prefix") or None,
+            before=cursor,
         )
-        if cursor is not None:
-            runs = [
-                r
-                for r in runs
-                if (r["started_at"] if r["started_at"] is not None else float("-inf"), r["run_id"])
-                < cursor
-            ]
-        page = runs[:limit]
-        next_cursor = (
-            encode_cursor(page[-1]["started_at"], page[-1]["run_id"]) if len(runs) > limit else None
-        )
+        try:
+            found, more = await sidecar.runs_page(query, limit, needs_person=needs == "person")
+        except StoreError as exc:
+            return error(503, str(exc), {"Retry-After": RETRY_AFTER})
+        page = [r for r, _ in found]
+        next_cursor = encode_cursor(page[-1]["started_at"], page[-1]["run_id"]) if more else None
         # A summary quotes texts (errors) that may hold arguments: mask them with the
         # secrets of the run's whole view.
-        page = [_shown(request, r, sidecar.state.view(r["run_id"])) for r in page]
-        return web.json_response({"runs": page, "next_cursor": next_cursor})
+        shown = [_shown(request, r, view) for r, view in found]
+        return web.json_response({"runs": shown, "next_cursor": next_cursor})
 
     async def get_run(request: web.Request) -> web.Response:
         if wants_html(request.headers.get("Accept", "")):
             return await run_page(request)  # a browser following an alert's run_url
         sidecar = request.app[SERVICE]
         run_id = request.match_info["run_id"]
-        view = sidecar.state.view(run_id)
+        try:
+            view = (await sidecar.lookup(run_id)).view(run_id)
+        except StoreError as exc:
+            return error(503, str(exc), {"Retry-After": RETRY_AFTER})
         return unknown(run_id) if view is None else web.json_response(_shown(request, view))
 
     async def get_stack(request: web.Request) -> web.Response:
         sidecar = request.app[SERVICE]
         run_id = request.match_info["run_id"]
-        stack = sidecar.state.stack(run_id)
+        try:
+            state = await sidecar.lookup(run_id)
+        except StoreError as exc:
+            return error(503, str(exc), {"Retry-After": RETRY_AFTER})
+        stack = state.stack(run_id)
         if stack is None:
             return unknown(run_id)
-        body = {"run_id": run_id, "status": sidecar.state.status(run_id), "stack": stack}
-        return web.json_response(_shown(request, body, sidecar.state.view(run_id)))
+        body = {"run_id": run_id, "status": state.status(run_id), "stack": stack}
+        return web.json_response(_shown(request, body, state.view(run_id)))
 
     async def resolve(request: web.Request) -> web.Response:
         sidecar = request.app[SERVICE]

@@ -24,7 +24,7 @@ class SidecarMetrics:
         )
         self.runs = Gauge(
             sc.M_SIDECAR_RUNS,
-            "Runs the sidecar holds, by state.",
+            "Runs the sidecar holds in memory (finished ones are put away in the store), by state.",
             ["state"],
             registry=self.registry,
         )

@@ -302,7 +302,16 @@ async def run_page(
 ) -> web.Response:
     service = request.app[SERVICE]
     run_id = request.match_info["run_id"]
-    view = service.state.view(run_id)
+    try:
+        view = (await service.lookup(run_id)).view(run_id)
+    except StoreError as exc:
+        return _page(
+            "error.html",
+            status=503,
+            headers={"Retry-After": "1"},
+            title="The database did not answer",
+            message=f"{exc}. Reload the page in a moment.",
+        )
     if view is None:
         return _not_found(run_id)
     redactor = service.redactor
@@ -383,7 +392,10 @@ async def resolve(request: web.Request) -> web.StreamResponse:
             else f"The note is {len(note)} characters: keep it under {NOTE_MAX}."
         )
         return await run_page(request, note=note, problem=problem, status=400)
-    current = service.state.view(run_id)
+    try:
+        current = (await service.lookup(run_id)).view(run_id)
+    except StoreError as exc:
+        return await run_page(request, note=note, problem=str(exc), status=503)
     if current is not None and current["resolution"]:
         # Two people on one run: the second sees the first's note, it does not overwrite it.
         return await run_page(

@@ -27,6 +27,7 @@ from ._leases import Lease, LeaseRefusal, Owner
 from ._log import get_logger
 from ._outbox_sql import OutboxReads
 from ._storage import (
+    NOT_PUT_AWAY,
     SCHEMA_VERSION,
     AlertTx,
     Changes,
@@ -36,10 +37,13 @@ from ._storage import (
     InstanceRow,
     NewAlert,
     OutboxRecord,
+    PutAway,
     RunMark,
+    RunQuery,
     Screening,
     SpanRow,
     StoredSpan,
+    put_away_page_sql,
 )
 from ._store import lease_from_row, newer_schema_message
 
@@ -119,6 +123,17 @@ ALTER TABLE alert_outbox ADD COLUMN IF NOT EXISTS claimed_until DOUBLE PRECISION
 ALTER TABLE instances ADD COLUMN IF NOT EXISTS open_runs TEXT;
 ALTER TABLE spans ADD COLUMN IF NOT EXISTS seq BIGSERIAL;
 CREATE INDEX IF NOT EXISTS spans_seq ON spans (seq);
+""",
+    3: """
+CREATE TABLE IF NOT EXISTS run_index (
+    run_id TEXT PRIMARY KEY,
+    started_at DOUBLE PRECISION NOT NULL,
+    status TEXT,
+    saga TEXT NOT NULL,
+    last_seen DOUBLE PRECISION NOT NULL
+);
+CREATE INDEX IF NOT EXISTS run_index_started ON run_index (started_at, run_id);
+CREATE INDEX IF NOT EXISTS run_index_seen ON run_index (last_seen);
 """,
 }
 _MIGRATION_LOCK = 0x5A6A_0001  # pg_advisory_xact_lock key: one schema upgrade at a time
@@ -450,7 +465,7 @@ class PgStore(_Pooled):
     def delete_runs(self, run_ids: list[str]) -> None:
         if run_ids:
             with self._tx("prune runs") as conn:
-                for table in ("spans", "run_marks", "run_owners", "run_leases"):
+                for table in ("spans", "run_marks", "run_owners", "run_leases", "run_index"):
                     conn.execute(f"DELETE FROM {table} WHERE run_id = ANY(%s)", (run_ids,))
 
     def delete_instances(self, instances: list[str]) -> None:
@@ -496,21 +511,28 @@ class PgStore(_Pooled):
 
     def spans(self) -> Iterator[StoredSpan]:
         with self._tx("read spans") as conn, conn.cursor(name="saga_spans") as cur:
+            # Later changes() read on from the newest number; numbers missing just below
+            # it may belong to transactions still open: they are looked up again a while.
+            # (All spans count here, those of runs put away too: they are not missing.)
+            recent = {
+                int(seq)
+                for (seq,) in conn.execute(
+                    "SELECT seq FROM spans WHERE seq > "
+                    "(SELECT coalesce(max(seq), 0) FROM spans) - %s",
+                    (GAP_WINDOW,),
+                )
+            }
             cur.itersize = 2000
             cur.execute(
-                "SELECT seq, run_id, span_id, service, instance, data FROM spans ORDER BY run_id"
+                "SELECT run_id, span_id, service, instance, data FROM spans WHERE "
+                + NOT_PUT_AWAY.format(table="spans")
+                + " ORDER BY run_id"
             )
-            seen: set[int] = set()
-            for seq, run_id, span_id, service, instance, data in cur:
-                seen.add(seq)
-                if len(seen) > 4 * GAP_WINDOW:  # keep only the newest numbers
-                    seen = set(sorted(seen)[-GAP_WINDOW:])
+            for run_id, span_id, service, instance, data in cur:
                 yield StoredSpan(run_id, span_id, service, instance, bytes(data))
-            # Later changes() read on from the newest; numbers missing just below it may
-            # belong to transactions still open: they are looked up again a while.
-            newest = max(seen, default=self._seq)
+            newest = max(recent, default=self._seq)
             low = max(self._seq, newest - GAP_WINDOW)
-            self._gaps = {g: None for g in range(low + 1, newest) if g not in seen}
+            self._gaps = {g: None for g in range(low + 1, newest) if g not in recent}
             self._seq = max(self._seq, newest)
 
     def stored_spans(self, keys: Iterable[tuple[str, str]]) -> dict[tuple[str, str], bytes]:
@@ -543,15 +565,20 @@ class PgStore(_Pooled):
                 "ON s.run_id = k.run_id AND s.span_id = k.span_id",
                 ([r for r, _ in keys], [s for _, s in keys]),
             ).fetchall()
+            away = conn.execute(
+                "SELECT run_id FROM run_index WHERE run_id = ANY(%s)", (run_ids,)
+            ).fetchall()
         return Screening(
             {str(r): Owner(str(t), str(i), str(s)) for r, t, i, s in owners},
             {str(row[0]): lease_from_row(row) for row in leases},
             {(r, s): bytes(d) for r, s, d in stored},
+            frozenset(str(r) for (r,) in away),
         )
 
     def marks(self) -> list[RunMark]:
         rows = self._all(
-            "SELECT run_id, orphaned_at, resolution_note, resolution_at FROM run_marks"
+            "SELECT run_id, orphaned_at, resolution_note, resolution_at FROM run_marks WHERE "
+            + NOT_PUT_AWAY.format(table="run_marks")
         )
         return [RunMark(*row) for row in rows]
 
@@ -560,15 +587,85 @@ class PgStore(_Pooled):
         return [(str(a), float(b), float(c)) for a, b, c in rows]
 
     def owners(self) -> list[tuple[str, Owner]]:
-        rows = self._all("SELECT run_id, trace_id, instance, service FROM run_owners")
+        rows = self._all(
+            "SELECT run_id, trace_id, instance, service FROM run_owners WHERE "
+            + NOT_PUT_AWAY.format(table="run_owners")
+        )
         return [(str(r), Owner(str(t), str(i), str(s))) for r, t, i, s in rows]
 
     def leases(self) -> list[Lease]:
         rows = self._all(
             "SELECT run_id, holder, token, granted_at, expires_at, released, forced_reason, "
-            "forced_by, forced_at FROM run_leases"
+            "forced_by, forced_at FROM run_leases WHERE " + NOT_PUT_AWAY.format(table="run_leases")
         )
         return [lease_from_row(row) for row in rows]
+
+    # --- finished runs put away from memory -----------------------------------------
+
+    def put_away(self, rows: Sequence[PutAway]) -> None:
+        if rows:
+            with self._tx("index finished runs") as conn, conn.cursor() as cur:
+                cur.executemany(
+                    "INSERT INTO run_index(run_id, started_at, status, saga, last_seen) "
+                    "VALUES (%s, %s, %s, %s, %s) ON CONFLICT (run_id) DO UPDATE SET "
+                    "started_at = excluded.started_at, status = excluded.status, "
+                    "saga = excluded.saga, last_seen = excluded.last_seen",
+                    rows,
+                )
+
+    def put_away_of(self, run_ids: Sequence[str]) -> set[str]:
+        if not run_ids:
+            return set()
+        rows = self._all("SELECT run_id FROM run_index WHERE run_id = ANY(%s)", (list(run_ids),))
+        return {str(r) for (r,) in rows}
+
+    def load_runs(self, run_ids: Sequence[str], *, reopen: bool = False) -> Changes:
+        ids = sorted(set(run_ids))
+        with self._tx("read runs") as conn:
+            spans = conn.execute(
+                "SELECT run_id, span_id, service, instance, data FROM spans "
+                "WHERE run_id = ANY(%s) ORDER BY run_id",
+                (ids,),
+            ).fetchall()
+            owners = conn.execute(
+                "SELECT run_id, trace_id, instance, service FROM run_owners WHERE run_id = ANY(%s)",
+                (ids,),
+            ).fetchall()
+            marks = conn.execute(
+                "SELECT run_id, orphaned_at, resolution_note, resolution_at FROM run_marks "
+                "WHERE run_id = ANY(%s)",
+                (ids,),
+            ).fetchall()
+            leases = conn.execute(
+                "SELECT run_id, holder, token, granted_at, expires_at, released, forced_reason, "
+                "forced_by, forced_at FROM run_leases WHERE run_id = ANY(%s)",
+                (ids,),
+            ).fetchall()
+            if reopen:
+                conn.execute("UPDATE run_index SET status = NULL WHERE run_id = ANY(%s)", (ids,))
+        return Changes(
+            [StoredSpan(r, i, sv, inst, bytes(d)) for r, i, sv, inst, d in spans],
+            [(str(r), Owner(str(t), str(i), str(s))) for r, t, i, s in owners],
+            [],
+            [RunMark(*m) for m in marks],
+            [lease_from_row(row) for row in leases],
+        )
+
+    def put_away_page(self, query: RunQuery, limit: int) -> list[tuple[str, float]]:
+        sql, args = put_away_page_sql(query, limit, "%s")
+        return [(str(r), float(t)) for r, t in self._all(sql, args)]
+
+    def prune_put_away(self, before: float) -> int:
+        with self._tx("prune finished runs") as conn:
+            rows = conn.execute(
+                "DELETE FROM run_index WHERE last_seen < %s AND status IS NOT NULL "
+                "RETURNING run_id",
+                (before,),
+            ).fetchall()
+            run_ids = [str(r) for (r,) in rows]
+            for table in ("spans", "run_marks", "run_owners", "run_leases"):
+                conn.execute(f"DELETE FROM {table} WHERE run_id = ANY(%s)", (run_ids,))
+        return len(run_ids)
 
     def span_count(self) -> int:
         ((n,),) = self._all("SELECT count(*) FROM spans")

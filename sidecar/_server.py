@@ -50,12 +50,13 @@ from ._leases import (
 )
 from ._log import get_logger
 from ._metrics import SidecarMetrics
-from ._otlp import MAX_ERROR_MESSAGES, Decoded, SpanRecord, span_from_stored
+from ._otlp import MAX_ERROR_MESSAGES, Decoded, span_from_stored
+from ._putaway import fold_stored, matches, summary_key
 from ._redact import Redactor
 from ._settings import LINGERING_TIME, Settings
 from ._state import RunState, Transition
-from ._storage import Changes, DbTarget, HeartbeatRow, SpanRow, Store
-from ._views import RunView
+from ._storage import Changes, DbTarget, HeartbeatRow, PutAway, RunQuery, SpanRow, Store
+from ._views import RunSummary, RunView
 
 T = TypeVar("T")
 
@@ -203,6 +204,7 @@ class Sidecar:
                 self._spawn(self.forwarder.run)
             self._spawn(self._tick_loop)
             self._spawn(self._prune_loop)
+            self._spawn(self._evict_loop)
             for factory in self._background:
                 self._spawn(factory)
         except BaseException:
@@ -296,37 +298,144 @@ class Sidecar:
         self._db_thread.submit(fn, *args).add_done_callback(done)
 
     def _rebuild(self) -> None:
-        """Fold every stored span back into the state (clocks restart now: we were deaf)."""
+        """Fold the stored runs not put away back into the state (clocks restart now: we
+        were deaf); finished ones found among them leave memory at the next evict()."""
         assert self.store is not None
         now = self.clock()
-        batch: list[SpanRecord] = []
-        current = None
-        count = 0
-        for run_id, owner in self.store.owners():
-            self.state.set_owner(run_id, owner)
-        for stored in self.store.spans():
-            if stored.run_id != current and batch:
-                self.state.apply(batch, now)
-                batch = []
-            current = stored.run_id
-            try:
-                batch.append(span_from_stored(stored.data, stored.service, stored.instance))
-            except SidecarError as exc:
-                log.warning("sidecar.rebuild.span_skipped", span_id=stored.span_id, error=str(exc))
-            count += 1
-        if batch:
-            self.state.apply(batch, now)
-        for mark in self.store.marks():
-            if mark.orphaned_at is not None:
-                self.state.restore_orphaned(mark.run_id, mark.orphaned_at)
-            if mark.resolution_at is not None:
-                self.state.resolve(mark.run_id, mark.resolution_note or "", mark.resolution_at)
-        for instance, _at, interval in self.store.instances():
+        store = self.store
+        count = fold_stored(
+            self.state, store.spans(), store.owners(), store.marks(), store.leases(), now
+        )
+        for instance, _at, interval in store.instances():
             self.state.restore_instance(instance, now, interval)
-        for lease in self.store.leases():
-            self.state.set_lease(lease)
         if count:
             log.info("sidecar.rebuilt", runs=len(self.state), spans=count)
+
+    # --- finished runs: put away from memory, served from the store (_putaway.py) ------
+
+    def evict(self) -> list[str]:
+        """Put the settled runs (ended, needing no person) away: index them in the store,
+        then forget them here. Synchronous: SQLite's path and the tests'."""
+        if self.store is None:
+            return []
+        rows = self._index_rows()
+        if rows:
+            self.store.put_away(rows)
+            self.state.forget(r.run_id for r in rows)
+        return [r.run_id for r in rows]
+
+    async def evict_async(self) -> list[str]:
+        """:meth:`evict` for a store that is not inline, between two intakes."""
+        store = self.store
+        if store is None or store.inline:
+            return self.evict()
+        async with self._resolving, self._intake:  # resolve's order
+            rows = self._index_rows()
+            if rows:
+                await self._call(store.put_away, rows)
+                self.state.forget(r.run_id for r in rows)
+        return [r.run_id for r in rows]
+
+    def _index_rows(self) -> list[PutAway]:
+        state = self.state
+        rows = []
+        for run_id in state.settled():
+            row = state.index_row(run_id)
+            if row is not None:
+                rows.append(PutAway(run_id, *row))
+        return rows
+
+    async def _evict_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.evict_interval)
+            try:
+                gone = await self.evict_async()
+            except StoreError as exc:
+                log.warning("sidecar.evict.failed", error=str(exc), fix="retried next interval")
+                continue
+            if gone:
+                log.debug("sidecar.evicted", runs=len(gone))
+
+    def _restored(self, loaded: Changes) -> None:
+        """Runs read back from the store (``reopen``) into the live state."""
+        known = self.state
+        fresh = {s.run_id for s in loaded.spans} | {r for r, _ in loaded.owners}
+        fresh = {r for r in fresh if r not in known}
+        if not fresh:
+            return
+        fold_stored(
+            known,
+            (s for s in loaded.spans if s.run_id in fresh),
+            [(r, o) for r, o in loaded.owners if r in fresh],
+            [m for m in loaded.marks if m.run_id in fresh],
+            [lease for lease in loaded.leases if lease.run_id in fresh],
+            self.clock(),
+        )
+        log.debug("sidecar.runs.reopened", runs=len(fresh))
+
+    async def _reopen(self, run_ids: Iterable[str]) -> None:
+        """Bring put-away runs among ``run_ids`` back into memory (a late span, a lease
+        or a resolution is about to change them). Callers hold the intake lock."""
+        store = self.store
+        missing = sorted({r for r in run_ids if r not in self.state})
+        if store is None or not missing:
+            return
+        away = await self._call(store.put_away_of, missing)
+        if away:
+            self._restored(await self._call(_load_reopen, store, sorted(away)))
+
+    async def lookup(self, run_id: str) -> RunState:
+        """The state that knows ``run_id``: ours, or for a run put away, a scratch state
+        folded from the store (answers only; nothing in it is kept). Raises StoreError."""
+        store = self.store
+        if run_id in self.state or store is None:
+            return self.state
+        return await self._scratch([run_id])
+
+    async def _scratch(self, run_ids: list[str]) -> RunState:
+        assert self.store is not None
+        loaded = await self._call(self.store.load_runs, run_ids)
+        scratch = RunState(self.settings.idle_timeout)
+        fold_stored(scratch, loaded.spans, loaded.owners, loaded.marks, loaded.leases, self.clock())
+        return scratch
+
+    async def runs_page(
+        self, query: RunQuery, limit: int, *, needs_person: bool = False
+    ) -> tuple[list[tuple[RunSummary, RunView | None]], bool]:
+        """One page of ``GET /runs``: the runs in memory and those put away (from the
+        store's index), merged newest first; each with its view; and whether more follow.
+        """
+        state = self.state
+        found = [
+            (r, state)
+            for r in state.summaries(
+                status=query.status,
+                saga=query.saga,
+                since=query.since,
+                until=query.until,
+                needs_person=needs_person,
+                id_prefix=query.id_prefix,
+            )
+            if query.before is None or summary_key(r) < query.before
+        ]
+        store = self.store
+        # Put-away runs are settled: none needs a person.
+        if store is not None and not needs_person:
+            cursor = query
+            while True:
+                rows = await self._call(store.put_away_page, cursor, limit + 1)
+                fresh = [r for r, _ in rows if r not in state]
+                if fresh:
+                    scratch = await self._scratch(fresh)
+                    found += [(s, scratch) for s in scratch.summaries()]
+                if len(rows) <= limit or len(fresh) == len(rows):
+                    break
+                # Some are in memory (listed from there already): read on past them.
+                cursor = cursor._replace(before=(rows[-1][1], rows[-1][0]))
+        found = [(s, st) for s, st in found if matches(s, query)]
+        found.sort(key=lambda p: summary_key(p[0]), reverse=True)
+        page = found[:limit]
+        return [(s, st.view(s["run_id"])) for s, st in page], len(found) > limit
 
     # --- intake ---------------------------------------------------------------------
 
@@ -353,6 +462,11 @@ class Sidecar:
         if store is None:
             raise StoreError("the sidecar is not running: start it before sending spans")
         if store.inline:
+            unknown = self._unknown_runs(decoded)
+            if unknown:
+                away = store.put_away_of(unknown)
+                if away:  # late spans of finished runs: fold them onto the whole run
+                    self._restored(store.load_runs(sorted(away), reopen=True))
             prior = store.stored_spans(self._known_keys(decoded))
             decoded, owners, resent = self._screen(decoded, transport, prior)
             now = self.clock()
@@ -370,6 +484,9 @@ class Sidecar:
             prior = {}
             if keys:
                 found = await self._call(store.screening, keys)
+                late = sorted(r for r in found.put_away if r not in self.state)
+                if late:  # late spans of finished runs: fold them onto the whole run
+                    self._restored(await self._call(_load_reopen, store, late))
                 self._learn(found.owners, found.leases.values())
                 prior = found.stored
             decoded, owners, resent = self._screen(decoded, transport, prior)
@@ -378,6 +495,16 @@ class Sidecar:
             if rows or heartbeats:
                 await self._call(store.write, rows, heartbeats, list(owners.items()))
             return self._fold(decoded, transport, body, content_type, owners, now, resent)
+
+    def _unknown_runs(self, decoded: Decoded) -> list[str]:
+        """Run ids of saga spans not in memory (new runs, or runs put away)."""
+        state = self.state
+        out: dict[str, None] = {}
+        for span in decoded.spans:
+            run_id = span.attributes.get(sc.SAGA_RUN_ID)
+            if isinstance(run_id, str) and run_id not in state:
+                out[run_id] = None
+        return list(out)
 
     def _known_keys(self, decoded: Decoded, every: bool = False) -> list[tuple[str, str]]:
         """(run_id, span_id) of saga spans of runs already owned (``every``: of all runs):
@@ -658,6 +785,8 @@ class Sidecar:
         async with self._intake:  # between two intakes: the state moves in commit order
             now = self.clock()
             changes = await self._call(store.changes, now)
+            # Late spans of runs put away here: fold them onto the whole run.
+            await self._reopen(s.run_id for s in changes.spans)
             self._fold_changes(changes, now)
         return len(changes.spans)
 
@@ -696,7 +825,8 @@ class Sidecar:
         self._learn({}, changes.leases)
 
     def prune(self) -> list[str]:
-        """Forget finished runs past the retention, in memory and in the store.
+        """Forget finished runs past the retention, in memory and in the store (those put
+        away too: ``prune_put_away``).
 
         Replicas each prune what they hold: deleting a run twice is the same as once.
         """
@@ -705,6 +835,10 @@ class Sidecar:
         if run_ids and self.store is not None:
             self._submit("prune runs", self.store.delete_runs, run_ids)
             self.state.forget(run_ids)
+        if self.store is not None:
+            self._submit(
+                "prune runs put away", self.store.prune_put_away, now - self.settings.retention
+            )
         self.prune_instances(now)
         return run_ids
 
@@ -746,6 +880,9 @@ class Sidecar:
             return req
         if self.store is None:
             raise StoreError("the sidecar is not running: start it before taking leases")
+        if run_id not in self.state:
+            async with self._intake:
+                await self._reopen([run_id])
         now = self.clock()
         owner = self.state.liveness(run_id, now)
         if owner is None:
@@ -786,6 +923,9 @@ class Sidecar:
             return await self._resolve(run_id, note, first)
 
     async def _resolve(self, run_id: str, note: str, first: bool) -> RunView | None:
+        if run_id not in self.state:
+            async with self._intake:
+                await self._reopen([run_id])
         before = self.state.view(run_id)
         if before is None:
             return None
@@ -821,3 +961,7 @@ def _release(
 
 def _nothing() -> None:
     return None
+
+
+def _load_reopen(store: Store, run_ids: list[str]) -> Changes:
+    return store.load_runs(run_ids, reopen=True)

@@ -18,8 +18,8 @@ from ._otlp import Decoded
 from ._redact import Redactor
 from ._settings import Settings
 from ._state import RunState
-from ._storage import DbTarget
-from ._views import RunView
+from ._storage import DbTarget, RunQuery
+from ._views import RunSummary, RunView
 
 
 class Service(Protocol):
@@ -57,6 +57,17 @@ class Service(Protocol):
     @property
     def otlp_http_port(self) -> int | None:
         """The OTLP/HTTP port actually bound; None before start()."""
+        ...
+
+    async def lookup(self, run_id: str) -> RunState:
+        """The state that knows ``run_id`` (ours, or one read from the store for a finished
+        run put away). Raises StoreError (answer 503)."""
+        ...
+
+    async def runs_page(
+        self, query: RunQuery, limit: int, *, needs_person: bool = False
+    ) -> tuple[list[tuple[RunSummary, RunView | None]], bool]:
+        """A page of runs (memory and store), newest first, with views; whether more follow."""
         ...
 
     def enter(self) -> bool:

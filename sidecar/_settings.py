@@ -125,6 +125,9 @@ class Settings:
     max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
     tick_interval: float = 0.2
     prune_interval: float = 60.0
+    # Finished runs leave memory (the store serves them) this long after they finish at
+    # most: memory holds the open runs plus this interval's finished ones.
+    evict_interval: float = 10.0
     # Slow clients: a request body must arrive whole within body_timeout, and after its
     # first BODY_RATE_GRACE seconds at body_min_rate bytes/s on average; max_receiving
     # requests may be receiving their bodies at once (they hold no max_in_flight slot).
@@ -205,6 +208,7 @@ class Settings:
             "retention",
             "tick_interval",
             "prune_interval",
+            "evict_interval",
             "body_timeout",
         ):
             if getattr(self, name) <= 0:

@@ -1135,6 +1135,24 @@ class RunState:
             del self._watched[run_id]
             self._idle[run_id] = None
 
+    # --- putting finished runs away (the store serves them; memory holds open runs) ----
+
+    def settled(self) -> list[str]:
+        """Runs that may leave memory: ended, and needing no person (or resolved)."""
+        return [
+            r.run_id
+            for r in self._runs.values()
+            if r.run_spans and (r.status not in NEEDS_PERSON or r.resolution is not None)
+        ]
+
+    def index_row(self, run_id: str) -> tuple[float, RunStatus, str, float] | None:
+        """(started_at, status, saga, last_seen) of a run, for the store's index of runs
+        put away; None for an unknown run."""
+        run = self._runs.get(run_id)
+        if run is None:
+            return None
+        return (run.started_at, run.status, run.saga, run.last_seen)
+
     def forget(self, run_ids: Iterable[str]) -> None:
         for run_id in run_ids:
             self._runs.pop(run_id, None)

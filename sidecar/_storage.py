@@ -26,8 +26,9 @@ from urllib.parse import urlsplit
 from ._errors import ConfigError
 from ._leases import Lease, LeaseRefusal, Owner
 
-SCHEMA_VERSION = 2
-"""The schema this sidecar writes. 1: the first (no outbox claims); 2: outbox claims.
+SCHEMA_VERSION = 3
+"""The schema this sidecar writes. 1: the first (no outbox claims); 2: outbox claims;
+3: the index of finished runs put away from memory (``run_index``).
 
 Opening an older database upgrades it in place; a newer one is refused
 (``_store.py`` and ``_pgstore.py`` hold the steps, one per version).
@@ -153,11 +154,39 @@ NO_CHANGES = Changes([], [], [], [], [])
 
 
 class Screening(NamedTuple):
-    """What the store holds about the runs of one request, for screening its spans."""
+    """What the store holds about the runs of one request, for screening its spans.
+
+    ``put_away``: those runs that were put away finished (:meth:`Store.put_away`).
+    """
 
     owners: dict[str, Owner]
     leases: dict[str, Lease]
     stored: dict[tuple[str, str], bytes]
+    put_away: frozenset[str] = frozenset()
+
+
+class PutAway(NamedTuple):
+    """A finished run's row in the index of runs put away from memory (listing, pruning)."""
+
+    run_id: str
+    started_at: float
+    status: str
+    saga: str
+    last_seen: float
+
+
+class RunQuery(NamedTuple):
+    """The filters of ``GET /runs`` that the index of put-away runs can answer.
+
+    ``before``: the page cursor, (started_at, run_id) of the last run shown.
+    """
+
+    status: str | None = None
+    saga: str | None = None
+    since: float | None = None
+    until: float | None = None
+    id_prefix: str | None = None
+    before: tuple[float, str] | None = None
 
 
 SpanRow = tuple[str, str, float, str, str, bytes]
@@ -217,10 +246,41 @@ class Store(Protocol):
         """
         ...
 
+    # --- finished runs put away from memory (memory bounded by open runs) -----------
+
+    def put_away(self, rows: Sequence[PutAway]) -> None:
+        """Index finished runs that leave memory (insert or update); their spans stay.
+
+        From then on :meth:`spans`, :meth:`owners`, :meth:`marks` and :meth:`leases`
+        (what a start folds) leave them out, and :meth:`load_runs` brings them back.
+        """
+        ...
+
+    def put_away_of(self, run_ids: Sequence[str]) -> set[str]:
+        """Those of ``run_ids`` that are indexed as put away (reopened ones included)."""
+        ...
+
+    def load_runs(self, run_ids: Sequence[str], *, reopen: bool = False) -> Changes:
+        """Everything stored about ``run_ids``: spans (grouped by run), owners, marks and
+        leases (no instances). ``reopen``: they go back into a sidecar's memory, so a
+        start folds them again until they are put away anew."""
+        ...
+
+    def put_away_page(self, query: RunQuery, limit: int) -> list[tuple[str, float]]:
+        """Up to ``limit`` (run id, started_at) of put-away runs matching ``query``, newest
+        start first (ties: run id descending). Reopened runs match any status (their
+        row's is unknown)."""
+        ...
+
+    def prune_put_away(self, before: float) -> int:
+        """Delete the put-away runs last active before ``before`` (spans, marks, owners,
+        leases, index rows); how many. Idempotent: replicas may all run it."""
+        ...
+
     # --- reading -------------------------------------------------------------------
 
     def spans(self) -> Iterator[StoredSpan]:
-        """Every stored span, grouped by run."""
+        """Every stored span of the runs not put away, grouped by run."""
         ...
 
     def stored_spans(self, keys: Iterable[tuple[str, str]]) -> dict[tuple[str, str], bytes]:
@@ -233,13 +293,19 @@ class Store(Protocol):
         """
         ...
 
-    def marks(self) -> list[RunMark]: ...
+    def marks(self) -> list[RunMark]:
+        """The marks of the runs not put away."""
+        ...
 
     def instances(self) -> list[InstanceRow]: ...
 
-    def owners(self) -> list[tuple[str, Owner]]: ...
+    def owners(self) -> list[tuple[str, Owner]]:
+        """The owners of the runs not put away."""
+        ...
 
-    def leases(self) -> list[Lease]: ...
+    def leases(self) -> list[Lease]:
+        """The leases of the runs not put away."""
+        ...
 
     def span_count(self) -> int: ...
 
@@ -361,3 +427,40 @@ class AlertStore(Protocol):
     def history(self, run_id: str) -> list[HistoryRecord]:
         """The rows of one run, oldest first; empty when the outbox was never created."""
         ...
+
+
+NOT_PUT_AWAY = (
+    "NOT EXISTS (SELECT 1 FROM run_index i WHERE i.run_id = {table}.run_id "
+    "AND i.status IS NOT NULL)"
+)
+"""The condition (on ``{table}.run_id``) that a run is not put away: what a start folds."""
+
+
+def put_away_page_sql(query: RunQuery, limit: int, mark: str) -> tuple[str, list[object]]:
+    """The index query of :meth:`Store.put_away_page` (``mark``: the driver's placeholder)."""
+    where: list[str] = []
+    args: list[object] = []
+    if query.status is not None:
+        where.append(f"(status = {mark} OR status IS NULL)")
+        args.append(query.status)
+    if query.saga is not None:
+        where.append(f"saga = {mark}")
+        args.append(query.saga)
+    if query.since is not None:
+        where.append(f"started_at >= {mark}")
+        args.append(query.since)
+    if query.until is not None:
+        where.append(f"started_at <= {mark}")
+        args.append(query.until)
+    if query.id_prefix is not None:
+        where.append(f"substr(run_id, 1, {mark}) = {mark}")
+        args += [len(query.id_prefix), query.id_prefix]
+    if query.before is not None:
+        where.append(f"(started_at < {mark} OR (started_at = {mark} AND run_id < {mark}))")
+        args += [query.before[0], query.before[0], query.before[1]]
+    sql = "SELECT run_id, started_at FROM run_index"
+    if where:
+        sql += " WHERE " + " AND ".join(where)
+    sql += f" ORDER BY started_at DESC, run_id DESC LIMIT {mark}"
+    args.append(limit)
+    return sql, args

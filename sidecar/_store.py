@@ -24,6 +24,7 @@ from ._log import get_logger
 from ._outbox_sql import ROW, OutboxReads
 from ._storage import (
     NO_CHANGES,
+    NOT_PUT_AWAY,
     SCHEMA_VERSION,
     AlertTx,
     Changes,
@@ -33,13 +34,18 @@ from ._storage import (
     InstanceRow,
     NewAlert,
     OutboxRecord,
+    PutAway,
     RunMark,
+    RunQuery,
     Screening,
     SpanRow,
     StoredSpan,
+    put_away_page_sql,
 )
 
 log = get_logger("sidecar")
+
+_IN_BATCH = 500  # ids per IN (...) list: under SQLite's bound on host parameters
 
 # The schema as it shipped first (version 1), then one step per version. A database
 # is brought from its version to SCHEMA_VERSION by the steps after it, in one
@@ -117,6 +123,19 @@ CREATE TABLE IF NOT EXISTS run_leases (
 ALTER TABLE alert_outbox ADD COLUMN claimed_by TEXT;
 ALTER TABLE alert_outbox ADD COLUMN claimed_until REAL;
 ALTER TABLE instances ADD COLUMN open_runs TEXT;
+""",
+    # 3: finished runs put away from memory (their spans stay in `spans`): listed and
+    # pruned from this index; a start folds only the runs it does not hold.
+    3: """
+CREATE TABLE IF NOT EXISTS run_index (
+    run_id TEXT PRIMARY KEY,
+    started_at REAL NOT NULL,
+    status TEXT,  -- NULL: reopened (back in a sidecar's memory after a late span)
+    saga TEXT NOT NULL,
+    last_seen REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS run_index_started ON run_index (started_at, run_id);
+CREATE INDEX IF NOT EXISTS run_index_seen ON run_index (last_seen);
 """,
 }
 
@@ -316,6 +335,7 @@ class SqliteStore:
             self._db.executemany("DELETE FROM run_marks WHERE run_id = ?", rows)
             self._db.executemany("DELETE FROM run_owners WHERE run_id = ?", rows)
             self._db.executemany("DELETE FROM run_leases WHERE run_id = ?", rows)
+            self._db.executemany("DELETE FROM run_index WHERE run_id = ?", rows)
             self._db.execute("COMMIT")
         except sqlite3.Error as exc:
             self._rollback()
@@ -344,16 +364,19 @@ class SqliteStore:
     # --- loading -----------------------------------------------------------------
 
     def spans(self) -> Iterator[StoredSpan]:
-        """Every stored span, grouped by run."""
+        """Every stored span of the runs not put away, grouped by run."""
         cur = self._db.execute(
-            "SELECT run_id, span_id, service, instance, data FROM spans ORDER BY run_id"
+            "SELECT run_id, span_id, service, instance, data FROM spans WHERE "
+            + NOT_PUT_AWAY.format(table="spans")
+            + " ORDER BY run_id"
         )
         for row in cur:
             yield StoredSpan(*row)
 
     def marks(self) -> list[RunMark]:
         rows = self._db.execute(
-            "SELECT run_id, orphaned_at, resolution_note, resolution_at FROM run_marks"
+            "SELECT run_id, orphaned_at, resolution_note, resolution_at FROM run_marks WHERE "
+            + NOT_PUT_AWAY.format(table="run_marks")
         ).fetchall()
         return [RunMark(*row) for row in rows]
 
@@ -376,16 +399,112 @@ class SqliteStore:
 
     def owners(self) -> list[tuple[str, Owner]]:
         rows = self._db.execute(
-            "SELECT run_id, trace_id, instance, service FROM run_owners"
+            "SELECT run_id, trace_id, instance, service FROM run_owners WHERE "
+            + NOT_PUT_AWAY.format(table="run_owners")
         ).fetchall()
         return [(str(r), Owner(str(t), str(i), str(s))) for r, t, i, s in rows]
 
     def leases(self) -> list[Lease]:
         rows = self._db.execute(
             "SELECT run_id, holder, token, granted_at, expires_at, released, forced_reason, "
-            "forced_by, forced_at FROM run_leases"
+            "forced_by, forced_at FROM run_leases WHERE " + NOT_PUT_AWAY.format(table="run_leases")
         ).fetchall()
         return [lease_from_row(row) for row in rows]
+
+    # --- finished runs put away from memory -----------------------------------------
+
+    def put_away(self, rows: Sequence[PutAway]) -> None:
+        if not rows:
+            return
+        try:
+            self._db.execute("BEGIN")
+            self._db.executemany(
+                "INSERT INTO run_index(run_id, started_at, status, saga, last_seen) "
+                "VALUES (?, ?, ?, ?, ?) ON CONFLICT(run_id) DO UPDATE SET "
+                "started_at=excluded.started_at, status=excluded.status, saga=excluded.saga, "
+                "last_seen=excluded.last_seen",
+                rows,
+            )
+            self._db.execute("COMMIT")
+        except sqlite3.Error as exc:
+            self._rollback()
+            raise StoreError(f"could not index finished runs in {str(self.path)!r}: {exc}") from exc
+
+    def put_away_of(self, run_ids: Sequence[str]) -> set[str]:
+        found: set[str] = set()
+        for start in range(0, len(run_ids), _IN_BATCH):
+            chunk = list(run_ids[start : start + _IN_BATCH])
+            marks = ",".join("?" * len(chunk))
+            rows = self._db.execute(
+                f"SELECT run_id FROM run_index WHERE run_id IN ({marks})", chunk
+            ).fetchall()
+            found.update(str(r) for (r,) in rows)
+        return found
+
+    def load_runs(self, run_ids: Sequence[str], *, reopen: bool = False) -> Changes:
+        ids = sorted(set(run_ids))
+        spans: list[StoredSpan] = []
+        owners: list[tuple[str, Owner]] = []
+        marks: list[RunMark] = []
+        leases: list[Lease] = []
+        db = self._db
+        try:
+            db.execute("BEGIN")
+            for start in range(0, len(ids), _IN_BATCH):
+                chunk = ids[start : start + _IN_BATCH]
+                ins = ",".join("?" * len(chunk))
+                spans += [
+                    StoredSpan(*row)
+                    for row in db.execute(
+                        "SELECT run_id, span_id, service, instance, data FROM spans "
+                        f"WHERE run_id IN ({ins}) ORDER BY run_id",
+                        chunk,
+                    )
+                ]
+                owners += [
+                    (str(r), Owner(str(t), str(i), str(s)))
+                    for r, t, i, s in db.execute(
+                        "SELECT run_id, trace_id, instance, service FROM run_owners "
+                        f"WHERE run_id IN ({ins})",
+                        chunk,
+                    )
+                ]
+                marks += [
+                    RunMark(*row)
+                    for row in db.execute(
+                        "SELECT run_id, orphaned_at, resolution_note, resolution_at "
+                        f"FROM run_marks WHERE run_id IN ({ins})",
+                        chunk,
+                    )
+                ]
+                leases += [
+                    lease_from_row(row)
+                    for row in db.execute(
+                        "SELECT run_id, holder, token, granted_at, expires_at, released, "
+                        "forced_reason, forced_by, forced_at FROM run_leases "
+                        f"WHERE run_id IN ({ins})",
+                        chunk,
+                    )
+                ]
+                if reopen:
+                    db.execute(f"UPDATE run_index SET status = NULL WHERE run_id IN ({ins})", chunk)
+            db.execute("COMMIT")
+        except sqlite3.Error as exc:
+            self._rollback()
+            raise StoreError(f"could not read runs from {str(self.path)!r}: {exc}") from exc
+        return Changes(spans, owners, [], marks, leases)
+
+    def put_away_page(self, query: RunQuery, limit: int) -> list[tuple[str, float]]:
+        sql, args = put_away_page_sql(query, limit, "?")
+        return [(str(r), float(t)) for r, t in self._db.execute(sql, args)]
+
+    def prune_put_away(self, before: float) -> int:
+        rows = self._db.execute(
+            "SELECT run_id FROM run_index WHERE last_seen < ? AND status IS NOT NULL", (before,)
+        ).fetchall()
+        run_ids = [str(r) for (r,) in rows]
+        self.delete_runs(run_ids)
+        return len(run_ids)
 
     def decide_lease(
         self, run_id: str, decide: Callable[[Lease | None], Lease | LeaseRefusal]

@@ -190,7 +190,7 @@ async def test_a_version_1_database_is_upgraded_in_place(tmp_path: Path, backend
     async with Sidecar(settings, clock=FakeClock()) as sc_:
         view = sc_.state.view(run_id)
         assert view is not None and view["status"] == sc.STATUS_COMPENSATION_FAILED
-        assert sc_.store is not None and sc_.store.schema_version() == SCHEMA_VERSION == 2
+        assert sc_.store is not None and sc_.store.schema_version() == SCHEMA_VERSION == 3
     # The outbox row written by version 1 is still there, pending, in the new shape.
     box = Outbox(where, [])
     try:
@@ -215,7 +215,8 @@ def test_a_newer_database_is_refused_with_what_to_do(tmp_path: Path, backend: st
     with pytest.raises(StoreError) as info:
         open_store(settings.database)
     (line,) = str(info.value).splitlines()
-    assert "schema version 99, newer than this sidecar's 2" in line and "--db" in line
+    newer = f"schema version 99, newer than this sidecar's {SCHEMA_VERSION}"
+    assert newer in line and "--db" in line
     # And through the command: one line, exit 1, no traceback, nothing changed.
     out = subprocess.run(
         [sys.executable, "-c", "from sidecar._cli import main; main()", "serve", "--db", where],

@@ -1,0 +1,177 @@
+"""Memory bounded by open runs: finished runs leave memory and are served from the store.
+
+The tests run on SQLite and on PostgreSQL (the replicas' one on PostgreSQL). What a
+finished run answers (its view, its stack, its place in the listing, its page) must not
+change when it is put away, after a restart, or when a late span brings it back.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from sidecar_testkit import (
+    BOTH_BACKENDS,
+    FakeClock,
+    compensated_run,
+    compensation_failed_run,
+    completed_run,
+    export_http,
+    open_run,
+    settings_for,
+)
+
+from saga_otel import semconv as sc
+from sidecar import Sidecar
+
+
+async def _get(sidecar: Sidecar, path: str, **headers: str) -> tuple[int, Any]:
+    async with (
+        aiohttp.ClientSession() as s,
+        s.get(f"http://127.0.0.1:{sidecar.api_port}{path}", headers=headers) as resp,
+    ):
+        if resp.content_type == "application/json":
+            return resp.status, await resp.json()
+        return resp.status, await resp.text()
+
+
+async def _answers(sidecar: Sidecar, run_ids: list[str]) -> dict[str, Any]:
+    """Everything the API says about these runs, listing pages included."""
+    out: dict[str, Any] = {}
+    for run_id in run_ids:
+        out[f"view {run_id}"] = await _get(sidecar, f"/runs/{run_id}")
+        out[f"stack {run_id}"] = await _get(sidecar, f"/runs/{run_id}/stack")
+    out["list"] = await _get(sidecar, "/runs")
+    for query in ("status=completed", "saga=refund", "needs=person", f"id_prefix={run_ids[0][:6]}"):
+        out[query] = await _get(sidecar, f"/runs?{query}")
+    pages, cursor = [], ""
+    while True:  # one run a page: the cursor walks memory and store alike
+        status, body = await _get(sidecar, f"/runs?limit=1{cursor}")
+        assert status == 200
+        pages.append(body["runs"])
+        if body["next_cursor"] is None:
+            break
+        cursor = f"&cursor={body['next_cursor']}"
+    out["pages"] = pages
+    return out
+
+
+def _runs(t0: float) -> list[Any]:
+    return [
+        completed_run(t0=t0),
+        compensated_run(t0=t0 + 1),
+        compensation_failed_run(t0=t0 + 2),
+        open_run(t0=t0 + 3),
+        completed_run(t0=t0 + 3),  # same start as the open one: ties by run id
+    ]
+
+
+@BOTH_BACKENDS
+async def test_finished_runs_leave_memory_and_answer_the_same(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    runs = _runs(clock.now - 50)
+    ids = [r.run_id for r in runs]
+    async with Sidecar(settings_for(tmp_path), clock=clock) as sc_:
+        await export_http(sc_, [s for r in runs for s in r.spans()])
+        before = await _answers(sc_, ids)
+        assert len(before["pages"]) == len(runs)
+        gone = await sc_.evict_async()
+        # Finished runs go; the open one and the one that needs a person stay.
+        assert sorted(gone) == sorted([ids[0], ids[1], ids[4]])
+        assert sorted(sc_.state.run_ids()) == sorted([ids[2], ids[3]])
+        assert await _answers(sc_, ids) == before
+        status, page = await _get(sc_, f"/runs/{ids[1]}", Accept="text/html")
+        assert status == 200 and ids[1] in page
+    # A restart folds only what is in memory's share; the rest is still served.
+    async with Sidecar(settings_for(tmp_path), clock=clock) as sc_:
+        assert sorted(sc_.state.run_ids()) == sorted([ids[2], ids[3]])
+        assert await _answers(sc_, ids) == before
+
+
+@BOTH_BACKENDS
+async def test_a_late_span_reopens_a_run_put_away(tmp_path: Path, clock: FakeClock) -> None:
+    """The last span of a run arrives after the rest was put away: the run comes back
+    whole, its view equals a sidecar's that saw every span at once."""
+    run = compensated_run(t0=clock.now - 50)
+    spans = run.spans()
+    last = next(s for s in spans if (s.attributes or {}).get(sc.SAGA_PHASE) == sc.PHASE_RUN)
+    first = [s for s in spans if s is not last]
+    async with Sidecar(settings_for(tmp_path / "whole"), clock=clock) as ref:
+        await export_http(ref, spans)
+        _, want = await _get(ref, f"/runs/{run.run_id}")
+    async with Sidecar(settings_for(tmp_path), clock=clock) as sc_:
+        # Without its run span the run is open: put away only once it ends.
+        await export_http(sc_, first)
+        assert await sc_.evict_async() == []
+        await export_http(sc_, [last])
+        assert await sc_.evict_async() == [run.run_id]
+        assert run.run_id not in sc_.state
+        # The whole run again (a resend), once put away: taken as a resend, not a stranger.
+        await export_http(sc_, spans)
+        _, got = await _get(sc_, f"/runs/{run.run_id}")
+        assert got == want
+        assert got["status"] == sc.STATUS_COMPENSATED
+        assert await sc_.evict_async() == [run.run_id]
+    async with Sidecar(settings_for(tmp_path), clock=clock) as sc_:
+        assert run.run_id not in sc_.state
+        _, got = await _get(sc_, f"/runs/{run.run_id}")
+        assert got == want
+
+
+@BOTH_BACKENDS
+async def test_resolve_and_prune_reach_runs_put_away(tmp_path: Path, clock: FakeClock) -> None:
+    run = completed_run(t0=clock.now - 50)
+    async with Sidecar(settings_for(tmp_path, retention=3600.0), clock=clock) as sc_:
+        await export_http(sc_, run.spans())
+        assert await sc_.evict_async() == [run.run_id]
+        view = await sc_.resolve(run.run_id, "checked by hand")
+        assert view is not None and view["resolution"] is not None
+        assert await sc_.evict_async() == [run.run_id]
+        _, got = await _get(sc_, f"/runs/{run.run_id}")
+        assert got["resolution"]["note"] == "checked by hand"
+        clock.now += 1800
+        sc_.prune()
+        await sc_.flush()
+        assert (await _get(sc_, f"/runs/{run.run_id}"))[0] == 200
+        clock.now += 3600
+        sc_.prune()
+        await sc_.flush()
+        status, body = await _get(sc_, f"/runs/{run.run_id}")
+        assert status == 404, body
+        assert (await _get(sc_, "/runs"))[1]["runs"] == []
+
+
+@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
+async def test_replicas_put_away_and_reopen_through_each_other(
+    tmp_path: Path, clock: FakeClock, backend: str
+) -> None:
+    """A run put away by both replicas gets its last span at one of them: the other folds
+    it in on its next sync onto the whole run (not onto an empty one), and both agree."""
+    assert backend == "postgresql"
+    run = compensated_run(t0=clock.now - 50)
+    spans = run.spans()
+    settings = settings_for(tmp_path, tick_interval=3600.0)  # syncs only when told
+    async with Sidecar(settings, clock=clock) as a, Sidecar(settings, clock=clock) as b:
+        await export_http(a, spans)
+        await b.sync()
+        assert run.run_id in b.state
+        assert await a.evict_async() == [run.run_id]
+        assert await b.evict_async() == [run.run_id]
+        # A late span of the run (the agent's escalation, after its end) reaches B.
+        run.escalate(sc.ESCALATION_COMPENSATION_FAILED, {"not_undone": ["a late card"]})
+        late = [s for s in run.spans() if s not in spans]
+        assert len(late) == 1
+        await export_http(b, late)
+        assert run.run_id in b.state
+        await a.sync()  # A sees a span of a run it put away: it reopens it from the store
+        assert run.run_id in a.state
+        views = [r.state.view(run.run_id) for r in (a, b)]
+        assert views[0] == views[1]
+        assert views[0] is not None and views[0]["status"] == sc.STATUS_COMPENSATED
+        assert len(views[0]["steps"]) == 4 and views[0]["escalation"] is not None
+        assert await a.evict_async() == [run.run_id]
+        got = (await a.lookup(run.run_id)).view(run.run_id)
+        assert got == views[0]
