@@ -61,8 +61,17 @@ class RunStatus(StrEnum):
 
 
 def _json_object(value: Mapping[str, Any], what: str) -> dict[str, Any]:
+    return _json_object_and_text(value, what)[0]
+
+
+def _json_object_and_text(value: Mapping[str, Any], what: str) -> tuple[dict[str, Any], str]:
+    """A deep copy of ``value`` through JSON, and its JSON text with sorted keys (one encode)."""
     try:
-        return dict(json.loads(json.dumps(dict(value))))
+        try:
+            text = json.dumps(dict(value), sort_keys=True)
+        except TypeError:  # keys of mixed types cannot be sorted before JSON makes them strings
+            text = json.dumps(json.loads(json.dumps(dict(value))), sort_keys=True)
+        return dict(json.loads(text)), text
     except (TypeError, ValueError) as exc:
         raise ConfigurationError(
             f"{what} must be JSON-serialisable (plain str/int/float/bool/None, lists and "
@@ -84,6 +93,7 @@ class Compensation:
     description: str = ""
     step: str = ""
     index: int = -1
+    _args_json: str = field(default="", init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.tool or not isinstance(self.tool, str):
@@ -92,7 +102,13 @@ class Compensation:
                 "tool that undoes the step"
             )
         # Freeze the arguments now: a later mutation by the caller must not change the undo.
-        object.__setattr__(self, "args", _json_object(self.args, f"arguments of {self.tool}"))
+        args, text = _json_object_and_text(self.args, f"arguments of {self.tool}")
+        object.__setattr__(self, "args", args)
+        object.__setattr__(self, "_args_json", text)
+
+    def args_json(self) -> str:
+        """The arguments as JSON with sorted keys (the span attribute), encoded once."""
+        return self._args_json
 
     def to_dict(self) -> dict[str, Any]:
         return {
