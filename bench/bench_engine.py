@@ -69,7 +69,7 @@ def _spread(xs: list[float]) -> str:
 
 def run(progress: Callable[[str], None]) -> list[Figure]:
     peers = _peers_python(progress)
-    libs = {"saga_otel": sys.executable, "agent_saga": peers, "sagaz": peers}
+    libs: dict[str, Path | str] = {"saga_otel": sys.executable, "agent_saga": peers, "sagaz": peers}
     got: dict[str, list[dict[str, float]]] = {lib: [] for lib in libs}
     for rep in range(REPEATS):
         progress(f"repetition {rep + 1}/{REPEATS}: {', '.join(libs)} ({RUNS} runs each way)")

@@ -64,14 +64,26 @@ def _json_object(value: Mapping[str, Any], what: str) -> dict[str, Any]:
     return _json_object_and_text(value, what)[0]
 
 
+_sorted_json = json.JSONEncoder(sort_keys=True).encode  # json.dumps(sort_keys=True), prebuilt
+_from_json = json.JSONDecoder().decode
+_PLAIN = frozenset({str, int, bool, type(None)})
+
+
 def _json_object_and_text(value: Mapping[str, Any], what: str) -> tuple[dict[str, Any], str]:
-    """A deep copy of ``value`` through JSON, and its JSON text with sorted keys (one encode)."""
+    """A deep copy of ``value`` through JSON, and its JSON text with sorted keys (one encode).
+
+    Flat arguments of strings, ints, bools and None (the usual ids) come back
+    from JSON unchanged, so their copy skips the decode.
+    """
     try:
+        plain = dict(value)
         try:
-            text = json.dumps(dict(value), sort_keys=True)
+            text = _sorted_json(plain)
         except TypeError:  # keys of mixed types cannot be sorted before JSON makes them strings
-            text = json.dumps(json.loads(json.dumps(dict(value))), sort_keys=True)
-        return dict(json.loads(text)), text
+            text = _sorted_json(_from_json(json.dumps(plain)))
+        if all(type(k) is str and type(v) in _PLAIN for k, v in plain.items()):
+            return plain, text
+        return dict(_from_json(text)), text
     except (TypeError, ValueError) as exc:
         raise ConfigurationError(
             f"{what} must be JSON-serialisable (plain str/int/float/bool/None, lists and "
