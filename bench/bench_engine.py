@@ -31,8 +31,24 @@ REPEATS = 5
 RUNS = 200
 GOAL = 0.5
 # What was tried and what is left, for goals not reached (docs/benchmarks.md notes).
-NOTES_OK = ""
-NOTES_FAIL = ""
+NOTES_OK = (
+    "Tried (issue 16): the observe-path work (JSON-lines logger, slotted attempt scope, one "
+    "JSON encode per compensation), tool async-ness computed once. There is no tenacity "
+    "wrapper any more (the one retry loop is Mode.retry). Profile after (cProfile, 1,000 ok "
+    "runs): SDK spans (a run span and three do spans, with attribute cleaning) about 30%, "
+    "the outcome combinators' closures and the generator context managers around each "
+    "attempt about 15%, the pure stack's dataclasses.replace (ten per run) about 8%, JSON "
+    "log lines about 6%, building the three Compensation records about 5%, metrics about 4%; "
+    "the rest is spread thin. agent-saga does no telemetry at all on this path, so half its "
+    "time would leave about the SDK spans' share for everything else."
+)
+NOTES_FAIL = (
+    "Tried: cheap exception recording (the SDK's record_exception formatted the whole "
+    "traceback with source lines, about 30% of a failed run; now type, message and the 16 "
+    "innermost frames without source lines, the same event and attributes). Remaining: the "
+    "unwind span and two compensate spans on top of the ok run's costs, each compensate "
+    "attempt with its own log line and metrics."
+)
 
 
 def _peers_python(progress: Callable[[str], None]) -> Path:
