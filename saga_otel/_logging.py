@@ -28,14 +28,6 @@ import structlog
 
 Logger = Any  # structlog's BoundLogger protocol is loose; anything with .error/.warning/.info
 
-_LEVEL_NUMBERS = {
-    "debug": logging.DEBUG,
-    "info": logging.INFO,
-    "warning": logging.WARNING,
-    "error": logging.ERROR,
-    "critical": logging.CRITICAL,
-}
-
 
 def _fallback(obj: object) -> Any:
     # structlog.processors.JSONRenderer's default: __structlog__ if given, else repr.
@@ -81,8 +73,8 @@ class JsonLinesLogger:
     """The default logger: one JSON object per line, written and flushed under a lock.
 
     The surface the library and a user holding ``saga.instr.log`` use from a
-    structlog filtering bound logger: the level methods, ``bind``/``new``,
-    ``is_enabled_for`` and ``get_effective_level``.
+    structlog filtering bound logger: the level methods, ``bind`` and
+    ``is_enabled_for``.
     """
 
     __slots__ = ("_clock", "_context", "_level", "_lock", "_stream")
@@ -104,16 +96,10 @@ class JsonLinesLogger:
     def is_enabled_for(self, level: int) -> bool:
         return level >= self._level
 
-    def get_effective_level(self) -> int:
-        return self._level
-
     def bind(self, **kw: Any) -> JsonLinesLogger:
         return JsonLinesLogger(
             self._stream, self._level, {**self._context, **kw}, _clock=self._clock
         )
-
-    def new(self, **kw: Any) -> JsonLinesLogger:
-        return JsonLinesLogger(self._stream, self._level, dict(kw), _clock=self._clock)
 
     def emit(self, level: str, number: int, event: str, fields: dict[str, Any]) -> None:
         """Write one line if ``number`` passes the level; ``fields`` is consumed."""
@@ -162,8 +148,3 @@ def default_logger(stream: IO[str] | None = None) -> Any:
         return structlog.get_logger("saga_otel")
     level = getattr(logging, os.environ.get("SAGA_OTEL_LOG_LEVEL", "INFO").upper(), logging.INFO)
     return JsonLinesLogger(stream if stream is not None else sys.stderr, level)
-
-
-def level_number(level: str) -> int:
-    """The number of a level name the library logs at."""
-    return _LEVEL_NUMBERS[level]

@@ -60,10 +60,6 @@ class RunStatus(StrEnum):
     REJECTED = "rejected"
 
 
-def _json_object(value: Mapping[str, Any], what: str) -> dict[str, Any]:
-    return _json_object_and_text(value, what)[0]
-
-
 _sorted_json = json.JSONEncoder(sort_keys=True).encode  # json.dumps(sort_keys=True), prebuilt
 _from_json = json.JSONDecoder().decode
 _PLAIN = frozenset({str, int, bool, type(None)})

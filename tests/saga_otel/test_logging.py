@@ -74,15 +74,18 @@ def test_bind_level_and_filtering() -> None:
     out = io.StringIO()
     log = JsonLinesLogger(out, logging.WARNING).bind(service="agent")
     assert not log.is_enabled_for(logging.INFO) and log.is_enabled_for(logging.ERROR)
+    log.debug("saga.quiet")
     log.info("saga.quiet")
     log.error("saga.loud", n=1)
-    (only,) = lines(out)
-    assert (only["service"], only["n"], only["event"], only["level"]) == (
+    log.critical("saga.louder")
+    first, second = lines(out)
+    assert (first["service"], first["n"], first["event"], first["level"]) == (
         "agent",
         1,
         "saga.loud",
         "error",
     )
+    assert (second["event"], second["level"]) == ("saga.louder", "critical")
 
 
 def test_default_logger_leaves_structlog_unconfigured_and_follows_the_env(
