@@ -50,23 +50,26 @@ _write_locks: dict[int, threading.Lock] = {}
 
 
 class _Clock:
-    """``datetime.now(utc).isoformat()``, ``+00:00`` as ``Z``; date and time cached per second."""
+    """``datetime.now(utc).isoformat()``, ``+00:00`` as ``Z``; date and time cached per second.
 
-    __slots__ = ("_prefix", "_second")
+    The cache is one (second, text) tuple, swapped whole, so threads never mix
+    one second's text with another's.
+    """
+
+    __slots__ = ("_cached",)
 
     def __init__(self) -> None:
-        self._second = -1
-        self._prefix = ""
+        self._cached: tuple[int, str] = (-1, "")
 
     def stamp(self) -> str:
-        ns = time.time_ns()
-        second, rest = divmod(ns, 1_000_000_000)
-        if second != self._second:
-            self._prefix = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
-            self._second = second
+        second, rest = divmod(time.time_ns(), 1_000_000_000)
+        cached = self._cached
+        if cached[0] != second:
+            cached = (second, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second)))
+            self._cached = cached
         micros = rest // 1000
         # isoformat() leaves out a zero fraction; keep the same shape.
-        return f"{self._prefix}.{micros:06d}Z" if micros else f"{self._prefix}Z"
+        return f"{cached[1]}.{micros:06d}Z" if micros else f"{cached[1]}Z"
 
 
 class JsonLinesLogger:

@@ -153,3 +153,17 @@ def test_failed_attempt_records_a_bounded_exception_event() -> None:
     assert stack.count(", in deep\n") == STACK_FRAMES
     (finished,) = [e for e in lines(out) if e["event"] == "saga.step.finished"]
     assert finished["error"] == "KeyError: 'charge ch_1'" and finished["level"] == "warning"
+
+
+@pytest.mark.parametrize("ns", [1_764_755_504_000_000_000, 1_764_755_504_123_456_789, 0, 999_999])
+def test_timestamp_matches_datetime_isoformat(monkeypatch: pytest.MonkeyPatch, ns: int) -> None:
+    from saga_otel import _logging
+
+    monkeypatch.setattr(_logging.time, "time_ns", lambda: ns)
+    want = (
+        datetime.fromtimestamp(ns // 1000 / 1e6, UTC)
+        .replace(microsecond=(ns // 1000) % 1_000_000)
+        .isoformat()
+        .replace("+00:00", "Z")
+    )
+    assert _logging._Clock().stamp() == want
