@@ -62,6 +62,33 @@ class RunStatus(StrEnum):
 
 _sorted_json = json.JSONEncoder(sort_keys=True).encode  # json.dumps(sort_keys=True), prebuilt
 _from_json = json.JSONDecoder().decode
+
+
+def _not_json(o: object) -> Any:
+    raise TypeError(f"Object of type {type(o).__name__} is not JSON serializable")
+
+
+# The C encoder json.dumps(sort_keys=True) builds on every call, built once (no
+# circular check: a cycle ends in RecursionError and takes the full encoder's path).
+_make_c_encoder = getattr(json.encoder, "c_make_encoder", None)
+_c_encoder = (
+    _make_c_encoder(
+        None, _not_json, json.encoder.encode_basestring_ascii, None, ": ", ", ", True, False, True
+    )
+    if _make_c_encoder is not None
+    else None
+)
+
+
+def _sorted_json_fast(value: dict[str, Any]) -> str:
+    if _c_encoder is not None:
+        try:
+            return "".join(_c_encoder(value, 0))
+        except RecursionError:
+            pass
+    return _sorted_json(value)
+
+
 _PLAIN = frozenset({str, int, bool, type(None)})
 
 
@@ -74,7 +101,7 @@ def _json_object_and_text(value: Mapping[str, Any], what: str) -> tuple[dict[str
     try:
         plain = dict(value)
         try:
-            text = _sorted_json(plain)
+            text = _sorted_json_fast(plain)
         except TypeError:  # keys of mixed types cannot be sorted before JSON makes them strings
             text = _sorted_json(_from_json(json.dumps(plain)))
         if all(type(k) is str and type(v) in _PLAIN for k, v in plain.items()):
