@@ -209,10 +209,13 @@ async def wait_for_ack_async(span: ReadableSpan | trace.Span) -> bool:
     if ticket is None:
         return True
     try:
+        future = ticket.future
+        if future.done():  # answered before we asked: no wrapper, no loop round trip
+            return _judge(ticket, future.result(), span)
         try:
-            reason = await asyncio.wait_for(
-                asyncio.wrap_future(ticket.future), timeout=ticket.owner.ack_timeout
-            )
+            # asyncio.timeout rather than wait_for: no extra waiter future per step.
+            async with asyncio.timeout(ticket.owner.ack_timeout):
+                reason = await asyncio.wrap_future(future)
         except TimeoutError:
             reason = REASON_TIMEOUT
         return _judge(ticket, reason, span)

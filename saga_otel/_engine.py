@@ -561,7 +561,7 @@ class _Core:
                 CallInfo(t.name, args, result, snapshot, self.run_id, index), step=t.name
             )
             if comp is not None:
-                size = len(json.dumps(dict(comp.args), sort_keys=True).encode())
+                size = len(comp.args_json().encode())
                 if size > self.saga.max_undo_bytes:
                     raise ConfigurationError(
                         f"its arguments are {size} bytes of JSON, over max_undo_bytes="

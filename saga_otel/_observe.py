@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextvars
 import inspect
-import json
 import os
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -195,7 +194,7 @@ class _Observer:
         except ConfigurationError as exc:
             self.instr.swallowed("compensation_recipe", exc)
             return None, str(exc)
-        size = len(json.dumps(dict(comp.args), sort_keys=True).encode())
+        size = len(comp.args_json().encode())
         if size > MAX_UNDO_BYTES:
             return None, f"its arguments are {size} bytes of JSON, over {MAX_UNDO_BYTES}"
         return comp, None

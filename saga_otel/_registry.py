@@ -56,6 +56,7 @@ class Tool:
     retry: RetryPolicy | None = None
     pivot: bool = False
     accepts_idempotency_key: bool = field(default=False, compare=False)
+    _is_async: bool = field(default=False, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.step_class.pushes and self.compensate is None:
@@ -81,10 +82,11 @@ class Tool:
             p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()
         )
         object.__setattr__(self, "accepts_idempotency_key", accepts)
+        object.__setattr__(self, "_is_async", inspect.iscoroutinefunction(self.fn))
 
     @property
     def is_async(self) -> bool:
-        return inspect.iscoroutinefunction(self.fn)
+        return self._is_async
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # Calling a Tool directly runs the bare function, outside any saga.

@@ -13,10 +13,13 @@ import json
 import logging
 import os
 import time
+import traceback
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from types import TracebackType
+from typing import Any, Literal
 
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -33,7 +36,7 @@ from opentelemetry.trace import (
 from prometheus_client import CollectorRegistry
 
 from saga_otel import semconv as sc
-from saga_otel._logging import default_logger
+from saga_otel._logging import JsonLinesLogger, default_logger
 from saga_otel._metrics import SagaMetrics, metrics_for
 from saga_otel.records import Compensation, StepClass, describe_error
 
@@ -108,8 +111,108 @@ class Attempt:
 
     def pushed(self, comp: Compensation) -> None:
         self.extra[sc.SAGA_COMPENSATION_TOOL] = comp.tool
-        self.extra[sc.SAGA_COMPENSATION_ARGS] = json.dumps(dict(comp.args), sort_keys=True)
+        self.extra[sc.SAGA_COMPENSATION_ARGS] = compensation_json(comp)
         self.extra[sc.SAGA_COMPENSATION_DESCRIPTION] = comp.description
+
+
+_OK = Status(StatusCode.OK)
+
+#: Frames kept in a recorded exception's stack (the innermost ones): enough to
+#: find the failing line, without formatting an agent's whole call stack per failure.
+STACK_FRAMES = 16
+
+
+def compensation_json(comp: Compensation) -> str:
+    """The undo's arguments as the span attribute's JSON, encoded once per record."""
+    return comp.args_json()
+
+
+def bounded_stack(exc: BaseException, frames: int = STACK_FRAMES) -> str:
+    """A traceback's innermost ``frames`` frames and the exception line, in Python's
+    shape but without source lines: reading source files is most of what a full
+    ``traceback.format_exception`` costs a failed step."""
+    entries: deque[str] = deque(maxlen=frames)
+    tb = exc.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        entries.append(f'  File "{code.co_filename}", line {tb.tb_lineno}, in {code.co_name}\n')
+        tb = tb.tb_next
+    head = "Traceback (most recent call last):\n" if entries else ""
+    return head + "".join(entries) + "".join(traceback.format_exception_only(exc))
+
+
+def record_error(span: Span, exc: BaseException) -> None:
+    """``span.record_exception`` made cheap: the same event and attributes (type,
+    message, stacktrace, escaped), the stack bounded by :func:`bounded_stack`."""
+    kind = type(exc)
+    module = kind.__module__
+    name = f"{module}.{kind.__qualname__}" if module and module != "builtins" else kind.__qualname__
+    span.add_event(
+        "exception",
+        {
+            "exception.type": name,
+            "exception.message": str(exc),
+            "exception.stacktrace": bounded_stack(exc),
+            "exception.escaped": "False",
+        },
+    )
+
+
+class _AttemptScope:
+    """The ``with`` around one attempt: opens the span at enter, closes it at exit."""
+
+    __slots__ = ("attempt", "attrs", "handle", "instr", "phase", "run", "span", "step", "t0")
+
+    def __init__(
+        self,
+        instr: Instrumentation,
+        run: RunTelemetry,
+        phase: str,
+        step: str,
+        attempt: int,
+        attrs: dict[str, Any],
+    ) -> None:
+        self.instr, self.run, self.phase, self.step = instr, run, phase, step
+        self.attempt, self.attrs = attempt, attrs
+        self.span: Span = trace.INVALID_SPAN
+        self.handle = Attempt(trace.INVALID_SPAN)
+        self.t0 = 0.0
+
+    def common(self) -> dict[str, Any]:
+        return {
+            "saga": self.instr.saga,
+            "run_id": self.run.run_id,
+            "step": self.step,
+            "phase": self.phase,
+            "attempt": self.attempt,
+        }
+
+    def __enter__(self) -> Attempt:
+        instr = self.instr
+        try:
+            self.span = instr.tracer.start_span(
+                _SPAN_NAMES[self.phase](self.step), context=self.run.context, attributes=self.attrs
+            )
+        except Exception as exc:
+            instr.swallowed("span", exc)
+            self.span = trace.INVALID_SPAN
+        self.handle.span = self.span
+        # Start events are debug: the finish event carries everything, at half the cost.
+        if instr.wants_debug():
+            instr._emit("debug", sc.EV_STEP_STARTED, self.span, self.common())
+        if self.attempt > 1:
+            try:
+                instr._child(instr.metrics.step_retries, instr.saga, self.step, self.phase).inc()
+            except Exception as exc:
+                instr.swallowed("metric", exc)
+        self.t0 = time.perf_counter()
+        return self.handle
+
+    def __exit__(
+        self, _et: type[BaseException] | None, exc: BaseException | None, _tb: TracebackType | None
+    ) -> Literal[False]:
+        self.instr._finish_attempt(self, time.perf_counter() - self.t0, exc)
+        return False  # the body's exception propagates unchanged
 
 
 class Instrumentation:
@@ -127,8 +230,20 @@ class Instrumentation:
         provider = tracer_provider or trace.get_tracer_provider()
         self.tracer = provider.get_tracer("saga_otel", _VERSION)
         self.metrics: SagaMetrics = metrics_for(registry)
-        self.log = logger if logger is not None else default_logger()
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+        self._steps: dict[tuple[str, str, str], tuple[Any, Any]] = {}
+        self.log = logger if logger is not None else default_logger()
+
+    @property
+    def log(self) -> Any:
+        return self._log
+
+    @log.setter
+    def log(self, logger: Any) -> None:
+        self._log = logger
+        # Only the library's own default pipeline takes the fast path; a user's
+        # logger always gets the ordinary ``logger.info(event, **fields)`` call.
+        self._fast = logger if type(logger) is JsonLinesLogger else None
 
     # -- safety ------------------------------------------------------------
     def _guard(self, kind: str, fn: Callable[[], Any]) -> Any:
@@ -145,6 +260,17 @@ class Instrumentation:
         if child is None:
             child = self._children[key] = metric.labels(*labels)
         return child
+
+    def _step_children(self, step: str, phase: str, outcome: str) -> tuple[Any, Any]:
+        """The attempt's counter and duration histogram, looked up once per step and outcome."""
+        key = (step, phase, outcome)
+        found = self._steps.get(key)
+        if found is None:
+            found = self._steps[key] = (
+                self._child(self.metrics.steps, self.saga, step, phase, outcome),
+                self._child(self.metrics.step_duration, self.saga, step, phase),
+            )
+        return found
 
     def swallowed(self, kind: str, exc: BaseException) -> None:
         """Count and log an error that must not reach the agent."""
@@ -163,18 +289,34 @@ class Instrumentation:
         except Exception:
             return True
 
-    def _event(self, level: str, event: str, span: Span | None, **fields: Any) -> None:
-        if not self._enabled(level):  # skip building the event at all
-            return
+    def wants_debug(self) -> bool:
+        """Whether debug events are written: skips building one that would be dropped."""
+        fast = self._fast
+        return self._enabled("debug") if fast is None else fast.is_enabled_for(logging.DEBUG)
 
-        def emit() -> None:
+    def _event(self, level: str, event: str, span: Span | None, **fields: Any) -> None:
+        self._emit(level, event, span, fields)
+
+    def _emit(self, level: str, event: str, span: Span | None, fields: dict[str, Any]) -> None:
+        """One log event with the span's ids; ``fields`` is consumed. Never raises."""
+        fast = self._fast
+        try:
+            if fast is not None:  # the library's own JSON lines: no structlog in between
+                number = _LEVELS[level]
+                if not fast.is_enabled_for(number):
+                    return
+            elif not self._enabled(level):  # skip building the event at all
+                return
             ctx = span.get_span_context() if span is not None else None
             if ctx is not None and ctx.is_valid:
                 fields["trace_id"] = _hex_trace(ctx)
                 fields["span_id"] = _hex_span(ctx)
-            getattr(self.log, level)(event, **fields)
-
-        self._guard("log", emit)
+            if fast is not None:
+                fast.emit(level, number, event, fields)
+            else:
+                getattr(self.log, level)(event, **fields)
+        except Exception as exc:  # telemetry must never break the agent
+            self.swallowed("log", exc)
 
     def _identity(self, run: RunTelemetry, phase: str) -> dict[str, Any]:
         return {**run.identity, sc.SAGA_PHASE: phase}
@@ -254,7 +396,6 @@ class Instrumentation:
         )
 
     # -- attempts ----------------------------------------------------------
-    @contextmanager
     def attempt(
         self,
         run: RunTelemetry,
@@ -267,14 +408,16 @@ class Instrumentation:
         step_class: StepClass | None = None,
         pivot: bool = False,
         compensation: Compensation | None = None,
-    ) -> Iterator[Attempt]:
+    ) -> AbstractContextManager[Attempt]:
         """One attempt as a span, two log events and metrics.
 
         The body's exception is recorded and re-raised unchanged. Used as a
         plain ``with`` in sync and async code alike, so the span closes after
         the awaited call, never before.
         """
-        attrs: dict[str, Any] = {**self._identity(run, phase), sc.SAGA_STEP_NAME: step}
+        attrs = dict(run.identity)
+        attrs[sc.SAGA_PHASE] = phase
+        attrs[sc.SAGA_STEP_NAME] = step
         if phase != sc.PHASE_VALIDATE:  # the contract gives validate spans no index/attempt
             attrs[sc.SAGA_STEP_INDEX] = index
             attrs[sc.SAGA_STEP_ATTEMPT] = attempt
@@ -286,79 +429,40 @@ class Instrumentation:
                 attrs[sc.GEN_AI_TOOL_CALL_ID] = call_id
         if compensation is not None:
             attrs[sc.SAGA_COMPENSATION_TOOL] = compensation.tool
-            attrs[sc.SAGA_COMPENSATION_ARGS] = json.dumps(dict(compensation.args), sort_keys=True)
+            attrs[sc.SAGA_COMPENSATION_ARGS] = compensation_json(compensation)
         if tool is not None and phase in (sc.PHASE_DO, sc.PHASE_COMPENSATE):
             attrs[sc.GEN_AI_OPERATION_NAME] = sc.GEN_AI_OPERATION_EXECUTE_TOOL
             attrs[sc.GEN_AI_TOOL_NAME] = tool
-        try:
-            span: Span = self.tracer.start_span(
-                _SPAN_NAMES[phase](step), context=run.context, attributes=attrs
-            )
-        except Exception as exc:
-            self.swallowed("span", exc)
-            span = trace.INVALID_SPAN
-        handle = Attempt(span)
-        common = {
-            "saga": self.saga,
-            "run_id": run.run_id,
-            "step": step,
-            "phase": phase,
-            "attempt": attempt,
-        }
-        # Start events are debug: the finish event carries everything, at half the cost.
-        self._event("debug", sc.EV_STEP_STARTED, span, **common)
-        if attempt > 1:
-            try:
-                self._child(self.metrics.step_retries, self.saga, step, phase).inc()
-            except Exception as exc:
-                self.swallowed("metric", exc)
-        t0 = time.perf_counter()
-        try:
-            yield handle
-        except BaseException as exc:
-            elapsed = time.perf_counter() - t0
-            self._finish_attempt(span, handle, common, elapsed, exc)
-            raise
-        else:
-            self._finish_attempt(span, handle, common, time.perf_counter() - t0, None)
+        return _AttemptScope(self, run, phase, step, attempt, attrs)
 
     def _finish_attempt(
-        self,
-        span: Span,
-        handle: Attempt,
-        common: Mapping[str, Any],
-        elapsed: float,
-        exc: BaseException | None,
+        self, scope: _AttemptScope, elapsed: float, exc: BaseException | None
     ) -> None:
-        outcome = "ok" if exc is None else "error"
-
-        def close() -> None:
+        span, handle = scope.span, scope.handle
+        try:
             if handle.extra:
                 span.set_attributes(handle.extra)
             if exc is None:
-                span.set_status(Status(StatusCode.OK))
+                span.set_status(_OK)
             else:
-                span.record_exception(exc)
+                record_error(span, exc)
                 span.set_attribute(sc.ERROR_TYPE, type(exc).__qualname__)
                 span.set_status(Status(StatusCode.ERROR, describe_error(exc)))
             span.end()
-
-        self._guard("span", close)
-        step, phase = common["step"], common["phase"]
+        except Exception as err:  # telemetry must never break the agent
+            self.swallowed("span", err)
+        outcome = "ok" if exc is None else "error"
         try:
-            self._child(self.metrics.steps, self.saga, step, phase, outcome).inc()
-            self._child(self.metrics.step_duration, self.saga, step, phase).observe(elapsed)
+            count, duration = self._step_children(scope.step, scope.phase, outcome)
+            count.inc()
+            duration.observe(elapsed)
         except Exception as err:
             self.swallowed("metric", err)
-        self._event(
-            "info" if exc is None else "warning",
-            sc.EV_STEP_FINISHED,
-            span,
-            **common,
-            outcome=outcome,
-            duration_s=round(elapsed, 6),
-            error=None if exc is None else describe_error(exc),
-        )
+        fields = scope.common()
+        fields["outcome"] = outcome
+        fields["duration_s"] = round(elapsed, 6)
+        fields["error"] = None if exc is None else describe_error(exc)
+        self._emit("info" if exc is None else "warning", sc.EV_STEP_FINISHED, span, fields)
 
     # -- moments -------------------------------------------------------------
     def pivot_crossed(self, run: RunTelemetry, step: str) -> None:

@@ -60,9 +60,53 @@ class RunStatus(StrEnum):
     REJECTED = "rejected"
 
 
-def _json_object(value: Mapping[str, Any], what: str) -> dict[str, Any]:
+_sorted_json = json.JSONEncoder(sort_keys=True).encode  # json.dumps(sort_keys=True), prebuilt
+_from_json = json.JSONDecoder().decode
+
+
+def _not_json(o: object) -> Any:
+    raise TypeError(f"Object of type {type(o).__name__} is not JSON serializable")
+
+
+# The C encoder json.dumps(sort_keys=True) builds on every call, built once (no
+# circular check: a cycle ends in RecursionError and takes the full encoder's path).
+_make_c_encoder = getattr(json.encoder, "c_make_encoder", None)
+_c_encoder = (
+    _make_c_encoder(
+        None, _not_json, json.encoder.encode_basestring_ascii, None, ": ", ", ", True, False, True
+    )
+    if _make_c_encoder is not None
+    else None
+)
+
+
+def _sorted_json_fast(value: dict[str, Any]) -> str:
+    if _c_encoder is not None:
+        try:
+            return "".join(_c_encoder(value, 0))
+        except RecursionError:
+            pass
+    return _sorted_json(value)
+
+
+_PLAIN = frozenset({str, int, bool, type(None)})
+
+
+def _json_object_and_text(value: Mapping[str, Any], what: str) -> tuple[dict[str, Any], str]:
+    """A deep copy of ``value`` through JSON, and its JSON text with sorted keys (one encode).
+
+    Flat arguments of strings, ints, bools and None (the usual ids) come back
+    from JSON unchanged, so their copy skips the decode.
+    """
     try:
-        return dict(json.loads(json.dumps(dict(value))))
+        plain = dict(value)
+        try:
+            text = _sorted_json_fast(plain)
+        except TypeError:  # keys of mixed types cannot be sorted before JSON makes them strings
+            text = _sorted_json(_from_json(json.dumps(plain)))
+        if all(type(k) is str and type(v) in _PLAIN for k, v in plain.items()):
+            return plain, text
+        return dict(_from_json(text)), text
     except (TypeError, ValueError) as exc:
         raise ConfigurationError(
             f"{what} must be JSON-serialisable (plain str/int/float/bool/None, lists and "
@@ -84,6 +128,7 @@ class Compensation:
     description: str = ""
     step: str = ""
     index: int = -1
+    _args_json: str = field(default="", init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.tool or not isinstance(self.tool, str):
@@ -92,7 +137,13 @@ class Compensation:
                 "tool that undoes the step"
             )
         # Freeze the arguments now: a later mutation by the caller must not change the undo.
-        object.__setattr__(self, "args", _json_object(self.args, f"arguments of {self.tool}"))
+        args, text = _json_object_and_text(self.args, f"arguments of {self.tool}")
+        object.__setattr__(self, "args", args)
+        object.__setattr__(self, "_args_json", text)
+
+    def args_json(self) -> str:
+        """The arguments as JSON with sorted keys (the span attribute), encoded once."""
+        return self._args_json
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from saga_otel import (
     Compensation,
@@ -83,3 +85,28 @@ def test_backoff_seconds_grows_caps_and_spreads() -> None:
     ]
     assert all(2.0 <= d <= 2.0 + 0.2 + 1.0 for d in spread)
     assert max(spread) - min(spread) > 0.5  # the spread is really random, not a constant offset
+
+
+_json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
+    max_leaves=12,
+)
+
+
+@given(st.dictionaries(st.text(), _json_values, max_size=6))
+@settings(max_examples=200, deadline=None)
+def test_compensation_json_is_one_encode_of_json_dumps(args: dict[str, object]) -> None:
+    comp = Compensation("undo", args)
+    assert comp.args_json() == json.dumps(args, sort_keys=True)  # the span attribute
+    assert comp.args == json.loads(json.dumps(args))  # the frozen copy
+    assert comp.args is not args
+
+
+def test_compensation_refuses_what_json_cannot_hold() -> None:
+    cyclic: dict[str, object] = {}
+    cyclic["self"] = cyclic
+    for bad in ({"x": object()}, cyclic, {"x": {1, 2}}):
+        with pytest.raises(ConfigurationError, match="must be JSON-serialisable"):
+            Compensation("undo", bad)
+    assert Compensation("undo", {1: "a", "b": 2}).args == {"1": "a", "b": 2}

@@ -1,0 +1,169 @@
+"""The library's default logger writes the events structlog's JSON pipeline would."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import re
+from datetime import UTC, datetime
+
+import pytest
+import structlog
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from prometheus_client import CollectorRegistry
+
+from saga_otel._logging import JsonLinesLogger, default_logger
+from saga_otel._telemetry import STACK_FRAMES, Instrumentation
+
+ISO_UTC = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d{6})?Z$")
+
+
+def structlog_pipeline(stream: io.StringIO, level: int = logging.INFO) -> object:
+    """The pipeline the default logger used to be (and a user's own would be)."""
+    return structlog.wrap_logger(
+        structlog.PrintLogger(stream),
+        processors=[
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.JSONRenderer(),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(level),
+    ).bind()
+
+
+class Odd:
+    def __repr__(self) -> str:
+        return "<odd>"
+
+
+def lines(stream: io.StringIO) -> list[dict[str, object]]:
+    return [json.loads(line) for line in stream.getvalue().splitlines()]
+
+
+def test_same_events_fields_and_order_as_the_structlog_pipeline() -> None:
+    fast_out, slow_out = io.StringIO(), io.StringIO()
+    fast, slow = JsonLinesLogger(fast_out), structlog_pipeline(slow_out)
+    calls: list[tuple[str, dict[str, object]]] = [
+        ("info", {"saga": "refund", "attempt": 1, "duration_s": 0.25, "error": None}),
+        ("warning", {"pending": ["a", "b"], "ok": False, "card": {"x": [1, {"y": 2}]}}),
+        ("error", {"odd": Odd(), "big": 2**70, "text": 'é \u2028 "q"'}),
+        ("debug", {"dropped": True}),  # below info: neither writes it
+    ]
+    for method, kw in calls:
+        getattr(fast, method)("saga.test", **kw)
+        getattr(slow, method)("saga.test", **kw)
+    got, want = lines(fast_out), lines(slow_out)
+    assert len(got) == len(want) == 3
+    for g, w in zip(got, want, strict=True):
+        assert list(g) == list(w)  # the same keys in the same order
+        assert ISO_UTC.match(str(g.pop("timestamp"))) and ISO_UTC.match(str(w.pop("timestamp")))
+        assert g == w
+
+
+def test_timestamp_is_now_in_utc() -> None:
+    out = io.StringIO()
+    JsonLinesLogger(out).info("saga.test")
+    stamp = datetime.fromisoformat(str(lines(out)[0]["timestamp"]).replace("Z", "+00:00"))
+    assert abs((datetime.now(UTC) - stamp).total_seconds()) < 60
+
+
+def test_bind_level_and_filtering() -> None:
+    out = io.StringIO()
+    log = JsonLinesLogger(out, logging.WARNING).bind(service="agent")
+    assert not log.is_enabled_for(logging.INFO) and log.is_enabled_for(logging.ERROR)
+    log.debug("saga.quiet")
+    log.info("saga.quiet")
+    log.error("saga.loud", n=1)
+    log.critical("saga.louder")
+    first, second = lines(out)
+    assert (first["service"], first["n"], first["event"], first["level"]) == (
+        "agent",
+        1,
+        "saga.loud",
+        "error",
+    )
+    assert (second["event"], second["level"]) == ("saga.louder", "critical")
+
+
+def test_default_logger_leaves_structlog_unconfigured_and_follows_the_env(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("SAGA_OTEL_LOG_LEVEL", "ERROR")
+    out = io.StringIO()
+    log = default_logger(out)
+    assert isinstance(log, JsonLinesLogger) and not structlog.is_configured()
+    log.warning("saga.quiet")
+    log.error("saga.loud")
+    assert [e["event"] for e in lines(out)] == ["saga.loud"]
+
+
+def test_a_configured_structlog_is_used_as_is() -> None:
+    seen: list[dict[str, object]] = []
+
+    def keep(_l: object, _m: str, event: dict[str, object]) -> dict[str, object]:
+        seen.append(dict(event))
+        raise structlog.DropEvent
+
+    structlog.configure(processors=[keep])
+    try:
+        instr = Instrumentation(
+            "refund", tracer_provider=TracerProvider(), registry=CollectorRegistry()
+        )
+        assert not isinstance(instr.log, JsonLinesLogger)
+        instr.start_run()
+        assert [e["event"] for e in seen] == ["saga.run.started"]
+    finally:
+        structlog.reset_defaults()
+
+
+def test_failed_attempt_records_a_bounded_exception_event() -> None:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    out = io.StringIO()
+    instr = Instrumentation(
+        "refund",
+        tracer_provider=provider,
+        registry=CollectorRegistry(),
+        logger=JsonLinesLogger(out),
+    )
+    run = instr.start_run()
+
+    def deep(n: int) -> None:
+        if n == 0:
+            raise KeyError("charge ch_1")
+        deep(n - 1)
+
+    with pytest.raises(KeyError), instr.attempt(run, "do", "charge", index=0):
+        deep(STACK_FRAMES * 3)
+    (span,) = [s for s in exporter.get_finished_spans() if s.name.startswith("saga.do")]
+    (event,) = span.events
+    attrs = dict(event.attributes or {})
+    assert event.name == "exception"
+    assert attrs["exception.type"] == "KeyError"
+    assert attrs["exception.message"] == "'charge ch_1'"
+    assert attrs["exception.escaped"] == "False"
+    stack = str(attrs["exception.stacktrace"])
+    assert stack.endswith("KeyError: 'charge ch_1'\n")
+    assert stack.startswith("Traceback (most recent call last):\n")
+    assert stack.count('File "') == STACK_FRAMES  # the innermost frames only
+    assert stack.count(", in deep\n") == STACK_FRAMES
+    (finished,) = [e for e in lines(out) if e["event"] == "saga.step.finished"]
+    assert finished["error"] == "KeyError: 'charge ch_1'" and finished["level"] == "warning"
+
+
+@pytest.mark.parametrize("ns", [1_764_755_504_000_000_000, 1_764_755_504_123_456_789, 0, 999_999])
+def test_timestamp_matches_datetime_isoformat(monkeypatch: pytest.MonkeyPatch, ns: int) -> None:
+    from saga_otel import _logging
+
+    monkeypatch.setattr(_logging.time, "time_ns", lambda: ns)
+    want = (
+        datetime.fromtimestamp(ns // 1000 / 1e6, UTC)
+        .replace(microsecond=(ns // 1000) % 1_000_000)
+        .isoformat()
+        .replace("+00:00", "Z")
+    )
+    assert _logging._Clock().stamp() == want
