@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry
 from bench._figures import Figure
 from saga_otel import StepClass
 from saga_otel import semconv as sc
-from saga_otel._logging import JsonLinesLogger, default_logger
+from saga_otel._logging import default_logger, json_lines_logger
 from saga_otel._telemetry import Instrumentation
 from saga_otel.records import Compensation
 
@@ -152,7 +152,7 @@ def run(progress: Callable[[str], None]) -> list[Figure]:
     progress(f"bare SDK span and observed compensable step (a push), alternating {REPEATS} x {N}")
     push = _paired(bare, observed_push)
     progress("the same, the library's logger above info level (no log line rendered)")
-    instr.log = JsonLinesLogger(_Discard(), logging.WARNING)
+    instr.log = json_lines_logger(_Discard(), logging.WARNING)
     quiet = _paired(bare, observed_step)
     us = 1e6
     how = (

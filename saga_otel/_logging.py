@@ -1,12 +1,13 @@
 """The library's own logger, chosen without touching the user's logging setup.
 
 When the user configured structlog, the library logs through their pipeline
-(``structlog.get_logger("saga_otel")``). Otherwise it writes JSON lines to
-stderr with :class:`JsonLinesLogger`: the lines structlog's
+(``structlog.get_logger("saga_otel")``). Otherwise it logs through a structlog
+bound logger of its own (:func:`json_lines_logger`, never the global
+configuration) that writes JSON lines to stderr: the lines structlog's
 ``add_log_level`` + ``TimeStamper(fmt="iso", utc=True)`` + ``JSONRenderer()``
 pipeline would write (the event's fields, then ``event``, ``level`` and
-``timestamp``, in that order, with the same values), rendered in one call
-instead of three processors, with the timestamp's date and time cached per second.
+``timestamp``, in that order, with the same values), rendered by one processor
+instead of three, with the timestamp's date and time cached per second.
 The JSON is orjson's (compact: no spaces after ``,`` and ``:``); a value
 orjson refuses (an int over 64 bits, a non-string key) falls back to the
 standard library's encoder. ``tests/saga_otel/test_logging.py`` compares the
@@ -21,6 +22,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Mapping, MutableMapping
 from typing import IO, Any
 
 import orjson
@@ -38,7 +40,7 @@ def _fallback(obj: object) -> Any:
 _encode = json.JSONEncoder(default=_fallback).encode
 
 
-def render(fields: dict[str, Any]) -> str:
+def render(fields: Mapping[str, Any]) -> str:
     """One event as a JSON object (orjson; the standard library for what orjson refuses)."""
     try:
         return orjson.dumps(fields, default=_fallback).decode()
@@ -72,76 +74,59 @@ class _Clock:
         return f"{cached[1]}.{micros:06d}Z" if micros else f"{cached[1]}Z"
 
 
-class JsonLinesLogger:
-    """The default logger: one JSON object per line, written and flushed under a lock.
+class LineWriter:
+    """structlog's final "logger": writes each rendered line and flushes, under a lock
+    per stream (threads' lines never interleave)."""
 
-    The surface the library and a user holding ``saga.instr.log`` use from a
-    structlog filtering bound logger: the level methods, ``bind`` and
-    ``is_enabled_for``.
-    """
+    __slots__ = ("_lock", "_stream")
 
-    __slots__ = ("_clock", "_context", "_level", "_lock", "_stream")
-
-    def __init__(
-        self,
-        stream: IO[str],
-        level: int = logging.INFO,
-        context: dict[str, Any] | None = None,
-        *,
-        _clock: _Clock | None = None,
-    ) -> None:
+    def __init__(self, stream: IO[str]) -> None:
         self._stream = stream
-        self._level = level
-        self._context = context or {}
-        self._clock = _clock or _Clock()
         self._lock = _write_locks.setdefault(id(stream), threading.Lock())
 
-    def is_enabled_for(self, level: int) -> bool:
-        return level >= self._level
-
-    def bind(self, **kw: Any) -> JsonLinesLogger:
-        return JsonLinesLogger(
-            self._stream, self._level, {**self._context, **kw}, _clock=self._clock
-        )
-
-    def emit(self, level: str, number: int, event: str, fields: dict[str, Any]) -> None:
-        """Write one line if ``number`` passes the level; ``fields`` is consumed."""
-        if number < self._level:
-            return
-        if self._context:
-            fields = {**self._context, **fields}
-        fields["event"] = event
-        fields["level"] = level
-        fields["timestamp"] = self._clock.stamp()
-        line = render(fields) + "\n"
+    def msg(self, line: str) -> None:
         with self._lock:
-            self._stream.write(line)
+            self._stream.write(line + "\n")
             self._stream.flush()
 
-    def debug(self, event: str, **kw: Any) -> None:
-        self.emit("debug", logging.DEBUG, event, kw)
+    debug = info = warning = warn = error = critical = exception = log = msg
 
-    def info(self, event: str, **kw: Any) -> None:
-        self.emit("info", logging.INFO, event, kw)
 
-    def warning(self, event: str, **kw: Any) -> None:
-        self.emit("warning", logging.WARNING, event, kw)
+# structlog.processors.add_log_level's names for the methods that are aliases.
+_LEVEL_NAMES = {"warn": "warning", "exception": "error", "msg": "info"}
 
-    warn = warning
 
-    def error(self, event: str, **kw: Any) -> None:
-        self.emit("error", logging.ERROR, event, kw)
+class _Render:
+    """The one processor: ``add_log_level`` + ``TimeStamper(fmt="iso", utc=True)`` +
+    ``JSONRenderer()`` in a single call (orjson, timestamp cached per second)."""
 
-    def critical(self, event: str, **kw: Any) -> None:
-        self.emit("critical", logging.CRITICAL, event, kw)
+    __slots__ = ("_clock",)
 
-    def exception(self, event: str, **kw: Any) -> None:
-        kw.setdefault("exc_info", True)
-        self.emit("error", logging.ERROR, event, kw)
+    def __init__(self, clock: _Clock) -> None:
+        self._clock = clock
 
-    def log(self, level: int, event: str, **kw: Any) -> None:
-        name = logging.getLevelName(level).lower()
-        self.emit(name, level, event, kw)
+    def __call__(self, _logger: object, method: str, event: MutableMapping[str, Any]) -> str:
+        event["level"] = _LEVEL_NAMES.get(method, method)
+        event["timestamp"] = self._clock.stamp()
+        return render(event)
+
+
+def json_lines_logger(
+    stream: IO[str], level: int = logging.INFO, *, _clock: _Clock | None = None
+) -> Any:
+    """A structlog bound logger of the library's own (structlog's global configuration is
+    never touched) that filters by ``level`` and writes one JSON object per line."""
+    return structlog.wrap_logger(
+        LineWriter(stream),
+        processors=[_Render(_clock or _Clock())],
+        wrapper_class=structlog.make_filtering_bound_logger(level),
+        context_class=dict,
+    )
+
+
+def is_default(logger: object) -> bool:
+    """Whether ``logger`` is (bound from) the library's own JSON-lines logger."""
+    return type(getattr(logger, "_logger", None)) is LineWriter
 
 
 def default_logger(stream: IO[str] | None = None) -> Any:
@@ -150,4 +135,4 @@ def default_logger(stream: IO[str] | None = None) -> Any:
     if structlog.is_configured():
         return structlog.get_logger("saga_otel")
     level = getattr(logging, os.environ.get("SAGA_OTEL_LOG_LEVEL", "INFO").upper(), logging.INFO)
-    return JsonLinesLogger(stream if stream is not None else sys.stderr, level)
+    return json_lines_logger(stream if stream is not None else sys.stderr, level)

@@ -36,7 +36,7 @@ from opentelemetry.trace import (
 from prometheus_client import CollectorRegistry
 
 from saga_otel import semconv as sc
-from saga_otel._logging import JsonLinesLogger, default_logger
+from saga_otel._logging import default_logger
 from saga_otel._metrics import SagaMetrics, metrics_for
 from saga_otel.records import Compensation, StepClass, describe_error
 
@@ -234,17 +234,6 @@ class Instrumentation:
         self._steps: dict[tuple[str, str, str], tuple[Any, Any]] = {}
         self.log = logger if logger is not None else default_logger()
 
-    @property
-    def log(self) -> Any:
-        return self._log
-
-    @log.setter
-    def log(self, logger: Any) -> None:
-        self._log = logger
-        # Only the library's own default pipeline takes the fast path; a user's
-        # logger always gets the ordinary ``logger.info(event, **fields)`` call.
-        self._fast = logger if type(logger) is JsonLinesLogger else None
-
     # -- safety ------------------------------------------------------------
     def _guard(self, kind: str, fn: Callable[[], Any]) -> Any:
         try:
@@ -291,30 +280,21 @@ class Instrumentation:
 
     def wants_debug(self) -> bool:
         """Whether debug events are written: skips building one that would be dropped."""
-        fast = self._fast
-        return self._enabled("debug") if fast is None else fast.is_enabled_for(logging.DEBUG)
+        return self._enabled("debug")
 
     def _event(self, level: str, event: str, span: Span | None, **fields: Any) -> None:
         self._emit(level, event, span, fields)
 
     def _emit(self, level: str, event: str, span: Span | None, fields: dict[str, Any]) -> None:
         """One log event with the span's ids; ``fields`` is consumed. Never raises."""
-        fast = self._fast
         try:
-            if fast is not None:  # the library's own JSON lines: no structlog in between
-                number = _LEVELS[level]
-                if not fast.is_enabled_for(number):
-                    return
-            elif not self._enabled(level):  # skip building the event at all
+            if not self._enabled(level):  # skip building the event at all
                 return
             ctx = span.get_span_context() if span is not None else None
             if ctx is not None and ctx.is_valid:
                 fields["trace_id"] = _hex_trace(ctx)
                 fields["span_id"] = _hex_span(ctx)
-            if fast is not None:
-                fast.emit(level, number, event, fields)
-            else:
-                getattr(self.log, level)(event, **fields)
+            getattr(self.log, level)(event, **fields)
         except Exception as exc:  # telemetry must never break the agent
             self.swallowed("log", exc)
 

@@ -1,4 +1,5 @@
-"""The library's default logger writes the events structlog's JSON pipeline would."""
+"""The library's default logger (structlog, one orjson processor) writes the events
+structlog's stock JSON pipeline would."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import CollectorRegistry
 
-from saga_otel._logging import JsonLinesLogger, default_logger
+from saga_otel._logging import default_logger, is_default, json_lines_logger
 from saga_otel._telemetry import STACK_FRAMES, Instrumentation
 
 ISO_UTC = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d{6})?Z$")
@@ -45,7 +46,7 @@ def lines(stream: io.StringIO) -> list[dict[str, object]]:
 
 def test_same_events_fields_and_order_as_the_structlog_pipeline() -> None:
     fast_out, slow_out = io.StringIO(), io.StringIO()
-    fast, slow = JsonLinesLogger(fast_out), structlog_pipeline(slow_out)
+    fast, slow = json_lines_logger(fast_out), structlog_pipeline(slow_out)
     calls: list[tuple[str, dict[str, object]]] = [
         ("info", {"saga": "refund", "attempt": 1, "duration_s": 0.25, "error": None}),
         ("warning", {"pending": ["a", "b"], "ok": False, "card": {"x": [1, {"y": 2}]}}),
@@ -65,14 +66,14 @@ def test_same_events_fields_and_order_as_the_structlog_pipeline() -> None:
 
 def test_timestamp_is_now_in_utc() -> None:
     out = io.StringIO()
-    JsonLinesLogger(out).info("saga.test")
+    json_lines_logger(out).info("saga.test")
     stamp = datetime.fromisoformat(str(lines(out)[0]["timestamp"]).replace("Z", "+00:00"))
     assert abs((datetime.now(UTC) - stamp).total_seconds()) < 60
 
 
 def test_bind_level_and_filtering() -> None:
     out = io.StringIO()
-    log = JsonLinesLogger(out, logging.WARNING).bind(service="agent")
+    log = json_lines_logger(out, logging.WARNING).bind(service="agent")
     assert not log.is_enabled_for(logging.INFO) and log.is_enabled_for(logging.ERROR)
     log.debug("saga.quiet")
     log.info("saga.quiet")
@@ -94,7 +95,7 @@ def test_default_logger_leaves_structlog_unconfigured_and_follows_the_env(
     monkeypatch.setenv("SAGA_OTEL_LOG_LEVEL", "ERROR")
     out = io.StringIO()
     log = default_logger(out)
-    assert isinstance(log, JsonLinesLogger) and not structlog.is_configured()
+    assert is_default(log) and not structlog.is_configured()
     log.warning("saga.quiet")
     log.error("saga.loud")
     assert [e["event"] for e in lines(out)] == ["saga.loud"]
@@ -112,7 +113,7 @@ def test_a_configured_structlog_is_used_as_is() -> None:
         instr = Instrumentation(
             "refund", tracer_provider=TracerProvider(), registry=CollectorRegistry()
         )
-        assert not isinstance(instr.log, JsonLinesLogger)
+        assert not is_default(instr.log)
         instr.start_run()
         assert [e["event"] for e in seen] == ["saga.run.started"]
     finally:
@@ -128,7 +129,7 @@ def test_failed_attempt_records_a_bounded_exception_event() -> None:
         "refund",
         tracer_provider=provider,
         registry=CollectorRegistry(),
-        logger=JsonLinesLogger(out),
+        logger=json_lines_logger(out),
     )
     run = instr.start_run()
 
