@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, NamedTuple, Protocol
+from typing import Literal, NamedTuple, Protocol, TypeVar
 from urllib.parse import urlsplit
 
 from ._errors import ConfigError
@@ -158,6 +158,7 @@ class Screening(NamedTuple):
     owners: dict[str, Owner]
     leases: dict[str, Lease]
     stored: dict[tuple[str, str], bytes]
+    opened: frozenset[str] = frozenset()  # runs whose owner row this request created
 
 
 SpanRow = tuple[str, str, float, str, str, bytes]
@@ -166,6 +167,17 @@ HeartbeatRow = tuple[str, float, float, str]
 """(instance, heard at, interval seconds, the open runs it named as a JSON list)."""
 InstanceRow = tuple[str, float, float]
 """(instance, last heartbeat, interval seconds)."""
+
+
+class IntakeRows(NamedTuple):
+    """What one request stores once screened (see :meth:`Store.write_screened`)."""
+
+    spans: Sequence[SpanRow]
+    heartbeats: Sequence[HeartbeatRow]
+    owners: Sequence[tuple[str, Owner]]
+
+
+T = TypeVar("T")
 
 
 class Store(Protocol):
@@ -197,6 +209,25 @@ class Store(Protocol):
         """
         ...
 
+    def write_screened(
+        self,
+        keys: Sequence[tuple[str, str]],
+        openers: Sequence[tuple[str, Owner]],
+        decide: Callable[[Screening], tuple[IntakeRows, T]],
+    ) -> T:
+        """Screen and store one request in one transaction, serialized per run across every
+        process on the database: a run's state moves one request at a time, as in one
+        sidecar.
+
+        ``keys`` are the request's (run_id, span_id); ``openers`` the owner each new run
+        would get (its first span's). Runs without an owner get one of those first; then
+        the runs' owner rows are locked (in run id order) until commit, and ``decide``
+        screens the spans against the owners, leases and stored spans read under those
+        locks and returns the rows to store (and a result handed back). Committed on
+        return; raises StoreError otherwise.
+        """
+        ...
+
     def mark_orphaned(self, marks: Iterable[tuple[str, float]]) -> None: ...
 
     def clear_orphaned(self, run_ids: Iterable[str]) -> None:
@@ -225,12 +256,6 @@ class Store(Protocol):
 
     def stored_spans(self, keys: Iterable[tuple[str, str]]) -> dict[tuple[str, str], bytes]:
         """The stored bytes of the given (run_id, span_id) that exist (duplicate checks)."""
-        ...
-
-    def screening(self, keys: Sequence[tuple[str, str]]) -> Screening:
-        """Owners and leases of the runs of ``keys`` and the stored bytes of those spans: a
-        shared store's truth, which another replica may have changed since our last sync.
-        """
         ...
 
     def marks(self) -> list[RunMark]: ...
