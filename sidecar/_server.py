@@ -6,7 +6,9 @@ which keeps a change, its commit and its listeners in one order with no locks.
 On PostgreSQL (``store.inline`` False) every database call runs on one worker
 thread of the sidecar, in submission order, and intake holds an asyncio lock
 from screening to folding: the same order, without the loop waiting on the
-network.
+network. Across replicas a request is screened and stored in one transaction
+holding its runs' owner row locks (``Store.write_screened``), so one run's
+requests are taken one at a time whichever replicas they reach.
 """
 
 from __future__ import annotations
@@ -391,18 +393,22 @@ class Sidecar:
         rows, heartbeats = self._rows(decoded, now)
         return IntakeRows(rows, heartbeats, list(owners.items())), (decoded, found, resent)
 
-    @staticmethod
-    def _openers(decoded: Decoded) -> list[tuple[str, Owner]]:
+    def _openers(self, decoded: Decoded) -> list[tuple[str, Owner]]:
         """The owner each run of the request gets if it is new: its first span's that may
-        open it (a valid run id, no recovery token), as ``_screen`` would pick."""
+        open it (a valid run id, no recovery token), as ``_screen`` would pick. Runs this
+        replica knows have their owner row already (skipped: one insert less each)."""
         first: dict[str, Owner] = {}
         bad: set[str] = set()
+        state = self.state
         for span in decoded.spans:
             attrs = span.attributes
             if attrs.get(sc.SAGA_PHASE) == sc.PHASE_HEARTBEAT:
                 continue
             run_id = attrs[sc.SAGA_RUN_ID]
             if run_id in first or run_id in bad or attrs.get(sc.SAGA_RECOVERY_TOKEN) is not None:
+                continue
+            if state.owner(run_id) is not None:
+                bad.add(run_id)
                 continue
             if sc.run_id_problem(run_id) is not None:
                 bad.add(run_id)
