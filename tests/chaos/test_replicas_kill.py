@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -119,6 +120,7 @@ def test_three_replicas_one_killed_behave_as_one_sidecar(
         os.kill(replicas[0].proc.pid, signal.SIGKILL)
         replicas[0].proc.wait()
         os.kill(victim.pid, signal.SIGKILL)
+        killed_at = time.time()
         victim.wait()
         replicas[0] = replica(0)  # restarted on its ports: agents find it again
 
@@ -151,6 +153,9 @@ def test_three_replicas_one_killed_behave_as_one_sidecar(
             timeout=30,
             what="the killed agent's run paged orphaned",
         )
+        page = pager.find(sc.ALERT_RUN_ORPHANED, victim_run)
+        assert page is not None
+        paged_after = page["_received"] - killed_at
         # Recovered through replica 2, which never received one of its spans.
         rec = _agent("recover", victim_run, replicas[2].api, replicas[2].otlp)
         out, err = rec.communicate(timeout=60)
@@ -197,6 +202,7 @@ def test_three_replicas_one_killed_behave_as_one_sidecar(
             "alerts_delivered": sum(keys.values()),
             "paged_twice": 0,
             "live_agents_paged_orphaned": 0,
+            "killed_agent_paged_after_s": round(paged_after, 1),
         }
     finally:
         for proc in procs:
