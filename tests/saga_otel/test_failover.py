@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,7 @@ from support import start_sidecar
 
 from saga_otel import ConfigurationError, Saga, ToolRegistry, configure, tool
 from saga_otel import semconv as sc
+from saga_otel._acks import wait_for_ack
 from saga_otel._config import ENV_SIDECAR_ENDPOINT
 from saga_otel._state import STATE
 
@@ -54,6 +57,74 @@ def test_a_list_or_commas_name_several_endpoints(
         configure(" , ", tracer_provider=provider)
     with pytest.raises(ConfigurationError, match="names no URL"):
         configure([], tracer_provider=provider, durable=False)
+
+
+class _Answers:
+    """A loopback OTLP receiver that answers every request with one status."""
+
+    def __init__(self, status: int, retry_after: str | None = None) -> None:
+        self.requests = 0
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, format: str, *args: Any) -> None:
+                return
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                outer.requests += 1
+                self.send_response(status)
+                if retry_after is not None:
+                    self.send_header("Retry-After", retry_after)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_replica_answering_503_is_skipped_and_its_spans_acknowledged_by_the_next(
+    fresh: None,
+) -> None:
+    bad, good = _Answers(503, retry_after="30"), _Answers(200)
+    registry = CollectorRegistry()
+    provider = TracerProvider(shutdown_on_exit=False)
+    export = configure(
+        [bad.url, good.url],
+        tracer_provider=provider,
+        registry=registry,
+        presence=False,
+        ack_timeout=5.0,
+        retry_max=0.2,
+        logger=_Quiet(),
+    )
+    try:
+        tracer = provider.get_tracer("test")
+        for i in range(6):
+            span = tracer.start_span(
+                f"saga.do step{i}",
+                attributes={
+                    sc.SAGA_PHASE: sc.PHASE_DO,
+                    sc.SAGA_RUN_ID: "run-1",
+                    sc.SAGA_NAME: "refund",
+                    sc.SAGA_CONTRACT_VERSION: sc.CONTRACT_VERSION,
+                },
+            )
+            span.end()
+            assert wait_for_ack(span) is True  # at once from the next endpoint
+        # The 503 said "not for 30 s": it was asked once, the other took every span.
+        assert bad.requests == 1
+        assert good.requests >= 6
+        assert not registry.get_sample_value(sc.M_EXPORT_FAILURES, {"reason": "sidecar_down"})
+    finally:
+        export.shutdown(timeout=1.0)
+        bad.stop()
+        good.stop()
 
 
 def _tools() -> ToolRegistry:
