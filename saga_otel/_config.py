@@ -390,7 +390,7 @@ def configure(
                 heartbeat_interval,
                 log,
                 presence=(
-                    Presence(processor.endpoints[0], processor_transport, instance_id, log)
+                    Presence(processor.endpoints, processor_transport, instance_id, log)
                     if processor is not None and presence
                     else None
                 ),
