@@ -56,6 +56,19 @@ SECTIONS = [
         "",
     ),
     (
+        "replicas_kill_postgresql",
+        "Replica kill (3 replicas, PostgreSQL)",
+        "Three sidecar replicas on one PostgreSQL database; three agents send to all three "
+        "in turn (a list of endpoints), a fourth keeps one run open across the kill, a fifth "
+        "sends to one replica only and is SIGKILLed. One replica is SIGKILLed mid-load and "
+        "restarted on its ports. Every acknowledged run must be whole, every run's view the "
+        "same through each replica and as one SQLite sidecar folds the stored spans, each "
+        "alert delivered once, only the killed agent paged orphaned, and its run recovered "
+        "through a replica that never received its spans.",
+        "tests/chaos/test_replicas_kill.py",
+        "",
+    ),
+    (
         "sink_outage",
         "Sink outage",
         "Five unwinding runs raise and resolve SagaCompensationStarted while the webhook "
@@ -152,6 +165,8 @@ def main() -> int:
             "sidecar_kill": "no acknowledged span lost, no alert paged twice",
             "agent_kill_postgresql": "0 lost, 0 duplicated, 0 out of order",
             "sidecar_kill_postgresql": "no acknowledged span lost, no alert paged twice",
+            "replicas_kill_postgresql": "no acknowledged span lost, views as one sidecar's, "
+            "no alert paged twice, no live agent paged",
             "sink_outage": "every alert delivered, once per dedup key and status",
             "fuzz": "no crash, no 5xx, memory flat",
             "compensation_failures": "retries carried every transient failure; "

@@ -13,7 +13,7 @@ import atexit
 import os
 import ssl
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Final
 from urllib.parse import urlsplit, urlunsplit
 
@@ -68,10 +68,22 @@ def _resolve_endpoint(value: str) -> str:
         raise ConfigurationError(
             f"sidecar endpoint {value!r} is not an http(s) URL; pass sidecar_endpoint= or set "
             f"{ENV_SIDECAR_ENDPOINT} to the sidecar's OTLP/HTTP base URL, "
-            "e.g. http://127.0.0.1:4318"
+            "e.g. http://127.0.0.1:4318 (several replicas: a list, or commas between URLs)"
         )
     path = parts.path if parts.path not in ("", "/") else _TRACES_PATH
     return urlunsplit((parts.scheme, parts.netloc, path, parts.query, ""))
+
+
+def _resolve_endpoints(value: str | Sequence[str]) -> tuple[str, ...]:
+    """One URL, several separated by commas, or a list of them (sidecar replicas)."""
+    items = value.split(",") if isinstance(value, str) else list(value)
+    found = tuple(_resolve_endpoint(str(item)) for item in items if str(item).strip())
+    if not found:
+        raise ConfigurationError(
+            f"sidecar endpoint {value!r} names no URL; pass one (or a list, one per sidecar "
+            "replica), e.g. http://127.0.0.1:4318"
+        )
+    return found
 
 
 def _env(name: str) -> tuple[str, str] | None:
@@ -267,7 +279,7 @@ def _at_exit() -> None:
 
 
 def configure(
-    sidecar_endpoint: str | None = None,
+    sidecar_endpoint: str | Sequence[str] | None = None,
     *,
     tracer_provider: TracerProvider | None = None,
     durable: bool | None = None,
@@ -292,6 +304,10 @@ def configure(
     reach the sidecar through the user's own pipeline, if any) and durable
     waits return at once. Calling again replaces the previous setup.
 
+    Sidecar replicas on one database: a list of URLs (or, in the variable, URLs
+    separated by commas). Requests take them in turn; one that fails is skipped
+    for ``retry_max`` seconds and its unacknowledged spans go at once to the next.
+
     ``shutdown_timeout`` bounds what process exit (or ``shutdown()``) spends
     delivering the last spans, whatever the sidecar does. A saga span larger
     than ``max_span_bytes`` once encoded is replaced by a small marker span.
@@ -309,7 +325,9 @@ def configure(
     """
     log = logger if logger is not None else default_logger()
     raw = sidecar_endpoint if sidecar_endpoint is not None else os.environ.get(ENV_SIDECAR_ENDPOINT)
-    endpoint = _resolve_endpoint(raw) if raw else None
+    # An empty variable is unset; an empty list is a mistake (resolving says so).
+    endpoints = _resolve_endpoints(raw) if raw or not isinstance(raw, str | None) else ()
+    endpoint = endpoints or None
     if durable is None:
         durable = endpoint is not None
     if durable and endpoint is None:
@@ -345,7 +363,7 @@ def configure(
     processor_transport = _transport(headers, request_timeout, compression)
     if endpoint is not None:
         processor = SagaSpanProcessor(
-            endpoint,
+            endpoints,
             durable=durable,
             ack_timeout=ack_timeout,
             transport=processor_transport,
@@ -372,7 +390,7 @@ def configure(
                 heartbeat_interval,
                 log,
                 presence=(
-                    Presence(processor.endpoint, processor_transport, instance_id, log)
+                    Presence(processor.endpoints, processor_transport, instance_id, log)
                     if processor is not None and presence
                     else None
                 ),

@@ -22,7 +22,7 @@ import select
 import socket
 import ssl
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Final
 from urllib.parse import urlsplit
 
@@ -51,17 +51,17 @@ class Presence:
 
     def __init__(
         self,
-        traces_endpoint: str,
+        traces_endpoint: str | Sequence[str],
         settings: TransportSettings,
         instance: Callable[[], str],
         logger: Logger,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        parts = urlsplit(presence_url(traces_endpoint))
-        self._https = parts.scheme == "https"
-        self._host = parts.hostname or ""
-        self._port = parts.port or (443 if self._https else 80)
-        self._path = parts.path
+        # Several (sidecar replicas): one connection, to the next one when it fails.
+        endpoints = [traces_endpoint] if isinstance(traces_endpoint, str) else traces_endpoint
+        self._urls = [presence_url(e) for e in endpoints]
+        self._next_url = 0
+        self._use(self._urls[0])
         self._headers = dict(settings.headers)
         self._ssl = settings.ssl_context
         self._instance = instance
@@ -71,6 +71,13 @@ class Presence:
         self._disabled = False
         self._failures = 0
         self._next_try = 0.0
+
+    def _use(self, url: str) -> None:
+        parts = urlsplit(url)
+        self._https = parts.scheme == "https"
+        self._host = parts.hostname or ""
+        self._port = parts.port or (443 if self._https else 80)
+        self._path = parts.path
 
     def beat(self) -> None:
         """Open the connection if it is not, else keep it alive. Never raises."""
@@ -88,6 +95,9 @@ class Presence:
             self._failures = 0
         except (OSError, ValueError):
             self._drop()
+            if len(self._urls) > 1:  # that replica failed: the next one, after the backoff
+                self._next_url = (self._next_url + 1) % len(self._urls)
+                self._use(self._urls[self._next_url])
             self._failures += 1
             self._next_try = self._clock() + backoff_seconds(
                 self._failures, initial=0.5, maximum=30.0

@@ -13,6 +13,12 @@ span too large to send (413 alone, or over ``max_span_bytes`` once encoded) is
 replaced by a small marker span of the same run and trace, carrying
 ``saga.export.dropped`` (see ``docs/semantic-conventions.md``), after an error
 log naming the run, the step and the size.
+
+Several endpoints (sidecar replicas on one database): requests take them in
+turn; one that refuses, resets, times out or answers 429/5xx is skipped for
+``retry_max`` seconds and the unacknowledged spans go at once to the next
+(the receiver deduplicates a resend by span id). The sidecar counts as down
+(the circuit below) only when every endpoint failed.
 """
 
 from __future__ import annotations
@@ -117,7 +123,7 @@ class SagaSpanProcessor(SpanProcessor):
 
     def __init__(
         self,
-        endpoint: str,
+        endpoint: str | Sequence[str],
         *,
         durable: bool = True,
         ack_timeout: float = 0.5,
@@ -147,7 +153,12 @@ class SagaSpanProcessor(SpanProcessor):
             raise ConfigurationError(
                 f"shutdown_timeout={shutdown_timeout!r} must be > 0 seconds (default 2.0)"
             )
-        self.endpoint = endpoint
+        self.endpoints = (endpoint,) if isinstance(endpoint, str) else tuple(endpoint)
+        if not self.endpoints:
+            raise ConfigurationError(
+                "no sidecar endpoint given: pass one URL or a list of them, "
+                "e.g. ['http://10.0.0.1:4318', 'http://10.0.0.2:4318']"
+            )
         self.durable = durable
         self.ack_timeout = float(ack_timeout)
         self.shutdown_timeout = float(shutdown_timeout)
@@ -160,7 +171,11 @@ class SagaSpanProcessor(SpanProcessor):
         self._retry_initial = retry_initial
         self._retry_max = retry_max
         self._ids = RandomIdGenerator()
-        self._poster = Poster(endpoint, transport or TransportSettings(headers={}))
+        settings = transport or TransportSettings(headers={})
+        self._posters = [Poster(e, settings) for e in self.endpoints]
+        self._at = 0  # the endpoint of the request in flight (or the last one)
+        self._next = 0  # the endpoint the next request tries first (round robin)
+        self._cooling = [0.0] * len(self._posters)  # failed endpoints: skipped until then
         self._closed = False
         self._start()
 
@@ -189,9 +204,15 @@ class SagaSpanProcessor(SpanProcessor):
         The queued spans are the parent's (its sender still delivers them) and
         their tickets were resolved as lost by ``ProcessState.after_fork_in_child``.
         """
-        self._poster.forget_after_fork()
+        for poster in self._posters:
+            poster.forget_after_fork()
         if not self._closed:
             self._start()
+
+    @property
+    def endpoint(self) -> str:
+        """The endpoint of the request in flight, or of the last one."""
+        return self.endpoints[self._at]
 
     # -- SpanProcessor -----------------------------------------------------
 
@@ -267,7 +288,8 @@ class SagaSpanProcessor(SpanProcessor):
                 self._stopping = True
                 self._cond.notify_all()
             self._kick.set()
-            self._poster.abort()
+            for poster in self._posters:
+                poster.abort()
             self._thread.join(timeout=max(0.0, deadline - time.monotonic()))
             with self._cond:
                 left = list(self._queue)
@@ -309,7 +331,8 @@ class SagaSpanProcessor(SpanProcessor):
         while True:
             batch = self._take_batch()
             if batch is None:
-                self._poster.close()
+                for poster in self._posters:
+                    poster.close()
                 return
             try:
                 outcome, delay = self._send(batch)
@@ -362,13 +385,17 @@ class SagaSpanProcessor(SpanProcessor):
                 return "split", None
             self._too_large(batch[0], len(body), f"over max_span_bytes={self._max_span_bytes}")
             return "drop", None
+        poster = self._posters[self._pick()]
         try:
-            resp = self._poster.post(body)
+            resp = poster.post(body)
         except Exception as exc:  # refused, reset, timed out: the sidecar may come back
+            if self._fail_over(None):
+                return "retry", 0.0
             self._note_down(f"{type(exc).__name__}: {exc}", batch, unreachable=True)
             return "retry", None
         code = resp.status
         if 200 <= code < 300:
+            self._cooling[self._at] = 0.0
             self._failing_since = None
             if self._down:
                 self._down = False
@@ -392,8 +419,11 @@ class SagaSpanProcessor(SpanProcessor):
                     resolve(item.ticket, None)
             return "ok", None
         if code == 429 or code >= 500:
+            delay = retry_after(resp.retry_after, self._retry_max)
+            if self._fail_over(delay):
+                return "retry", 0.0
             self._note_down(f"HTTP {code}", batch, unreachable=False)
-            return "retry", retry_after(resp.retry_after, self._retry_max)
+            return "retry", delay
         if len(batch) > 1:
             return "split", None  # one bad span must not take the others with it
         if code == 413:
@@ -409,6 +439,42 @@ class SagaSpanProcessor(SpanProcessor):
             body=resp.body[:200].decode("utf-8", "replace"),
         )
         return "drop", None
+
+    def _pick(self) -> int:
+        """The endpoint for the next request: the next in turn that is not cooling off
+        after a failure, else the one back soonest (it is the probe)."""
+        n = len(self._posters)
+        if n == 1:
+            return 0
+        now = time.monotonic()
+        cooling = self._cooling
+        at = min(range(n), key=lambda k: (cooling[k], (k - self._next) % n))
+        for k in range(n):
+            i = (self._next + k) % n
+            if cooling[i] <= now:
+                at = i
+                break
+        self._at, self._next = at, (at + 1) % n
+        return at
+
+    def _fail_over(self, delay: float | None) -> bool:
+        """The request's endpoint failed: skip it a while; True when another may take
+        the spans now."""
+        n = len(self._posters)
+        if n == 1:
+            return False
+        now = time.monotonic()
+        self._cooling[self._at] = now + max(self._retry_max, delay or 0.0)
+        ready = [i for i in range(n) if self._cooling[i] <= now]
+        if ready:
+            self._safe_log(
+                "warning",
+                sc.EV_EXPORT_FAILOVER,
+                message="sidecar endpoint failed; sending its spans to the next one",
+                failed=self.endpoints[self._at],
+                next=self.endpoints[self._next if self._next in ready else ready[0]],
+            )
+        return bool(ready)
 
     # -- a span too large to send --------------------------------------------
 

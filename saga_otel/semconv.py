@@ -275,6 +275,7 @@ EV_PIVOT: Final = "saga.pivot.crossed"
 EV_UNWIND: Final = "saga.unwind.started"
 EV_ESCALATION: Final = "saga.escalation"
 EV_EXPORT_FAILED: Final = "saga.export.failed"
+EV_EXPORT_FAILOVER: Final = "saga.export.failover"
 EV_TELEMETRY_ERROR: Final = "saga.telemetry.error"
 
 # --- alerts (sidecar) -------------------------------------------------------

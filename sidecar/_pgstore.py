@@ -35,6 +35,7 @@ from ._storage import (
     HeartbeatRow,
     HistoryRecord,
     InstanceRow,
+    IntakeRows,
     NewAlert,
     OutboxRecord,
     PutAway,
@@ -43,6 +44,7 @@ from ._storage import (
     Screening,
     SpanRow,
     StoredSpan,
+    T,
     put_away_page_sql,
 )
 from ._store import lease_from_row, newer_schema_message
@@ -408,33 +410,78 @@ class PgStore(_Pooled):
         owners: Sequence[tuple[str, Owner]] = (),
     ) -> None:
         with self._tx("store spans") as conn, conn.cursor() as cur:
-            if owners:
+            self._insert(cur, spans, heartbeats, owners)
+
+    def write_screened(
+        self,
+        keys: Sequence[tuple[str, str]],
+        openers: Sequence[tuple[str, Owner]],
+        decide: Callable[[Screening], tuple[IntakeRows, T]],
+    ) -> T:
+        """The runs' owner rows are the lock: a new run's is inserted first (a replica
+        inserting the same one waits for our commit, then finds ours), then every row is
+        locked FOR UPDATE in run id order (lease decisions take the same lock), so two
+        requests of one run, at any replicas, are screened and stored one after the other.
+        A deadlock (rows locked in different orders by a lease and an intake) aborts one
+        transaction: a 503, and the exporter sends again."""
+        run_ids = sorted({r for r, _ in keys})
+        with self._tx("store spans") as conn, conn.cursor() as cur:
+            opened: set[str] = set()
+            if openers:
                 cur.executemany(
                     "INSERT INTO run_owners(run_id, trace_id, instance, service) "
-                    "VALUES (%s, %s, %s, %s) ON CONFLICT (run_id) DO NOTHING",
-                    [(r, o.trace_id, o.instance, o.service) for r, o in owners],
-                )
-            if spans:
-                cur.executemany(
-                    "INSERT INTO spans(run_id, span_id, received_at, service, instance, data) "
-                    "VALUES (%s, %s, %s, %s, %s, %s) ON CONFLICT (run_id, span_id) DO NOTHING "
-                    "RETURNING seq",
-                    spans,
+                    "VALUES (%s, %s, %s, %s) ON CONFLICT (run_id) DO NOTHING RETURNING run_id",
+                    [(r, o.trace_id, o.instance, o.service) for r, o in sorted(openers)],
                     returning=True,
                 )
-                # Our own spans are in our state already: changes() skips them.
                 while True:
-                    self._own.update(seq for (seq,) in cur.fetchall())
+                    opened.update(str(r) for (r,) in cur.fetchall())
                     if not cur.nextset():
                         break
-            if heartbeats:
-                cur.executemany(
-                    "INSERT INTO instances(instance, last_heartbeat, interval_s, open_runs) "
-                    "VALUES (%s, %s, %s, %s) ON CONFLICT (instance) DO UPDATE SET "
-                    "last_heartbeat = excluded.last_heartbeat, interval_s = excluded.interval_s, "
-                    "open_runs = excluded.open_runs",
-                    heartbeats,
-                )
+            found = Screening({}, {}, {}, frozenset(opened))
+            if run_ids:
+                found = self._screening(conn, keys, run_ids)._replace(opened=frozenset(opened))
+            rows, result = decide(found)
+            unused = opened - {row[0] for row in rows.spans}
+            if unused:  # every span of the run was refused: it was never opened
+                cur.execute("DELETE FROM run_owners WHERE run_id = ANY(%s)", (sorted(unused),))
+            self._insert(cur, rows.spans, rows.heartbeats, rows.owners)
+            return result
+
+    def _insert(
+        self,
+        cur: Any,
+        spans: Sequence[SpanRow],
+        heartbeats: Sequence[HeartbeatRow],
+        owners: Sequence[tuple[str, Owner]],
+    ) -> None:
+        if owners:
+            cur.executemany(
+                "INSERT INTO run_owners(run_id, trace_id, instance, service) "
+                "VALUES (%s, %s, %s, %s) ON CONFLICT (run_id) DO NOTHING",
+                [(r, o.trace_id, o.instance, o.service) for r, o in owners],
+            )
+        if spans:
+            cur.executemany(
+                "INSERT INTO spans(run_id, span_id, received_at, service, instance, data) "
+                "VALUES (%s, %s, %s, %s, %s, %s) ON CONFLICT (run_id, span_id) DO NOTHING "
+                "RETURNING seq",
+                spans,
+                returning=True,
+            )
+            # Our own spans are in our state already: changes() skips them.
+            while True:
+                self._own.update(seq for (seq,) in cur.fetchall())
+                if not cur.nextset():
+                    break
+        if heartbeats:
+            cur.executemany(
+                "INSERT INTO instances(instance, last_heartbeat, interval_s, open_runs) "
+                "VALUES (%s, %s, %s, %s) ON CONFLICT (instance) DO UPDATE SET "
+                "last_heartbeat = excluded.last_heartbeat, interval_s = excluded.interval_s, "
+                "open_runs = excluded.open_runs",
+                heartbeats,
+            )
 
     def mark_orphaned(self, marks: Iterable[tuple[str, float]]) -> None:
         rows = list(marks)
@@ -479,6 +526,8 @@ class PgStore(_Pooled):
         """Under a per-run advisory lock held to commit: no replica grants in between."""
         with self._tx("update the lease") as conn:
             conn.execute("SELECT pg_advisory_xact_lock(%s)", (lock_key(f"lease:{run_id}"),))
+            # The run's row lock too: no span of it is screened while its lease changes.
+            conn.execute("SELECT 1 FROM run_owners WHERE run_id = %s FOR UPDATE", (run_id,))
             row = conn.execute(
                 "SELECT run_id, holder, token, granted_at, expires_at, released, forced_reason, "
                 "forced_by, forced_at FROM run_leases WHERE run_id = %s",
@@ -547,32 +596,29 @@ class PgStore(_Pooled):
         )
         return {(r, s): bytes(d) for r, s, d in rows}
 
-    def screening(self, keys: Sequence[tuple[str, str]]) -> Screening:
-        run_ids = sorted({r for r, _ in keys})
-        with self._tx("read the runs' owners and leases") as conn:
-            owners = conn.execute(
-                "SELECT run_id, trace_id, instance, service FROM run_owners WHERE run_id = ANY(%s)",
-                (run_ids,),
-            ).fetchall()
-            leases = conn.execute(
-                "SELECT run_id, holder, token, granted_at, expires_at, released, forced_reason, "
-                "forced_by, forced_at FROM run_leases WHERE run_id = ANY(%s)",
-                (run_ids,),
-            ).fetchall()
-            stored = conn.execute(
-                "SELECT s.run_id, s.span_id, s.data FROM spans s "
-                "JOIN unnest(%s::text[], %s::text[]) AS k(run_id, span_id) "
-                "ON s.run_id = k.run_id AND s.span_id = k.span_id",
-                ([r for r, _ in keys], [s for _, s in keys]),
-            ).fetchall()
-            away = conn.execute(
-                "SELECT run_id FROM run_index WHERE run_id = ANY(%s)", (run_ids,)
-            ).fetchall()
+    @staticmethod
+    def _screening(conn: Any, keys: Sequence[tuple[str, str]], run_ids: list[str]) -> Screening:
+        """The runs' owners (their rows locked until commit), leases and stored spans."""
+        owners = conn.execute(
+            "SELECT run_id, trace_id, instance, service FROM run_owners WHERE run_id = ANY(%s) "
+            "ORDER BY run_id FOR UPDATE",
+            (run_ids,),
+        ).fetchall()
+        leases = conn.execute(
+            "SELECT run_id, holder, token, granted_at, expires_at, released, forced_reason, "
+            "forced_by, forced_at FROM run_leases WHERE run_id = ANY(%s)",
+            (run_ids,),
+        ).fetchall()
+        stored = conn.execute(
+            "SELECT s.run_id, s.span_id, s.data FROM spans s "
+            "JOIN unnest(%s::text[], %s::text[]) AS k(run_id, span_id) "
+            "ON s.run_id = k.run_id AND s.span_id = k.span_id",
+            ([r for r, _ in keys], [s for _, s in keys]),
+        ).fetchall()
         return Screening(
             {str(r): Owner(str(t), str(i), str(s)) for r, t, i, s in owners},
             {str(row[0]): lease_from_row(row) for row in leases},
             {(r, s): bytes(d) for r, s, d in stored},
-            frozenset(str(r) for (r,) in away),
         )
 
     def marks(self) -> list[RunMark]:

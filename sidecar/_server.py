@@ -6,7 +6,9 @@ which keeps a change, its commit and its listeners in one order with no locks.
 On PostgreSQL (``store.inline`` False) every database call runs on one worker
 thread of the sidecar, in submission order, and intake holds an asyncio lock
 from screening to folding: the same order, without the loop waiting on the
-network.
+network. Across replicas a request is screened and stored in one transaction
+holding its runs' owner row locks (``Store.write_screened``), so one run's
+requests are taken one at a time whichever replicas they reach.
 """
 
 from __future__ import annotations
@@ -55,7 +57,17 @@ from ._putaway import fold_stored, matches, summary_key
 from ._redact import Redactor
 from ._settings import LINGERING_TIME, Settings
 from ._state import RunState, Transition
-from ._storage import Changes, DbTarget, HeartbeatRow, PutAway, RunQuery, SpanRow, Store
+from ._storage import (
+    Changes,
+    DbTarget,
+    HeartbeatRow,
+    IntakeRows,
+    PutAway,
+    RunQuery,
+    Screening,
+    SpanRow,
+    Store,
+)
 from ._views import RunSummary, RunView
 
 T = TypeVar("T")
@@ -478,23 +490,62 @@ class Sidecar:
         async with self._intake:
             if self.store is None:
                 raise StoreError("the sidecar is stopping: retry against another replica")
-            # Another replica may have opened these runs or leased them since our last
-            # sync: screen against the store's owners and leases, not only our memory.
-            keys = self._known_keys(decoded, every=True)
-            prior = {}
-            if keys:
-                found = await self._call(store.screening, keys)
-                late = sorted(r for r in found.put_away if r not in self.state)
-                if late:  # late spans of finished runs: fold them onto the whole run
-                    self._restored(await self._call(_load_reopen, store, late))
-                self._learn(found.owners, found.leases.values())
-                prior = found.stored
-            decoded, owners, resent = self._screen(decoded, transport, prior)
+            # Late spans of runs put away finished: fold them onto the whole run, read
+            # back from the store before this request's spans are screened and stored.
+            unknown = self._unknown_runs(decoded)
+            if unknown:
+                away = await self._call(store.put_away_of, unknown)
+                if away:
+                    self._restored(await self._call(_load_reopen, store, sorted(away)))
             now = self.clock()
-            rows, heartbeats = self._rows(decoded, now)
-            if rows or heartbeats:
-                await self._call(store.write, rows, heartbeats, list(owners.items()))
-            return self._fold(decoded, transport, body, content_type, owners, now, resent)
+            if not decoded.spans:
+                return self._fold(decoded, transport, body, content_type, {}, now, set())
+            decoded, found, resent = await self._call(
+                store.write_screened,
+                self._known_keys(decoded, every=True),
+                self._openers(decoded),
+                functools.partial(self._decide, decoded, transport, now),
+            )
+            # The runs this request opened are new to the state (apply opens them with
+            # their owner); the others' owners and leases may be news from other replicas.
+            opened = {r: o for r, o in found.owners.items() if r in found.opened}
+            self._learn(
+                {r: o for r, o in found.owners.items() if r not in opened}, found.leases.values()
+            )
+            return self._fold(decoded, transport, body, content_type, opened, now, resent)
+
+    def _decide(
+        self, decoded: Decoded, transport: str, now: float, found: Screening
+    ) -> tuple[IntakeRows, tuple[Decoded, Screening, set[tuple[str, str]]]]:
+        """Screen a request against the store's owners, leases and spans of its runs, read
+        under their row locks (on the database thread, inside ``write_screened``): another
+        replica may have opened, leased or written these runs since our last sync."""
+        decoded, owners, resent = self._screen(decoded, transport, found.stored, found)
+        rows, heartbeats = self._rows(decoded, now)
+        return IntakeRows(rows, heartbeats, list(owners.items())), (decoded, found, resent)
+
+    def _openers(self, decoded: Decoded) -> list[tuple[str, Owner]]:
+        """The owner each run of the request gets if it is new: its first span's that may
+        open it (a valid run id, no recovery token), as ``_screen`` would pick. Runs this
+        replica knows have their owner row already (skipped: one insert less each)."""
+        first: dict[str, Owner] = {}
+        bad: set[str] = set()
+        state = self.state
+        for span in decoded.spans:
+            attrs = span.attributes
+            if attrs.get(sc.SAGA_PHASE) == sc.PHASE_HEARTBEAT:
+                continue
+            run_id = attrs[sc.SAGA_RUN_ID]
+            if run_id in first or run_id in bad or attrs.get(sc.SAGA_RECOVERY_TOKEN) is not None:
+                continue
+            if state.owner(run_id) is not None:
+                bad.add(run_id)
+                continue
+            if sc.run_id_problem(run_id) is not None:
+                bad.add(run_id)
+                continue
+            first[run_id] = Owner(span.trace_id, span.instance, span.service)
+        return list(first.items())
 
     def _unknown_runs(self, decoded: Decoded) -> list[str]:
         """Run ids of saga spans not in memory (new runs, or runs put away)."""
@@ -599,11 +650,18 @@ class Sidecar:
         return decoded
 
     def _screen(
-        self, decoded: Decoded, transport: str, stored: dict[tuple[str, str], bytes]
+        self,
+        decoded: Decoded,
+        transport: str,
+        stored: dict[tuple[str, str], bytes],
+        known: Screening | None = None,
     ) -> tuple[Decoded, dict[str, Owner], set[tuple[str, str]]]:
         """Apply the run id, ownership, fencing and duplicate rules (``_leases.py``) to each
         saga span; refused spans are left out, so nothing stored changes because of them.
         Also returns the (run id, span id) of the accepted resends (counted once only).
+        With ``known`` (a shared store's, read under the runs' locks) owners and leases
+        come from it alone, not from memory (and the state is not read: this may run on
+        the database thread).
 
         Duplicates: a span id already stored for the run is taken again only with the
         same bytes (a resend); other content is refused, so the first stored wins, live
@@ -625,14 +683,19 @@ class Sidecar:
             run_id = attrs[sc.SAGA_RUN_ID]
             refusal: SpanRefusal | None = None
             problem = sc.run_id_problem(run_id)
-            owner = owners.get(run_id) or state.owner(run_id)
+            if known is None:
+                owner = owners.get(run_id) or state.owner(run_id)
+                lease = state.lease(run_id)
+            else:
+                owner = owners.get(run_id) or known.owners.get(run_id)
+                lease = known.leases.get(run_id)
             if problem is not None:
                 refusal = SpanRefusal("bad_run_id", f"{problem}; the span was not stored")
             else:
                 refusal = screen_span(
                     run_id,
                     owner,
-                    state.lease(run_id),
+                    lease,
                     span.trace_id,
                     span.instance,
                     attrs.get(sc.SAGA_RECOVERY_TOKEN),

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, NamedTuple, Protocol
+from typing import Literal, NamedTuple, Protocol, TypeVar
 from urllib.parse import urlsplit
 
 from ._errors import ConfigError
@@ -154,15 +154,12 @@ NO_CHANGES = Changes([], [], [], [], [])
 
 
 class Screening(NamedTuple):
-    """What the store holds about the runs of one request, for screening its spans.
-
-    ``put_away``: those runs that were put away finished (:meth:`Store.put_away`).
-    """
+    """What the store holds about the runs of one request, for screening its spans."""
 
     owners: dict[str, Owner]
     leases: dict[str, Lease]
     stored: dict[tuple[str, str], bytes]
-    put_away: frozenset[str] = frozenset()
+    opened: frozenset[str] = frozenset()  # runs whose owner row this request created
 
 
 class PutAway(NamedTuple):
@@ -197,6 +194,17 @@ InstanceRow = tuple[str, float, float]
 """(instance, last heartbeat, interval seconds)."""
 
 
+class IntakeRows(NamedTuple):
+    """What one request stores once screened (see :meth:`Store.write_screened`)."""
+
+    spans: Sequence[SpanRow]
+    heartbeats: Sequence[HeartbeatRow]
+    owners: Sequence[tuple[str, Owner]]
+
+
+T = TypeVar("T")
+
+
 class Store(Protocol):
     """Spans, run marks and resolutions, instances, run owners and recovery leases."""
 
@@ -223,6 +231,25 @@ class Store(Protocol):
         """One request's spans, heartbeats and new runs' owners, in one transaction.
 
         Committed on return (a 200 may follow); raises StoreError otherwise.
+        """
+        ...
+
+    def write_screened(
+        self,
+        keys: Sequence[tuple[str, str]],
+        openers: Sequence[tuple[str, Owner]],
+        decide: Callable[[Screening], tuple[IntakeRows, T]],
+    ) -> T:
+        """Screen and store one request in one transaction, serialized per run across every
+        process on the database: a run's state moves one request at a time, as in one
+        sidecar.
+
+        ``keys`` are the request's (run_id, span_id); ``openers`` the owner each new run
+        would get (its first span's). Runs without an owner get one of those first; then
+        the runs' owner rows are locked (in run id order) until commit, and ``decide``
+        screens the spans against the owners, leases and stored spans read under those
+        locks and returns the rows to store (and a result handed back). Committed on
+        return; raises StoreError otherwise.
         """
         ...
 
@@ -285,12 +312,6 @@ class Store(Protocol):
 
     def stored_spans(self, keys: Iterable[tuple[str, str]]) -> dict[tuple[str, str], bytes]:
         """The stored bytes of the given (run_id, span_id) that exist (duplicate checks)."""
-        ...
-
-    def screening(self, keys: Sequence[tuple[str, str]]) -> Screening:
-        """Owners and leases of the runs of ``keys`` and the stored bytes of those spans: a
-        shared store's truth, which another replica may have changed since our last sync.
-        """
         ...
 
     def marks(self) -> list[RunMark]:

@@ -32,6 +32,7 @@ from ._storage import (
     HeartbeatRow,
     HistoryRecord,
     InstanceRow,
+    IntakeRows,
     NewAlert,
     OutboxRecord,
     PutAway,
@@ -40,6 +41,7 @@ from ._storage import (
     Screening,
     SpanRow,
     StoredSpan,
+    T,
     put_away_page_sql,
 )
 
@@ -553,9 +555,20 @@ class SqliteStore:
     def span_count(self) -> int:
         return int(self._db.execute("SELECT count(*) FROM spans").fetchone()[0])
 
-    def screening(self, keys: Sequence[tuple[str, str]]) -> Screening:
-        # One process per file: its memory holds every owner and lease already.
-        return Screening({}, {}, self.stored_spans(keys))
+    def write_screened(
+        self,
+        keys: Sequence[tuple[str, str]],
+        openers: Sequence[tuple[str, Owner]],  # noqa: ARG002 (the interface's)
+        decide: Callable[[Screening], tuple[IntakeRows, T]],
+    ) -> T:
+        """One process per file, one call at a time: nothing comes between the read and
+        the write (the sidecar's inline intake screens against its memory instead)."""
+        run_ids = sorted({r for r, _ in keys})
+        owners = {r: o for r, o in self.owners() if r in run_ids} if run_ids else {}
+        leases = {x.run_id: x for x in self.leases() if x.run_id in owners}
+        rows, result = decide(Screening(owners, leases, self.stored_spans(keys)))
+        self.write(rows.spans, rows.heartbeats, rows.owners)
+        return result
 
     def changes(self, now: float) -> Changes:  # noqa: ARG002 (the interface's)
         return NO_CHANGES  # one process per file: nothing changes behind its back

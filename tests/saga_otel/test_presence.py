@@ -104,3 +104,37 @@ async def test_a_killed_agent_is_orphaned_half_a_second_after_its_connection_clo
         clock.now += 3.0  # heartbeats alone: three intervals
         sidecar.tick()
         assert sidecar.state.status(run_id) == sc.STATE_ORPHANED
+
+
+async def test_with_several_endpoints_the_live_connection_moves_to_the_next(
+    tmp_path: Path,
+) -> None:
+    """A replica that is gone (refused) costs the presence stream one backoff, then it
+    opens at the next endpoint."""
+    import socket
+
+    from saga_otel._logging import default_logger
+    from saga_otel._presence import Presence
+    from saga_otel._transport import TransportSettings
+
+    with socket.socket() as s:  # a port nobody listens on: a replica that is gone
+        s.bind(("127.0.0.1", 0))
+        gone = f"http://127.0.0.1:{s.getsockname()[1]}/v1/traces"
+    clock = Clock()
+    settings = Settings(otlp_http_port=0, otlp_grpc_port=0, api_port=0, db_path=tmp_path / "db")
+    async with Sidecar(settings) as sidecar:
+        live = f"http://127.0.0.1:{sidecar.otlp_http_port}/v1/traces"
+        presence = Presence(
+            [gone, live], TransportSettings(headers={}), lambda: "agent-9", default_logger(),
+            clock=clock,
+        )  # fmt: skip
+        await asyncio.to_thread(presence.beat)  # refused
+        assert "agent-9" not in sidecar._presence
+        clock.now += 60.0  # past any backoff
+        await asyncio.to_thread(presence.beat)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 10
+        while "agent-9" not in sidecar._presence:
+            assert loop.time() < deadline, "never connected to the next endpoint"
+            await asyncio.sleep(0.01)
+        presence.close()

@@ -6,6 +6,7 @@ import asyncio
 import gzip
 import json
 import random
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -109,7 +110,7 @@ async def test_stuck_run_and_needs_person_filter(sidecar: Sidecar) -> None:
     assert [r["run_id"] for r in page["runs"]] == [done.run_id]
 
 
-async def test_out_of_order_duplicated_split_delivery(sidecar: Sidecar) -> None:
+async def test_out_of_order_duplicated_split_delivery(sidecar: Sidecar, tmp_path: Path) -> None:
     run = compensation_failed_run()
     spans = run.spans()
     shuffled = spans + spans[:3]
@@ -122,7 +123,8 @@ async def test_out_of_order_duplicated_split_delivery(sidecar: Sidecar) -> None:
             otlp_http_port=0,
             otlp_grpc_port=0,
             api_port=0,
-            db_path=sidecar.db_path.with_name("other.db"),
+            # In the test's folder: on PostgreSQL, sidecar.db_path is the default path.
+            db_path=tmp_path / "other.db",
         ),
         clock=sidecar.clock,
     ) as other:

@@ -11,20 +11,25 @@ import httpx
 import pytest
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
+from opentelemetry.sdk.trace import ReadableSpan
 from sidecar_testkit import (
     CREDIT,
     FakeClock,
     RunScript,
+    compensated_run,
+    compensation_failed_run,
+    completed_run,
     db_for,
     export_http,
     heartbeat_spans,
     open_run,
     rejoin,
     settings_for,
+    stuck_run,
 )
 
 from saga_otel import semconv as sc
-from sidecar import Sidecar
+from sidecar import Settings, Sidecar
 from sidecar._alert_service import install_alerting
 from sidecar._alert_settings import AlertSettings
 from sidecar._alerting import Action, AlertEvent, evaluate
@@ -196,3 +201,90 @@ async def test_a_replica_screens_by_the_store_not_only_what_it_folded(tmp_path: 
         assert b.state.lease(run.run_id) == lease
         view = b.state.view(run.run_id)
         assert view is not None and view["stack"] == []
+
+
+def _altered(span: ReadableSpan) -> ReadableSpan:
+    """The same span id with other content (a buggy agent reusing an id)."""
+    return ReadableSpan(
+        name=span.name,
+        context=span.context,
+        parent=span.parent,
+        resource=span.resource,
+        attributes={**(span.attributes or {}), sc.SAGA_COMPENSATION_ARGS: '{"credit_id": "cr_X"}'},
+        start_time=span.start_time,
+        end_time=span.end_time,
+        status=span.status,
+        events=span.events,
+    )
+
+
+async def _run_json(sidecar: Sidecar, run_id: str) -> Any:
+    async with httpx.AsyncClient() as client:
+        resp = await client.get(
+            f"http://127.0.0.1:{sidecar.api_port}/runs/{run_id}",
+            headers={"Accept": "application/json"},
+        )
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+async def test_one_run_split_across_two_replicas_folds_as_one_sidecar(tmp_path: Path) -> None:
+    """Spans of the same runs reach two replicas at once: each run is screened under its
+    row lock in the database, so both replicas (and GET /runs/{id} through either) show
+    what one SQLite sidecar shows for the spans that were accepted."""
+    settings = settings_for(tmp_path, tick_interval=3600.0)  # no ticks: sync by hand
+    runs = [compensated_run(), compensation_failed_run(), stuck_run(), completed_run()]
+    # Two instances open the same new run ids at once, one at each replica: one owns each.
+    racers = [
+        (
+            RunScript(instance="agent-x", run_id=f"race-{i}").do(0, "a", "read"),
+            RunScript(instance="agent-y", run_id=f"race-{i}", t0=1_700_000_001.0).do(
+                0, "b", "read"
+            ),
+        )
+        for i in range(6)
+    ]
+    # A span id reused with other content reaches both replicas at once: one version stands.
+    dup_run = open_run(instance="agent-d")
+    dup = next(
+        s for s in dup_run.spans() if s.attributes and s.attributes.get(sc.SAGA_STEP_INDEX) == 1
+    )
+    accepted: list[ReadableSpan] = []
+    async with Sidecar(settings) as a, Sidecar(settings) as b:
+        await _post(a, [s for s in dup_run.spans() if s is not dup])
+        accepted += [s for s in dup_run.spans() if s is not dup]
+        posts = []
+        sent: list[list[ReadableSpan]] = []
+        for run in runs:
+            for i, span in enumerate(run.spans()):
+                posts.append(_post(a if i % 2 else b, [span]))
+                sent.append([span])
+        for x, y in racers:
+            posts += [_post(a, x.spans()), _post(b, y.spans())]
+            sent += [x.spans(), y.spans()]
+        posts += [_post(a, [dup]), _post(b, [_altered(dup)])]
+        sent += [[dup], [_altered(dup)]]
+        answers = await asyncio.gather(*posts)
+        for spans, answer in zip(sent, answers, strict=True):
+            refused = answer.partial_success.rejected_spans
+            assert refused in (0, len(spans)), answer
+            if not refused:
+                accepted += spans
+        dups = [ans.partial_success.rejected_spans for ans in answers[-2:]]
+        assert sorted(dups) == [0, 1], "exactly one version of the reused span id stands"
+        for i in range(len(racers)):
+            won = [ans.partial_success.rejected_spans for ans in answers[-14 + 2 * i : -12 + 2 * i]]
+            assert sorted(won) == [0, 1], f"race-{i}: exactly one instance owns the run"
+        await a.sync()
+        await b.sync()
+        run_ids = [r.run_id for r in runs] + [x.run_id for x, _ in racers] + [dup_run.run_id]
+        through_a = [await _run_json(a, r) for r in run_ids]
+        through_b = [await _run_json(b, r) for r in run_ids]
+    reference = Settings(
+        otlp_http_port=0, otlp_grpc_port=0, api_port=0, db_path=tmp_path / "one.db"
+    )
+    async with Sidecar(reference) as one:
+        await _post(one, accepted)
+        alone = [await _run_json(one, r) for r in run_ids]
+    assert through_a == alone
+    assert through_b == alone
