@@ -155,6 +155,11 @@ def _statements(script: str) -> list[str]:
     return [s.strip() for s in script.split(";") if s.strip()]
 
 
+def _columns(rows: Sequence[Sequence[object]], width: int) -> list[list[object]]:
+    """Rows as ``width`` column lists (parameters of one ``unnest`` insert)."""
+    return [[row[i] for row in rows] for i in range(width)]
+
+
 def lock_key(text: str) -> int:
     """A signed 64-bit advisory lock key for ``text``."""
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), signed=True)
@@ -428,16 +433,14 @@ class PgStore(_Pooled):
         with self._tx("store spans") as conn, conn.cursor() as cur:
             opened: set[str] = set()
             if openers:
-                cur.executemany(
+                ordered = sorted(openers)
+                cur.execute(
                     "INSERT INTO run_owners(run_id, trace_id, instance, service) "
-                    "VALUES (%s, %s, %s, %s) ON CONFLICT (run_id) DO NOTHING RETURNING run_id",
-                    [(r, o.trace_id, o.instance, o.service) for r, o in sorted(openers)],
-                    returning=True,
+                    "SELECT * FROM unnest(%s::text[], %s::text[], %s::text[], %s::text[]) "
+                    "ON CONFLICT (run_id) DO NOTHING RETURNING run_id",
+                    _columns([(r, o.trace_id, o.instance, o.service) for r, o in ordered], 4),
                 )
-                while True:
-                    opened.update(str(r) for (r,) in cur.fetchall())
-                    if not cur.nextset():
-                        break
+                opened.update(str(r) for (r,) in cur.fetchall())
             found = Screening({}, {}, {}, frozenset(opened))
             if run_ids:
                 found = self._screening(conn, keys, run_ids)._replace(opened=frozenset(opened))
@@ -455,32 +458,37 @@ class PgStore(_Pooled):
         heartbeats: Sequence[HeartbeatRow],
         owners: Sequence[tuple[str, Owner]],
     ) -> None:
+        # One statement per table (arrays through unnest): one round trip each, however
+        # many requests a group commit brings.
         if owners:
-            cur.executemany(
+            cur.execute(
                 "INSERT INTO run_owners(run_id, trace_id, instance, service) "
-                "VALUES (%s, %s, %s, %s) ON CONFLICT (run_id) DO NOTHING",
-                [(r, o.trace_id, o.instance, o.service) for r, o in owners],
+                "SELECT * FROM unnest(%s::text[], %s::text[], %s::text[], %s::text[]) "
+                "ON CONFLICT (run_id) DO NOTHING",
+                _columns([(r, o.trace_id, o.instance, o.service) for r, o in owners], 4),
             )
         if spans:
-            cur.executemany(
+            # In array order: of two rows with one key, the first is stored (DO NOTHING).
+            cur.execute(
                 "INSERT INTO spans(run_id, span_id, received_at, service, instance, data) "
-                "VALUES (%s, %s, %s, %s, %s, %s) ON CONFLICT (run_id, span_id) DO NOTHING "
+                "SELECT * FROM unnest(%s::text[], %s::text[], %s::float8[], %s::text[], "
+                "%s::text[], %s::bytea[]) ON CONFLICT (run_id, span_id) DO NOTHING "
                 "RETURNING seq",
-                spans,
-                returning=True,
+                _columns(spans, 6),
             )
             # Our own spans are in our state already: changes() skips them.
-            while True:
-                self._own.update(seq for (seq,) in cur.fetchall())
-                if not cur.nextset():
-                    break
+            self._own.update(seq for (seq,) in cur.fetchall())
         if heartbeats:
-            cur.executemany(
+            # One row per instance, its last heartbeat (one statement may not update a
+            # row twice): what a heartbeat at a time would leave.
+            last = {row[0]: row for row in heartbeats}
+            cur.execute(
                 "INSERT INTO instances(instance, last_heartbeat, interval_s, open_runs) "
-                "VALUES (%s, %s, %s, %s) ON CONFLICT (instance) DO UPDATE SET "
+                "SELECT * FROM unnest(%s::text[], %s::float8[], %s::float8[], %s::text[]) "
+                "ON CONFLICT (instance) DO UPDATE SET "
                 "last_heartbeat = excluded.last_heartbeat, interval_s = excluded.interval_s, "
                 "open_runs = excluded.open_runs",
-                heartbeats,
+                _columns(list(last.values()), 4),
             )
 
     def mark_orphaned(self, marks: Iterable[tuple[str, float]]) -> None:

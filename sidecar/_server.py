@@ -20,7 +20,7 @@ import json
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import TracebackType
 from typing import TypeVar
@@ -78,6 +78,20 @@ Listener = Callable[[RunView | None, RunView, float], None]
 """``fn(before, after, now)``: called after each committed change to a run view."""
 BackgroundFactory = Callable[[], Awaitable[None]]
 
+_Decided = tuple[Decoded, set[tuple[str, str]]]
+"""A screened request of a group: its accepted spans, and its accepted resends."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Waiting:
+    """A request waiting for the next PostgreSQL intake transaction (group commit)."""
+
+    decoded: Decoded
+    transport: str
+    body: bytes | None
+    content_type: str
+    answer: asyncio.Future[Decoded]
+
 
 class Sidecar:
     """The service. Use ``async with Sidecar(settings) as sidecar:`` in process, or the CLI.
@@ -119,6 +133,9 @@ class Sidecar:
         # A store that is not inline (PostgreSQL): its calls, one at a time, in order.
         self._db_thread: ThreadPoolExecutor | None = None
         self._intake = asyncio.Lock()
+        # Requests waiting for the next intake transaction, and the task taking them.
+        self._waiting: list[_Waiting] = []
+        self._taking: asyncio.Task[None] | None = None
         self.leading = False  # replicas: whether this one detects orphans (see _tick_loop)
         self._resolving = asyncio.Lock()
 
@@ -487,42 +504,133 @@ class Sidecar:
                 # committed before anyone hears "stored"
                 store.write(rows, heartbeats, list(owners.items()))
             return self._fold(decoded, transport, body, content_type, owners, now, resent)
-        async with self._intake:
-            if self.store is None:
-                raise StoreError("the sidecar is stopping: retry against another replica")
-            # Late spans of runs put away finished: fold them onto the whole run, read
-            # back from the store before this request's spans are screened and stored.
-            unknown = self._unknown_runs(decoded)
-            if unknown:
-                away = await self._call(store.put_away_of, unknown)
-                if away:
-                    self._restored(await self._call(_load_reopen, store, sorted(away)))
-            now = self.clock()
-            if not decoded.spans:
-                return self._fold(decoded, transport, body, content_type, {}, now, set())
-            decoded, found, resent = await self._call(
-                store.write_screened,
-                self._known_keys(decoded, every=True),
-                self._openers(decoded),
-                functools.partial(self._decide, decoded, transport, now),
-            )
-            # The runs this request opened are new to the state (apply opens them with
-            # their owner); the others' owners and leases may be news from other replicas.
-            opened = {r: o for r, o in found.owners.items() if r in found.opened}
-            self._learn(
-                {r: o for r, o in found.owners.items() if r not in opened}, found.leases.values()
-            )
-            return self._fold(decoded, transport, body, content_type, opened, now, resent)
+        # PostgreSQL: group commit. The requests that arrive while a transaction runs
+        # wait here and go into the next one together (see _take_groups).
+        waiting = _Waiting(
+            decoded, transport, body, content_type, asyncio.get_running_loop().create_future()
+        )
+        self._waiting.append(waiting)
+        if self._taking is None:
+            self._taking = asyncio.create_task(self._take_groups())
+        return await waiting.answer
 
-    def _decide(
-        self, decoded: Decoded, transport: str, now: float, found: Screening
-    ) -> tuple[IntakeRows, tuple[Decoded, Screening, set[tuple[str, str]]]]:
-        """Screen a request against the store's owners, leases and spans of its runs, read
-        under their row locks (on the database thread, inside ``write_screened``): another
-        replica may have opened, leased or written these runs since our last sync."""
-        decoded, owners, resent = self._screen(decoded, transport, found.stored, found)
-        rows, heartbeats = self._rows(decoded, now)
-        return IntakeRows(rows, heartbeats, list(owners.items())), (decoded, found, resent)
+    async def _take_groups(self) -> None:
+        """Take the waiting requests, a group at a time, each group in one transaction,
+        one after the other under ``_intake``. A request whose sender went away (its
+        answer cancelled) is still stored and folded with its group."""
+        try:
+            while self._waiting:
+                async with self._intake:
+                    group, self._waiting = self._waiting, []
+                    try:
+                        await self._ingest_group(group)
+                    except Exception as exc:  # the whole group failed: none folded
+                        for waiting in group:
+                            if not waiting.answer.done():
+                                waiting.answer.set_exception(exc)
+        finally:
+            self._taking = None
+
+    async def _ingest_group(self, group: list[_Waiting]) -> None:
+        """One transaction for every request of ``group``: the union of their runs' owner
+        rows locked in run id order, each request screened in arrival order against the
+        store plus what the requests before it in the group stored, one COMMIT; then each
+        folded in order and answered. A failed transaction raises (503 for every member:
+        nothing of theirs was stored or folded)."""
+        store = self.store
+        if store is None:
+            raise StoreError("the sidecar is stopping: retry against another replica")
+        # Late spans of runs put away finished: fold them onto the whole run, read
+        # back from the store before the group's spans are screened and stored.
+        unknown = list(dict.fromkeys(r for w in group for r in self._unknown_runs(w.decoded)))
+        if unknown:
+            away = await self._call(store.put_away_of, unknown)
+            if away:
+                self._restored(await self._call(_load_reopen, store, sorted(away)))
+        now = self.clock()
+        busy = []
+        for waiting in group:
+            if waiting.decoded.spans:
+                busy.append(waiting)
+            else:  # nothing to store: answered at once
+                self._answer(waiting, {}, now, set())
+        if not busy:
+            return
+        keys = list(dict.fromkeys(k for w in busy for k in self._known_keys(w.decoded, every=True)))
+        openers: dict[str, Owner] = {}
+        for waiting in busy:
+            for run_id, owner in self._openers(waiting.decoded):
+                openers.setdefault(run_id, owner)
+        outcomes, found = await self._call(
+            store.write_screened,
+            keys,
+            sorted(openers.items()),
+            functools.partial(self._decide_group, busy, now),
+        )
+        # The runs this group opened are new to the state (apply opens them with their
+        # owner); the others' owners and leases may be news from other replicas.
+        opened = {r: o for r, o in found.owners.items() if r in found.opened}
+        self._learn(
+            {r: o for r, o in found.owners.items() if r not in opened}, found.leases.values()
+        )
+        for waiting, outcome in zip(busy, outcomes, strict=True):
+            if isinstance(outcome, Exception):
+                if not waiting.answer.done():
+                    waiting.answer.set_exception(outcome)
+                continue
+            waiting = replace(waiting, decoded=outcome[0])
+            self._answer(waiting, opened, now, outcome[1])
+
+    def _answer(
+        self, waiting: _Waiting, owners: dict[str, Owner], now: float, resent: set[tuple[str, str]]
+    ) -> None:
+        """Fold one committed request and answer it (its error, if folding failed)."""
+        try:
+            answer = self._fold(
+                waiting.decoded, waiting.transport, waiting.body, waiting.content_type,
+                owners, now, resent,
+            )  # fmt: skip
+        except Exception as exc:
+            if not waiting.answer.done():
+                waiting.answer.set_exception(exc)
+            return
+        if not waiting.answer.done():
+            waiting.answer.set_result(answer)
+
+    def _decide_group(
+        self, group: list[_Waiting], now: float, found: Screening
+    ) -> tuple[IntakeRows, tuple[list[_Decided | Exception], Screening]]:
+        """Screen each request of a group in arrival order against the store's owners,
+        leases and spans of its runs, read under their row locks (on the database thread,
+        inside ``write_screened``: another replica may have opened, leased or written these
+        runs since our last sync), plus the owners and spans the requests before it in the
+        group are storing, as if each had committed before the next. A request whose
+        screening fails gets its error; the others go on."""
+        owners = dict(found.owners)
+        stored = dict(found.stored)
+        spans: list[SpanRow] = []
+        heartbeats: list[HeartbeatRow] = []
+        new_owners: list[tuple[str, Owner]] = []
+        outcomes: list[_Decided | Exception] = []
+        for waiting in group:
+            known = found._replace(owners=owners, stored=stored)
+            try:
+                decoded, mine, resent = self._screen(
+                    waiting.decoded, waiting.transport, stored, known
+                )
+                rows, beats = self._rows(decoded, now)
+            except Exception as exc:
+                outcomes.append(exc)
+                continue
+            for row in rows:
+                stored.setdefault((row[0], row[1]), row[5])
+            for run_id, owner in mine.items():
+                owners.setdefault(run_id, owner)
+            spans += rows
+            heartbeats += beats
+            new_owners += mine.items()
+            outcomes.append((decoded, resent))
+        return IntakeRows(spans, heartbeats, new_owners), (outcomes, found)
 
     def _openers(self, decoded: Decoded) -> list[tuple[str, Owner]]:
         """The owner each run of the request gets if it is new: its first span's that may
