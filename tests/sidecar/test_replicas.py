@@ -33,7 +33,9 @@ from sidecar import Settings, Sidecar
 from sidecar._alert_service import install_alerting
 from sidecar._alert_settings import AlertSettings
 from sidecar._alerting import Action, AlertEvent, evaluate
+from sidecar._errors import StoreError
 from sidecar._leases import Lease
+from sidecar._otlp import Decoded, extract, parse_protobuf
 from sidecar._outbox import Backoff, Outbox
 from sidecar._sinks import DeliveryRetry
 
@@ -288,3 +290,124 @@ async def test_one_run_split_across_two_replicas_folds_as_one_sidecar(tmp_path: 
         alone = [await _run_json(one, r) for r in run_ids]
     assert through_a == alone
     assert through_b == alone
+
+
+def _request(spans: list[ReadableSpan]) -> Decoded:
+    body = encode_spans(spans).SerializeToString()
+    return extract(parse_protobuf(body), body)
+
+
+class _Commits:
+    """Counts the intake transactions of a store (the real one underneath)."""
+
+    def __init__(self, sidecar: Sidecar) -> None:
+        assert sidecar.store is not None
+        self.store = sidecar.store
+        self.real = sidecar.store.write_screened
+        self.count = 0
+        self.store.write_screened = self  # type: ignore[method-assign]
+
+    def __call__(self, *args: Any) -> Any:
+        self.count += 1
+        return self.real(*args)
+
+
+def _group_requests() -> tuple[list[list[ReadableSpan]], list[str], int]:
+    """Requests of the same runs and of different runs, a heartbeat, and one span id sent
+    twice with other content (second last and last): (requests, run ids, dup index)."""
+    runs = [compensated_run(), compensation_failed_run(), stuck_run(), completed_run()]
+    requests: list[list[ReadableSpan]] = []
+    for run in runs:  # the first half of each run's spans in one request, then one by one
+        spans = run.spans()
+        half = len(spans) // 2
+        requests.append(spans[:half])
+        requests += [[s] for s in spans[half:]]
+    requests.append(heartbeat_spans("agent-1", [runs[2].run_id], at=1_700_000_050.0))
+    dup_run = open_run(instance="agent-d")
+    dup = next(
+        s for s in dup_run.spans() if s.attributes and s.attributes.get(sc.SAGA_STEP_INDEX) == 1
+    )
+    requests.append([s for s in dup_run.spans() if s is not dup])
+    requests += [[dup], [_altered(dup)]]
+    return requests, [r.run_id for r in runs] + [dup_run.run_id], len(requests) - 2
+
+
+async def test_concurrent_requests_at_one_replica_share_a_commit_and_fold_as_sequential(
+    tmp_path: Path,
+) -> None:
+    """Requests that arrive while an intake transaction runs are taken together into one
+    (group commit): screened in arrival order (of two versions of one span id in the group
+    the first stands), folded in order, each answered. One of them whose sender went away
+    is still stored and folded. The views are what one request at a time gives."""
+    requests, run_ids, dup = _group_requests()
+    clock = FakeClock()
+    settings = settings_for(tmp_path, tick_interval=3600.0)
+    async with Sidecar(settings, clock=clock) as grouped:
+        commits = _Commits(grouped)
+        tasks = [asyncio.create_task(grouped.ingest(_request(r), "http")) for r in requests]
+        await asyncio.sleep(0)  # every request is waiting for the next transaction
+        gone = tasks[3]
+        gone.cancel()
+        answers = await asyncio.gather(*(t for t in tasks if t is not gone))
+        assert commits.count == 1, "one transaction for the whole group"
+        views = {r: grouped.state.view(r) for r in run_ids}
+    assert gone.cancelled()
+    refused = [a.rejected for a in answers]
+    assert refused[dup - 1] == 0 and refused[dup] == 1, "the first version stands"
+    assert sum(refused) == 1
+    reference = Settings(
+        otlp_http_port=0, otlp_grpc_port=0, api_port=0, db_path=tmp_path / "one.db"
+    )
+    async with Sidecar(reference, clock=clock) as one:
+        for spans in requests:
+            await one.ingest(_request(spans), "http")
+        alone = {r: one.state.view(r) for r in run_ids}
+    assert views == alone
+    # And from the store: a replica started on it folds the same views.
+    async with Sidecar(settings, clock=clock) as again:
+        assert {r: again.state.view(r) for r in run_ids} == alone
+
+
+async def test_a_failed_commit_answers_503_to_every_member_and_folds_none(
+    tmp_path: Path,
+) -> None:
+    """A group whose COMMIT fails (here a deferred constraint refusing one member's run):
+    every member's request fails with the store error (503), none is folded or stored, and
+    the next requests go through."""
+    import psycopg
+
+    settings = settings_for(tmp_path, tick_interval=3600.0)
+    assert settings.db_url is not None
+    with psycopg.connect(settings.db_url, autocommit=True) as conn:
+        async with Sidecar(settings) as sidecar:
+            conn.execute(
+                "CREATE FUNCTION refuse_poison() RETURNS trigger LANGUAGE plpgsql AS "
+                "$$ BEGIN RAISE EXCEPTION 'poisoned run'; END $$"
+            )
+            conn.execute(
+                "CREATE CONSTRAINT TRIGGER poison AFTER INSERT ON spans "
+                "DEFERRABLE INITIALLY DEFERRED FOR EACH ROW "
+                "WHEN (NEW.run_id = 'poison-run') EXECUTE FUNCTION refuse_poison()"
+            )
+            good = [completed_run(), compensated_run()]
+            poison = RunScript(instance="agent-p", run_id="poison-run").do(0, "a", "read")
+            requests = [good[0].spans(), poison.spans(), good[1].spans()]
+            answers = await asyncio.gather(
+                *(sidecar.ingest(_request(r), "http") for r in requests), return_exceptions=True
+            )
+            for answer in answers:
+                assert isinstance(answer, StoreError), answer
+                assert "poisoned run" in str(answer)
+            for run in [*good, poison]:
+                assert sidecar.state.view(run.run_id) is None
+            assert sidecar.store is not None
+            assert await sidecar._call(sidecar.store.span_count) == 0
+            assert conn.execute("SELECT count(*) FROM run_owners").fetchone() == (0,)
+            # The same requests again, less the poisoned one: stored and folded.
+            for answer in await asyncio.gather(
+                *(sidecar.ingest(_request(r), "http") for r in requests[::2])
+            ):
+                assert not answer.rejected
+            for run in good:
+                assert sidecar.state.view(run.run_id) is not None
+            conn.execute("DROP TRIGGER poison ON spans")
