@@ -436,7 +436,7 @@ class PgStore(_Pooled):
                 ordered = sorted(openers)
                 cur.execute(
                     "INSERT INTO run_owners(run_id, trace_id, instance, service) "
-                    "SELECT * FROM unnest(%s::text[], %s::text[], %s::text[], %s::text[]) "
+                    "SELECT * FROM unnest(%b::text[], %b::text[], %b::text[], %b::text[]) "
                     "ON CONFLICT (run_id) DO NOTHING RETURNING run_id",
                     _columns([(r, o.trace_id, o.instance, o.service) for r, o in ordered], 4),
                 )
@@ -459,11 +459,12 @@ class PgStore(_Pooled):
         owners: Sequence[tuple[str, Owner]],
     ) -> None:
         # One statement per table (arrays through unnest): one round trip each, however
-        # many requests a group commit brings.
+        # many requests a group commit brings. Parameters in binary (%b): no text
+        # escaping of the span bytes, half the insert's time at 4k spans.
         if owners:
             cur.execute(
                 "INSERT INTO run_owners(run_id, trace_id, instance, service) "
-                "SELECT * FROM unnest(%s::text[], %s::text[], %s::text[], %s::text[]) "
+                "SELECT * FROM unnest(%b::text[], %b::text[], %b::text[], %b::text[]) "
                 "ON CONFLICT (run_id) DO NOTHING",
                 _columns([(r, o.trace_id, o.instance, o.service) for r, o in owners], 4),
             )
@@ -471,8 +472,8 @@ class PgStore(_Pooled):
             # In array order: of two rows with one key, the first is stored (DO NOTHING).
             cur.execute(
                 "INSERT INTO spans(run_id, span_id, received_at, service, instance, data) "
-                "SELECT * FROM unnest(%s::text[], %s::text[], %s::float8[], %s::text[], "
-                "%s::text[], %s::bytea[]) ON CONFLICT (run_id, span_id) DO NOTHING "
+                "SELECT * FROM unnest(%b::text[], %b::text[], %b::float8[], %b::text[], "
+                "%b::text[], %b::bytea[]) ON CONFLICT (run_id, span_id) DO NOTHING "
                 "RETURNING seq",
                 _columns(spans, 6),
             )
@@ -484,7 +485,7 @@ class PgStore(_Pooled):
             last = {row[0]: row for row in heartbeats}
             cur.execute(
                 "INSERT INTO instances(instance, last_heartbeat, interval_s, open_runs) "
-                "SELECT * FROM unnest(%s::text[], %s::float8[], %s::float8[], %s::text[]) "
+                "SELECT * FROM unnest(%b::text[], %b::float8[], %b::float8[], %b::text[]) "
                 "ON CONFLICT (instance) DO UPDATE SET "
                 "last_heartbeat = excluded.last_heartbeat, interval_s = excluded.interval_s, "
                 "open_runs = excluded.open_runs",
@@ -608,18 +609,18 @@ class PgStore(_Pooled):
     def _screening(conn: Any, keys: Sequence[tuple[str, str]], run_ids: list[str]) -> Screening:
         """The runs' owners (their rows locked until commit), leases and stored spans."""
         owners = conn.execute(
-            "SELECT run_id, trace_id, instance, service FROM run_owners WHERE run_id = ANY(%s) "
-            "ORDER BY run_id FOR UPDATE",
+            "SELECT run_id, trace_id, instance, service FROM run_owners "
+            "WHERE run_id = ANY(%b::text[]) ORDER BY run_id FOR UPDATE",
             (run_ids,),
         ).fetchall()
         leases = conn.execute(
             "SELECT run_id, holder, token, granted_at, expires_at, released, forced_reason, "
-            "forced_by, forced_at FROM run_leases WHERE run_id = ANY(%s)",
+            "forced_by, forced_at FROM run_leases WHERE run_id = ANY(%b::text[])",
             (run_ids,),
         ).fetchall()
         stored = conn.execute(
             "SELECT s.run_id, s.span_id, s.data FROM spans s "
-            "JOIN unnest(%s::text[], %s::text[]) AS k(run_id, span_id) "
+            "JOIN unnest(%b::text[], %b::text[]) AS k(run_id, span_id) "
             "ON s.run_id = k.run_id AND s.span_id = k.span_id",
             ([r for r, _ in keys], [s for _, s in keys]),
         ).fetchall()
