@@ -282,9 +282,9 @@ _INGEST_NOTE = (
     "server: loopback, fsync off) before the 200, and folded by every replica (each reads "
     "the others' spans every tick); replicas, PostgreSQL and the load generator share the "
     "machine's 2 cores (not pinned), so 3 replicas here add no CPU, only the work of folding "
-    "every span 3 times. The limit moves to the database: one transaction per request, "
-    "serialized per replica; beyond it, a bigger instance, group commit (commit_delay) and "
-    "spans partitioned by time (docs/scaling.md)"
+    "every span 3 times. The limit moves to the database: the requests waiting while a "
+    "transaction runs share the next one (group commit), serialized per replica; beyond it, "
+    "a bigger instance, commit_delay and spans partitioned by time (docs/scaling.md)"
 )
 
 

@@ -8,7 +8,9 @@ thread of the sidecar, in submission order, and intake holds an asyncio lock
 from screening to folding: the same order, without the loop waiting on the
 network. Across replicas a request is screened and stored in one transaction
 holding its runs' owner row locks (``Store.write_screened``), so one run's
-requests are taken one at a time whichever replicas they reach.
+requests are taken one at a time whichever replicas they reach. The requests that
+arrive while a transaction runs wait and go into the next one together (group
+commit: screened in arrival order, one COMMIT, folded in order).
 """
 
 from __future__ import annotations
