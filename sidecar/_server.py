@@ -20,7 +20,7 @@ import contextlib
 import functools
 import json
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -79,6 +79,9 @@ log = get_logger("sidecar")
 Listener = Callable[[RunView | None, RunView, float], None]
 """``fn(before, after, now)``: called after each committed change to a run view."""
 BackgroundFactory = Callable[[], Awaitable[None]]
+
+GROUPS_IN_A_ROW = 4
+"""PostgreSQL intake groups taken per hold of the intake lock (see _take_groups)."""
 
 _Decided = tuple[Decoded, set[tuple[str, str]]]
 """A screened request of a group: its accepted spans, and its accepted resends."""
@@ -517,28 +520,47 @@ class Sidecar:
         return await waiting.answer
 
     async def _take_groups(self) -> None:
-        """Take the waiting requests, a group at a time, each group in one transaction,
-        one after the other under ``_intake``. A request whose sender went away (its
+        """Take the waiting requests a group at a time, each group in one transaction,
+        under ``_intake``. While one group's transaction runs on the database thread, the
+        group committed before it is folded (transactions commit in submission order and
+        the folds follow them). At most GROUPS_IN_A_ROW groups per hold of the lock, so
+        eviction, sync and leases get their turn. A request whose sender went away (its
         answer cancelled) is still stored and folded with its group."""
         try:
             while self._waiting:
                 async with self._intake:
-                    group, self._waiting = self._waiting, []
-                    try:
-                        await self._ingest_group(group)
-                    except Exception as exc:  # the whole group failed: none folded
-                        for waiting in group:
-                            if not waiting.answer.done():
-                                waiting.answer.set_exception(exc)
+                    committed: Callable[[], None] | None = None
+                    for _ in range(GROUPS_IN_A_ROW):
+                        if not self._waiting:
+                            break
+                        group, self._waiting = self._waiting, []
+                        running = None
+                        try:
+                            running = await self._start_group(group)
+                        except Exception as exc:  # nothing of the group stored
+                            _fail(group, exc)
+                        if committed is not None:  # the group before, while this one runs
+                            committed()
+                            committed = None
+                        if running is not None:
+                            try:
+                                committed = await running
+                            except Exception as exc:  # the whole group failed: none folded
+                                _fail(group, exc)
+                    if committed is not None:
+                        committed()
         finally:
             self._taking = None
 
-    async def _ingest_group(self, group: list[_Waiting]) -> None:
-        """One transaction for every request of ``group``: the union of their runs' owner
-        rows locked in run id order, each request screened in arrival order against the
-        store plus what the requests before it in the group stored, one COMMIT; then each
-        folded in order and answered. A failed transaction raises (503 for every member:
-        nothing of theirs was stored or folded)."""
+    async def _start_group(
+        self, group: list[_Waiting]
+    ) -> Coroutine[object, object, Callable[[], None]] | None:
+        """Submit one transaction for every request of ``group`` to the database thread:
+        the union of their runs' owner rows locked in run id order, each request screened
+        in arrival order against the store plus what the requests before it in the group
+        store, one COMMIT. Returns what to await for it (then call, to fold each request
+        in order and answer it); None when no request has spans. Awaiting raises if the
+        transaction failed (503 for every member: nothing of theirs stored or folded)."""
         store = self.store
         if store is None:
             raise StoreError("the sidecar is stopping: retry against another replica")
@@ -557,18 +579,47 @@ class Sidecar:
             else:  # nothing to store: answered at once
                 self._answer(waiting, {}, now, set())
         if not busy:
-            return
+            return None
         keys = list(dict.fromkeys(k for w in busy for k in self._known_keys(w.decoded, every=True)))
         openers: dict[str, Owner] = {}
         for waiting in busy:
             for run_id, owner in self._openers(waiting.decoded):
                 openers.setdefault(run_id, owner)
-        outcomes, found = await self._call(
+        call = functools.partial(
             store.write_screened,
             keys,
             sorted(openers.items()),
             functools.partial(self._decide_group, busy, now),
         )
+        loop = asyncio.get_running_loop()
+        tx: asyncio.Future[tuple[list[_Decided | Exception], Screening]]
+        if self._db_thread is None:  # a store opened without start(): at once, as _call
+            tx = loop.create_future()
+            try:
+                tx.set_result(call())
+            except Exception as exc:
+                tx.set_exception(exc)
+        else:  # submitted now, not when awaited: it runs while the group before is folded
+            tx = loop.run_in_executor(self._db_thread, call)
+        return self._committed(tx, busy, now)
+
+    async def _committed(
+        self,
+        tx: asyncio.Future[tuple[list[_Decided | Exception], Screening]],
+        busy: list[_Waiting],
+        now: float,
+    ) -> Callable[[], None]:
+        outcomes, found = await tx
+        return functools.partial(self._fold_group, busy, now, outcomes, found)
+
+    def _fold_group(
+        self,
+        busy: list[_Waiting],
+        now: float,
+        outcomes: list[_Decided | Exception],
+        found: Screening,
+    ) -> None:
+        """Fold a committed group's requests in order and answer each."""
         # The runs this group opened are new to the state (apply opens them with their
         # owner); the others' owners and leases may be news from other replicas.
         opened = {r: o for r, o in found.owners.items() if r in found.opened}
@@ -577,11 +628,9 @@ class Sidecar:
         )
         for waiting, outcome in zip(busy, outcomes, strict=True):
             if isinstance(outcome, Exception):
-                if not waiting.answer.done():
-                    waiting.answer.set_exception(outcome)
+                _fail([waiting], outcome)
                 continue
-            waiting = replace(waiting, decoded=outcome[0])
-            self._answer(waiting, opened, now, outcome[1])
+            self._answer(replace(waiting, decoded=outcome[0]), opened, now, outcome[1])
 
     def _answer(
         self, waiting: _Waiting, owners: dict[str, Owner], now: float, resent: set[tuple[str, str]]
@@ -593,8 +642,7 @@ class Sidecar:
                 owners, now, resent,
             )  # fmt: skip
         except Exception as exc:
-            if not waiting.answer.done():
-                waiting.answer.set_exception(exc)
+            _fail([waiting], exc)
             return
         if not waiting.answer.done():
             waiting.answer.set_result(answer)
@@ -1130,6 +1178,12 @@ def _release(
     run_id: str, req: LeaseRequest, now: float, current: Lease | None
 ) -> Lease | LeaseRefusal:
     return release(run_id, current, req, now)
+
+
+def _fail(group: list[_Waiting], exc: Exception) -> None:
+    for waiting in group:
+        if not waiting.answer.done():
+            waiting.answer.set_exception(exc)
 
 
 def _nothing() -> None:

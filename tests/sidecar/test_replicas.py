@@ -307,14 +307,18 @@ class _Commits:
         self.count = 0
         self.store.write_screened = self  # type: ignore[method-assign]
 
+        self.during_first: Callable[[], None] = lambda: None
+
     def __call__(self, *args: Any) -> Any:
         self.count += 1
+        if self.count == 1:  # on the database thread, while the first transaction runs
+            self.during_first()
         return self.real(*args)
 
 
 def _group_requests() -> tuple[list[list[ReadableSpan]], list[str], int]:
     """Requests of the same runs and of different runs, a heartbeat, and one span id sent
-    twice with other content (second last and last): (requests, run ids, dup index)."""
+    twice with other content (second last and last): (requests, run ids, first's index)."""
     runs = [compensated_run(), compensation_failed_run(), stuck_run(), completed_run()]
     requests: list[list[ReadableSpan]] = []
     for run in runs:  # the first half of each run's spans in one request, then one by one
@@ -340,10 +344,15 @@ async def test_concurrent_requests_at_one_replica_share_a_commit_and_fold_as_seq
     the first stands), folded in order, each answered. One of them whose sender went away
     is still stored and folded. The views are what one request at a time gives."""
     requests, run_ids, dup = _group_requests()
+
+    def refused_for(n: int) -> list[int]:  # the second version of the span id is refused
+        return [1 if i == dup + 1 else 0 for i in range(n)]
+
     clock = FakeClock()
     settings = settings_for(tmp_path, tick_interval=3600.0)
     async with Sidecar(settings, clock=clock) as grouped:
         commits = _Commits(grouped)
+        loop = asyncio.get_running_loop()
         tasks = [asyncio.create_task(grouped.ingest(_request(r), "http")) for r in requests]
         await asyncio.sleep(0)  # every request is waiting for the next transaction
         gone = tasks[3]
@@ -351,10 +360,31 @@ async def test_concurrent_requests_at_one_replica_share_a_commit_and_fold_as_seq
         answers = await asyncio.gather(*(t for t in tasks if t is not gone))
         assert commits.count == 1, "one transaction for the whole group"
         views = {r: grouped.state.view(r) for r in run_ids}
+        # Again on fresh runs in two groups, the second sent while the first one's
+        # transaction runs: it is stored while the first group is folded.
+        again, again_ids, _ = _group_requests()
+        half = len(again) // 2
+        second: list[asyncio.Task[Decoded]] = []
+        sent = asyncio.Event()
+
+        def send_second() -> None:
+            for r in again[half:]:
+                second.append(asyncio.create_task(grouped.ingest(_request(r), "http")))
+            sent.set()
+
+        commits.count = 0
+        commits.during_first = lambda: loop.call_soon_threadsafe(send_second)
+        first = [grouped.ingest(_request(r), "http") for r in again[:half]]
+        more = await asyncio.gather(*first)
+        await sent.wait()
+        more += await asyncio.gather(*second)
+        assert commits.count == 2
+        assert [a.rejected for a in more] == refused_for(len(again))
+        views2 = {r: grouped.state.view(r) for r in again_ids}
     assert gone.cancelled()
-    refused = [a.rejected for a in answers]
-    assert refused[dup - 1] == 0 and refused[dup] == 1, "the first version stands"
-    assert sum(refused) == 1
+    assert [a.rejected for a in answers] == refused_for(len(requests))[:3] + refused_for(
+        len(requests)
+    )[4:]
     reference = Settings(
         otlp_http_port=0, otlp_grpc_port=0, api_port=0, db_path=tmp_path / "one.db"
     )
@@ -362,7 +392,11 @@ async def test_concurrent_requests_at_one_replica_share_a_commit_and_fold_as_seq
         for spans in requests:
             await one.ingest(_request(spans), "http")
         alone = {r: one.state.view(r) for r in run_ids}
+        for spans in again:
+            await one.ingest(_request(spans), "http")
+        alone2 = {r: one.state.view(r) for r in again_ids}
     assert views == alone
+    assert views2 == alone2
     # And from the store: a replica started on it folds the same views.
     async with Sidecar(settings, clock=clock) as again:
         assert {r: again.state.view(r) for r in run_ids} == alone
