@@ -216,8 +216,8 @@ class _Step:
 
 class _Run:
     __slots__ = (
-        "drops",
         "comp_failing",
+        "drops",
         "escalation",
         "first_comp_start",
         "instance",
