@@ -52,8 +52,14 @@ def _complete(buf: bytearray) -> int:
     return total if len(buf) >= total else 0
 
 
-def drive(port: int, bodies: Sequence[bytes], concurrency: int = 8) -> float:
-    """POST every body (``concurrency`` connections, one request each in flight); seconds."""
+def drive(
+    port: int, bodies: Sequence[bytes], concurrency: int = 8, rate: float | None = None
+) -> float:
+    """POST every body (``concurrency`` connections, one request each in flight); seconds.
+
+    With ``rate``, request ``i`` is not sent before ``i / rate`` seconds from the start
+    (a paced background load); without it, as fast as the server answers.
+    """
     requests = [request_bytes(port, b) for b in bodies]
     queue = list(reversed(requests))
     sel = selectors.DefaultSelector()
@@ -65,10 +71,17 @@ def drive(port: int, bodies: Sequence[bytes], concurrency: int = 8) -> float:
         conns.append(_Conn(sock))
     outstanding = 0
     started = time.perf_counter()
+    sent_count = 0
+    idle: list[_Conn] = []
 
     def send_next(conn: _Conn) -> bool:
+        nonlocal sent_count
         if not queue:
             return False
+        if rate is not None and time.perf_counter() < started + sent_count / rate:
+            idle.append(conn)
+            return False
+        sent_count += 1
         conn.out = memoryview(queue.pop())
         sent = conn.sock.send(conn.out)
         conn.out = conn.out[sent:]
@@ -79,8 +92,18 @@ def drive(port: int, bodies: Sequence[bytes], concurrency: int = 8) -> float:
         for conn in conns:
             if send_next(conn):
                 outstanding += 1
-        while outstanding:
-            for key, events in sel.select():
+        while outstanding or idle:
+            timeout = None
+            if idle:
+                assert rate is not None
+                timeout = max(0.0, started + sent_count / rate - time.perf_counter())
+                if timeout == 0.0:
+                    waiting, idle[:] = list(idle), []
+                    for conn in waiting:
+                        if send_next(conn):
+                            outstanding += 1
+                    continue
+            for key, events in sel.select(timeout):
                 conn = key.data
                 if events & selectors.EVENT_WRITE:
                     sent = conn.sock.send(conn.out)
