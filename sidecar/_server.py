@@ -500,7 +500,10 @@ class Sidecar:
         every = any(not facts_only for _, facts_only in listeners)
         applied = self.state.apply(decoded.spans, now, keep_before=bool(listeners), owners=owners)
         stream = self.metrics.stream
-        stream.spans((s for s in decoded.spans if (s.run_id, s.span_id) not in resent), self.state)
+        counted = decoded.spans
+        if resent:  # counted once: a resend is not a new span
+            counted = tuple(s for s in counted if (s.run_id, s.span_id) not in resent)
+        stream.spans(counted, self.state)
         stream.transitions(applied.transitions, self.state)
         revived = [t.run_id for t in applied.transitions if t.before == sc.STATE_ORPHANED]
         if revived:

@@ -315,7 +315,11 @@ class _Run:
             self.comp_failing = _mark(self.comp_failing, index, failing)
 
     def recovering(self) -> bool:
-        return any(i != self.instance for i in self.instances)
+        owner = self.instance
+        for i in self.instances:  # a loop, not any(<genexpr>): once per run per batch
+            if i != owner:
+                return True
+        return False
 
     def final_run_span(self) -> RunSpan | None:
         spans = sorted(self.run_spans)
@@ -993,7 +997,10 @@ class RunState:
                     str(unstorable) if unstorable else None,
                 )
                 step.dos = _insert(dos, entry)
-                run.restep(step)
+                if (ok and unstorable) or (pivot and ok):
+                    # Only these move what the facts read of a step (an attempt without
+                    # an unstorable reason never changes step.unstorable()).
+                    run.restep(step)
             else:
                 comps = step.comps
                 for c in comps:
