@@ -146,6 +146,10 @@ class Rates(NamedTuple):
     sidecar: float
     reference: float
     reference_cpu: float  # the reference process's CPU seconds / wall seconds (1.0: saturated)
+    # Requests per CPU-second of each server process: what one dedicated core would serve
+    # (the same as the rate above on a quiet machine; steadier on a busy one).
+    sidecar_per_cpu: float
+    reference_per_cpu: float
 
 
 def _throughput(
@@ -154,6 +158,7 @@ def _throughput(
     """(sidecar, reference) requests per second for the same bodies."""
     warm = _bodies(max(4, n_requests // 20), spans_per_request, seed=9)
     results = []
+    per_cpu = []
     cpu_share = 0.0
     for label in ("reference", "sidecar"):
         bodies = _bodies(n_requests, spans_per_request, seed=1)
@@ -170,12 +175,14 @@ def _throughput(
             finally:
                 _stop(proc)
         rate = n_requests / seconds
-        share = (after.user + after.system - cpu.user - cpu.system) / seconds
+        busy = after.user + after.system - cpu.user - cpu.system
+        share = busy / seconds
+        per_cpu.append(n_requests / busy if busy else rate)
         if label == "reference":
             cpu_share = share
         progress(f"{name}: {label} {rate:,.0f} requests/s, server CPU {share:.0%} of a core")
         results.append(rate)
-    return Rates(results[1], results[0], cpu_share)
+    return Rates(results[1], results[0], cpu_share, per_cpu[1], per_cpu[0])
 
 
 def _interleaved(
@@ -188,11 +195,14 @@ def _spread(pairs: list[Rates]) -> tuple[float, float, float, str]:
     """Median sidecar and reference rate, the median ratio, and the notes on the spread."""
     ratios = sorted(p.sidecar / p.reference for p in pairs)
     cpu = min(p.reference_cpu for p in pairs)
+    per_cpu = sorted(p.sidecar_per_cpu / p.reference_per_cpu for p in pairs)
     note = (
         f"ratio min/median/max {ratios[0]:.2f} / {statistics.median(ratios):.2f} / "
         f"{ratios[-1]:.2f} over {len(pairs)} interleaved pairs; raw-socket load generator "
         f"(bench/_loadgen.py, {CONCURRENCY} keep-alive connections) holds the reference at "
-        f">= {cpu:.0%} of its core (saturated)"
+        f">= {cpu:.0%} of its core (100%: saturated; less: the machine was busy); per server "
+        f"CPU-second the ratio is {per_cpu[0]:.2f} / {statistics.median(per_cpu):.2f} / "
+        f"{per_cpu[-1]:.2f}"
     )
     return (
         statistics.median(p.sidecar for p in pairs),
