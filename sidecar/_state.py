@@ -316,7 +316,7 @@ class _Run:
 
     def recovering(self) -> bool:
         owner = self.instance
-        for i in self.instances:  # a loop, not any(<genexpr>): once per run per batch
+        for i in self.instances:  # noqa: SIM110 (a loop, not any(<genexpr>): per run per batch)
             if i != owner:
                 return True
         return False
