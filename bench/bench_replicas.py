@@ -19,7 +19,6 @@ load: one load process per replica.
 
 from __future__ import annotations
 
-import asyncio
 import importlib
 import json
 import subprocess
@@ -29,12 +28,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExportResult
 
 from bench._figures import Figure
+from bench._loadgen import drive
 from bench.bench_alerts import _LOAD, _Agent, _Hook, _pct
 from bench.bench_sidecar import BATCH, CONCURRENCY, _bodies, _start_reference, _stop
 
@@ -71,31 +70,6 @@ def _serve(url: str, *extra: str) -> tuple[subprocess.Popen[str], dict[str, int]
     return proc, {k: int(info[k]) for k in ("otlp_http", "api")}
 
 
-async def _drive(ports: Sequence[int], bodies: Sequence[bytes]) -> float:
-    """bench_sidecar's load generator, each request to the next port in turn."""
-    urls = [f"http://127.0.0.1:{p}/v1/traces" for p in ports]
-    headers = {"Content-Type": "application/x-protobuf"}
-    queue = list(reversed(bodies))
-    sent = 0
-    connector = aiohttp.TCPConnector(limit=CONCURRENCY)
-    async with aiohttp.ClientSession(connector=connector) as session:
-
-        async def worker() -> None:
-            nonlocal sent
-            while queue:
-                body = queue.pop()
-                url = urls[sent % len(urls)]
-                sent += 1
-                async with session.post(url, data=body, headers=headers) as resp:
-                    await resp.read()
-                    if resp.status != 200:
-                        raise RuntimeError(f"server answered {resp.status}")
-
-        started = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(CONCURRENCY)))
-        return time.perf_counter() - started
-
-
 def _ingest(
     progress: Callable[[str], None], server: Any, replicas: int, per_request: int, n: int
 ) -> tuple[float, float]:
@@ -104,8 +78,8 @@ def _ingest(
     bodies = _bodies(n, per_request, seed=1)
     proc, port = _start_reference()
     try:
-        asyncio.run(_drive([port], warm))
-        ref = n / asyncio.run(_drive([port], bodies))
+        drive(port, warm, CONCURRENCY)
+        ref = n / drive(port, bodies, CONCURRENCY)
     finally:
         _stop(proc)
     name = server.create()
@@ -114,8 +88,8 @@ def _ingest(
         for _ in range(replicas):
             procs.append(_serve(server.url(name)))
         ports = [p["otlp_http"] for _, p in procs]
-        asyncio.run(_drive(ports, warm))
-        side = n / asyncio.run(_drive(ports, bodies))
+        drive(ports, warm, CONCURRENCY)
+        side = n / drive(ports, bodies, CONCURRENCY)
     finally:
         for p, _ in procs:
             _stop(p)

@@ -1,27 +1,29 @@
 """Sidecar intake throughput and memory per open run, against a parse-only OTLP server.
 
 Both servers run as subprocesses pinned to the same single core; the same
-aiohttp load generator (pinned elsewhere when there is a second core) drives
-both in the same run, so the ratio compares like with like.
+raw-socket load generator (``_loadgen.py``, pinned elsewhere when there is a
+second core) drives both, interleaved and repeated, so the ratio compares like
+with like. The notes give the reference's CPU share: near 100% of its core
+means the load generator saturates it (an aiohttp client does not).
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
-import aiohttp
 import psutil  # type: ignore[import-untyped]
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from bench._figures import Figure
+from bench._loadgen import drive
 from saga_otel import semconv as sc
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,6 +31,29 @@ SERVER_CORE = 0
 BATCH = 512
 SPANS_PER_RUN = 2
 CONCURRENCY = 8
+REPEATS = 3
+# Where the goal is not met: what was tried and where the time still goes (issue 16).
+TRIED = (
+    "Tried (issue 16): fold without copying a run's steps and facts from kept aggregates "
+    "(flat per span in run length: see the scale rows), SQLite group commit across "
+    "concurrent requests, WAL checkpoints off the commit path, gc.freeze() after start and "
+    "every second, stream metrics of new runs through cached children, the args-JSON depth "
+    "walk only when it has enough brackets; the per-key stored-span lookup measured 5-9 us "
+    "a key (not a cost centre) and stays. "
+)
+BATCH_PROFILE = (
+    "Profile after (in process, 512-span batches of 2-span runs, share of server CPU): "
+    "decode and validate ~39% (the attribute dict, saga_otel.contract.check with its "
+    "json.loads of the args, SpanRecord), fold into RunState ~29%, stream metrics ~9%, "
+    "SQLite ~11%, screening ~4%; the rest is aiohttp. Left: a compiled decode-and-fold "
+    "(issue 16 allows one with a Hypothesis parity test), not attempted here."
+)
+SINGLE_PROFILE = (
+    "Profile after (in process, one span per request): decode ~25%, fold ~27% (RunState "
+    "~15%, stream metrics ~6%), SQLite ~24% before group commit (shared by the requests "
+    "in flight after it), screening ~4%; aiohttp and asyncio are about 40% of the "
+    "process. Left: the same compiled path; fewer Python objects per request."
+)
 
 
 def _pin(core: int) -> Callable[[], None]:
@@ -116,26 +141,9 @@ def _bodies(n_requests: int, spans_per_request: int, seed: int) -> list[bytes]:
     return bodies
 
 
-async def _drive(port: int, bodies: Sequence[bytes]) -> float:
-    """Send every body (CONCURRENCY at a time); seconds taken."""
-    url = f"http://127.0.0.1:{port}/v1/traces"
-    headers = {"Content-Type": "application/x-protobuf"}
-    queue = list(reversed(bodies))
-    connector = aiohttp.TCPConnector(limit=CONCURRENCY)
-
-    async with aiohttp.ClientSession(connector=connector) as session:
-
-        async def worker() -> None:
-            while queue:
-                body = queue.pop()
-                async with session.post(url, data=body, headers=headers) as resp:
-                    await resp.read()
-                    if resp.status != 200:
-                        raise RuntimeError(f"server answered {resp.status}")
-
-        started = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(CONCURRENCY)))
-        return time.perf_counter() - started
+def _drive(port: int, bodies: Sequence[bytes]) -> float:
+    """Send every body (CONCURRENCY at a time, raw sockets: see _loadgen); seconds taken."""
+    return drive(port, bodies, CONCURRENCY)
 
 
 def _stop(proc: subprocess.Popen[str]) -> None:
@@ -154,12 +162,26 @@ def _pin_self() -> None:
         os.sched_setaffinity(0, set(others))
 
 
+class Rates(NamedTuple):
+    """Requests per second of one interleaved pair, and the reference's CPU share."""
+
+    sidecar: float
+    reference: float
+    reference_cpu: float  # the reference process's CPU seconds / wall seconds (1.0: saturated)
+    # Requests per CPU-second of each server process: what one dedicated core would serve
+    # (the same as the rate above on a quiet machine; steadier on a busy one).
+    sidecar_per_cpu: float
+    reference_per_cpu: float
+
+
 def _throughput(
     progress: Callable[[str], None], name: str, spans_per_request: int, n_requests: int
-) -> tuple[float, float]:
+) -> Rates:
     """(sidecar, reference) requests per second for the same bodies."""
     warm = _bodies(max(4, n_requests // 20), spans_per_request, seed=9)
     results = []
+    per_cpu = []
+    cpu_share = 0.0
     for label in ("reference", "sidecar"):
         bodies = _bodies(n_requests, spans_per_request, seed=1)
         with tempfile.TemporaryDirectory() as tmp:
@@ -168,20 +190,54 @@ def _throughput(
             else:
                 proc, port = _start_reference()
             try:
-                asyncio.run(_drive(port, warm))
-                seconds = asyncio.run(_drive(port, bodies))
+                _drive(port, warm)
+                cpu = psutil.Process(proc.pid).cpu_times()
+                seconds = _drive(port, bodies)
+                after = psutil.Process(proc.pid).cpu_times()
             finally:
                 _stop(proc)
         rate = n_requests / seconds
-        progress(f"{name}: {label} {rate:,.0f} requests/s")
+        busy = after.user + after.system - cpu.user - cpu.system
+        share = busy / seconds
+        per_cpu.append(n_requests / busy if busy else rate)
+        if label == "reference":
+            cpu_share = share
+        progress(f"{name}: {label} {rate:,.0f} requests/s, server CPU {share:.0%} of a core")
         results.append(rate)
-    return results[1], results[0]
+    return Rates(results[1], results[0], cpu_share, per_cpu[1], per_cpu[0])
+
+
+def _interleaved(
+    progress: Callable[[str], None], name: str, spans_per_request: int, n_requests: int
+) -> list[Rates]:
+    return [_throughput(progress, name, spans_per_request, n_requests) for _ in range(REPEATS)]
+
+
+def _spread(pairs: list[Rates]) -> tuple[float, float, float, str]:
+    """Median sidecar and reference rate, the median ratio, and the notes on the spread."""
+    ratios = sorted(p.sidecar / p.reference for p in pairs)
+    cpu = min(p.reference_cpu for p in pairs)
+    per_cpu = sorted(p.sidecar_per_cpu / p.reference_per_cpu for p in pairs)
+    note = (
+        f"ratio min/median/max {ratios[0]:.2f} / {statistics.median(ratios):.2f} / "
+        f"{ratios[-1]:.2f} over {len(pairs)} interleaved pairs; raw-socket load generator "
+        f"(bench/_loadgen.py, {CONCURRENCY} keep-alive connections) holds the reference at "
+        f">= {cpu:.0%} of its core (100%: saturated; less: the machine was busy); per server "
+        f"CPU-second the ratio is {per_cpu[0]:.2f} / {statistics.median(per_cpu):.2f} / "
+        f"{per_cpu[-1]:.2f}"
+    )
+    return (
+        statistics.median(p.sidecar for p in pairs),
+        statistics.median(p.reference for p in pairs),
+        statistics.median(ratios),
+        note,
+    )
 
 
 def run(progress: Callable[[str], None]) -> list[Figure]:
     _pin_self()
     figures = []
-    side, ref = _throughput(progress, "512-span batches", BATCH, 300)
+    side, ref, ratio, spread = _spread(_interleaved(progress, "512-span batches", BATCH, 300))
     figures.append(
         Figure(
             area="sidecar",
@@ -190,13 +246,15 @@ def run(progress: Callable[[str], None]) -> list[Figure]:
             unit="spans/s",
             reference_name="parse-only aiohttp OTLP/HTTP server",
             reference_value=ref * BATCH,
-            ratio=side / ref,
+            ratio=ratio,
             goal=">= 0.5",
-            met=side / ref >= 0.5,
-            notes="sidecar stores every span in SQLite (WAL) and folds it into run state",
+            met=ratio >= 0.5,
+            notes="`saga-sidecar serve` (alerting on); stores every span in SQLite (WAL) "
+            f"and folds it into run state; {spread}"
+            + ("" if ratio >= 0.5 else f". {TRIED}{BATCH_PROFILE}"),
         )
     )
-    side, ref = _throughput(progress, "single-span requests", 1, 3000)
+    side, ref, ratio, spread = _spread(_interleaved(progress, "single-span requests", 1, 6000))
     figures.append(
         Figure(
             area="sidecar",
@@ -205,10 +263,11 @@ def run(progress: Callable[[str], None]) -> list[Figure]:
             unit="requests/s",
             reference_name="parse-only aiohttp OTLP/HTTP server",
             reference_value=ref,
-            ratio=side / ref,
+            ratio=ratio,
             goal=">= 0.5",
-            met=side / ref >= 0.5,
-            notes="one SQLite transaction per request",
+            met=ratio >= 0.5,
+            notes=f"`saga-sidecar serve` (alerting on); committed before the 200; {spread}"
+            + ("" if ratio >= 0.5 else f". {TRIED}{SINGLE_PROFILE}"),
         )
     )
     figures.append(_memory(progress))
@@ -222,9 +281,9 @@ def _memory(progress: Callable[[str], None], runs: int = 100_000) -> Figure:
     with tempfile.TemporaryDirectory() as tmp:
         proc, port = _start_sidecar(Path(tmp) / "sidecar.db")
         try:
-            asyncio.run(_drive(port, _bodies(1, 2, seed=4)))  # imports and first-request work
+            _drive(port, _bodies(1, 2, seed=4))  # imports and first-request work
             idle = psutil.Process(proc.pid).memory_info().rss
-            asyncio.run(_drive(port, bodies))
+            _drive(port, bodies)
             loaded = psutil.Process(proc.pid).memory_info().rss
         finally:
             _stop(proc)

@@ -221,6 +221,7 @@ def serve(
     os.environ.setdefault("GRPC_VERBOSITY", "NONE")
     # Imported here, after the variable: grpc reads it when it is first loaded.
     from ._alert_service import install_alerting
+    from ._gcfreeze import freeze_loop
     from ._server import Sidecar
 
     configure_logging(log_level)
@@ -246,6 +247,8 @@ def serve(
         )
         sidecar = Sidecar(settings)
         install_alerting(sidecar, settings_from_options(alerting))
+        # This process is the sidecar's alone: keep full GC pauses short (see _gcfreeze).
+        sidecar.add_background(freeze_loop)
         asyncio.run(_serve(sidecar))
     except SidecarError as exc:
         raise click.ClickException(str(exc)) from exc

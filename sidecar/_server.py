@@ -25,7 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import TracebackType
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 from aiohttp import web
 from grpc import aio
@@ -138,6 +138,11 @@ class Sidecar:
         # A store that is not inline (PostgreSQL): its calls, one at a time, in order.
         self._db_thread: ThreadPoolExecutor | None = None
         self._intake = asyncio.Lock()
+        # SQLite group commit (see _commit_inline): the group taking requests now, and
+        # what its requests hold (the runs they open, their spans' bytes by key).
+        self._forming: list[_Member] | None = None
+        self._pending_owners: dict[str, Owner] = {}
+        self._pending_seen: dict[tuple[str, str], bytes] = {}
         # Requests waiting for the next intake transaction, and the task taking them.
         self._waiting: list[_Waiting] = []
         self._taking: asyncio.Task[None] | None = None
@@ -350,8 +355,8 @@ class Sidecar:
     def evict(self) -> list[str]:
         """Put the settled runs (ended, needing no person) away: index them in the store,
         then forget them here. Synchronous: SQLite's path and the tests'."""
-        if self.store is None:
-            return []
+        if self.store is None or self._forming is not None:
+            return []  # a group commit is forming: its spans may reopen a settled run
         rows = self._index_rows()
         if rows:
             self.store.put_away(rows)
@@ -502,13 +507,23 @@ class Sidecar:
                 if away:  # late spans of finished runs: fold them onto the whole run
                     self._restored(store.load_runs(sorted(away), reopen=True))
             prior = store.stored_spans(self._known_keys(decoded))
-            decoded, owners, resent = self._screen(decoded, transport, prior)
+            decoded, owners, resent = self._screen(
+                decoded,
+                transport,
+                prior,
+                pending_owners=self._pending_owners,
+                pending_seen=self._pending_seen,
+            )
             now = self.clock()
             rows, heartbeats = self._rows(decoded, now)
-            if rows or heartbeats:
-                # committed before anyone hears "stored"
-                store.write(rows, heartbeats, list(owners.items()))
-            return self._fold(decoded, transport, body, content_type, owners, now, resent)
+            if not (rows or heartbeats):
+                return self._fold(decoded, transport, body, content_type, owners, now, resent)
+            # Committed before anyone hears "stored", and folded in commit order, by the
+            # group's callback (a cancelled request is folded all the same).
+            return await self._commit_inline(
+                _Member(decoded, transport, body, content_type, owners, now, resent, rows,
+                        heartbeats, asyncio.get_running_loop().create_future())
+            )  # fmt: skip
         # PostgreSQL: group commit. The requests that arrive while a transaction runs
         # wait here and go into the next one together (see _take_groups).
         waiting = _Waiting(
@@ -715,6 +730,57 @@ class Sidecar:
                 out[run_id] = None
         return list(out)
 
+    def _commit_inline(self, member: _Member) -> asyncio.Future[Decoded]:
+        """Join the group commit; the future gives the request's folded ``Decoded``.
+
+        Requests screened in the same loop iteration join one group, written in one
+        SQLite transaction by a callback scheduled after them (one COMMIT, not one per
+        request), which then folds them in order: a change, its commit and its
+        listeners keep one order without locks, as when each request committed alone.
+        A request screens against the spans of the forming group
+        (``_pending_owners``, ``_pending_seen``): it joins that group, so it commits
+        or fails with them.
+        """
+        group = self._forming
+        if group is None:
+            group = self._forming = []
+            asyncio.get_running_loop().call_soon(self._commit_group, group)
+        group.append(member)
+        self._pending_owners.update(member.owners)
+        self._pending_seen.update(member.seen)
+        return member.done
+
+    def _commit_group(self, group: list[_Member]) -> None:
+        self._forming = None
+        self._pending_owners.clear()  # from here on, the state (or the store) knows them
+        self._pending_seen.clear()
+        store = self.store
+        try:
+            if store is None:
+                raise StoreError("the sidecar is stopping: retry against another replica")
+            store.write(
+                [row for m in group for row in m.rows],
+                [beat for m in group for beat in m.heartbeats],
+                [owner for m in group for owner in m.owners.items()],
+            )
+        except StoreError as exc:
+            for m in group:
+                if not m.done.done():
+                    m.done.set_exception(exc)
+            return
+        for m in group:
+            try:
+                decoded = self._fold(
+                    m.decoded, m.transport, m.body, m.content_type, m.owners, m.now, m.resent
+                )
+            except Exception as exc:  # a bug: the spans are committed, say so in the log
+                log.exception("sidecar.fold.failed", spans=len(m.decoded.spans))
+                if not m.done.done():
+                    m.done.set_exception(exc)
+                continue
+            if not m.done.done():
+                m.done.set_result(decoded)
+
     def _known_keys(self, decoded: Decoded, every: bool = False) -> list[tuple[str, str]]:
         """(run_id, span_id) of saga spans of runs already owned (``every``: of all runs):
         their duplicates are checked against the stored bytes."""
@@ -774,7 +840,10 @@ class Sidecar:
         every = any(not facts_only for _, facts_only in listeners)
         applied = self.state.apply(decoded.spans, now, keep_before=bool(listeners), owners=owners)
         stream = self.metrics.stream
-        stream.spans((s for s in decoded.spans if (s.run_id, s.span_id) not in resent), self.state)
+        counted = decoded.spans
+        if resent:  # counted once: a resend is not a new span
+            counted = tuple(s for s in counted if (s.run_id, s.span_id) not in resent)
+        stream.spans(counted, self.state)
         stream.transitions(applied.transitions, self.state)
         revived = [t.run_id for t in applied.transitions if t.before == sc.STATE_ORPHANED]
         if revived:
@@ -813,6 +882,8 @@ class Sidecar:
         transport: str,
         stored: dict[tuple[str, str], bytes],
         known: Screening | None = None,
+        pending_owners: dict[str, Owner] | None = None,
+        pending_seen: dict[tuple[str, str], bytes] | None = None,
     ) -> tuple[Decoded, dict[str, Owner], set[tuple[str, str]]]:
         """Apply the run id, ownership, fencing and duplicate rules (``_leases.py``) to each
         saga span; refused spans are left out, so nothing stored changes because of them.
@@ -824,8 +895,14 @@ class Sidecar:
         Duplicates: a span id already stored for the run is taken again only with the
         same bytes (a resend); other content is refused, so the first stored wins, live
         and after a restart alike.
+
+        ``pending_owners`` and ``pending_seen``: runs opened and spans taken by requests
+        screened before this one and not folded yet (SQLite group commit): they count
+        as if folded.
         """
         state = self.state
+        pending_owners = pending_owners or {}
+        pending_seen = pending_seen or {}
         owners: dict[str, Owner] = {}
         seen: dict[tuple[str, str], bytes] = {}
         spans, raws = [], []
@@ -842,7 +919,7 @@ class Sidecar:
             refusal: SpanRefusal | None = None
             problem = sc.run_id_problem(run_id)
             if known is None:
-                owner = owners.get(run_id) or state.owner(run_id)
+                owner = owners.get(run_id) or pending_owners.get(run_id) or state.owner(run_id)
                 lease = state.lease(run_id)
             else:
                 owner = owners.get(run_id) or known.owners.get(run_id)
@@ -861,6 +938,8 @@ class Sidecar:
             key = (run_id, span.span_id)
             if refusal is None:
                 prior = seen.get(key)
+                if prior is None:
+                    prior = pending_seen.get(key)
                 if prior is None and owner is not None and run_id not in owners:
                     prior = stored.get(key)
                 if prior is not None and prior == raw:
@@ -1160,6 +1239,25 @@ class Sidecar:
         assert after is not None
         self._notify(before, after, now)
         return after
+
+
+class _Member(NamedTuple):
+    """One request in a SQLite group commit (``Sidecar._commit_inline``)."""
+
+    decoded: Decoded
+    transport: str
+    body: bytes | None
+    content_type: str
+    owners: dict[str, Owner]
+    now: float
+    resent: set[tuple[str, str]]
+    rows: list[SpanRow]
+    heartbeats: list[HeartbeatRow]
+    done: asyncio.Future[Decoded]
+
+    @property
+    def seen(self) -> dict[tuple[str, str], bytes]:
+        return {(row[0], row[1]): row[5] for row in self.rows}
 
 
 def _grant(

@@ -168,7 +168,7 @@ class Applied:
     changed: tuple[str, ...]
     transitions: tuple[Transition, ...]
     facts_changed: tuple[str, ...] = ()
-    snapshots: Mapping[str, _Run | None] = field(default_factory=dict)
+    snapshots: Mapping[str, _Snapshot | None] = field(default_factory=dict)
 
 
 class _Step:
@@ -216,6 +216,7 @@ class _Step:
 
 class _Run:
     __slots__ = (
+        "comp_failing",
         "drops",
         "escalation",
         "first_comp_start",
@@ -223,10 +224,12 @@ class _Run:
         "instances",
         "last_seen",
         "lease",
+        "lowest_comp",
         "orig_key",
         "orphaned_at",
         "owned",
         "owner_seen",
+        "pivot",
         "resolution",
         "revived",
         "run_id",
@@ -237,6 +240,7 @@ class _Run:
         "status",
         "steps",
         "trace_id",
+        "unstorable_at",
         "unwind",
         "updated_at",
     )
@@ -268,6 +272,13 @@ class _Run:
         self.lease: Lease | None = None
         # Marker spans sent in place of spans the sidecar refused, in (start, span id) order.
         self.drops: tuple[Drop, ...] = ()
+        # What the facts read of the steps, kept as steps change (``restep``), so a span
+        # costs the same at step 3,000 as at step 3 (no walk over the steps per span):
+        self.pivot: int | None = None  # the lowest index of a step that crossed a pivot
+        self.unstorable_at: tuple[int, ...] = ()  # indexes whose step.unstorable() is set
+        self.lowest_comp: int | None = None  # the lowest index of a step with compensations
+        # Indexes of steps with compensations, none OK and at least one failed.
+        self.comp_failing: tuple[int, ...] = ()
 
     def step(self, index: int, name: str) -> _Step:
         steps = self.steps
@@ -284,16 +295,31 @@ class _Run:
         bisect.insort(steps, step, key=_step_index)
         return step
 
-    def copy(self) -> _Run:
-        """A frozen copy for the view a listener gets as ``before``."""
-        run = _Run(self.run_id)
+    def shallow(self) -> _Run:
+        """A copy of the run's own fields; ``steps`` is the live list (see _Snapshot)."""
+        run = _Run.__new__(_Run)
         for name in _Run.__slots__:
             setattr(run, name, getattr(self, name))
-        run.steps = [s.copy() for s in self.steps]
         return run
 
+    def restep(self, step: _Step) -> None:
+        """Update what the facts read of the steps after ``step`` changed."""
+        index = step.index
+        if step.pivot_ok and (self.pivot is None or index < self.pivot):
+            self.pivot = index
+        self.unstorable_at = _mark(self.unstorable_at, index, step.unstorable() is not None)
+        if step.comps:
+            if self.lowest_comp is None or index < self.lowest_comp:
+                self.lowest_comp = index
+            failing = not step.compensated() and any(not a.ok for a in step.comps)
+            self.comp_failing = _mark(self.comp_failing, index, failing)
+
     def recovering(self) -> bool:
-        return any(i != self.instance for i in self.instances)
+        owner = self.instance
+        for i in self.instances:  # noqa: SIM110 (a loop, not any(<genexpr>): per run per batch)
+            if i != owner:
+                return True
+        return False
 
     def final_run_span(self) -> RunSpan | None:
         spans = sorted(self.run_spans)
@@ -313,7 +339,7 @@ class _Run:
         return status
 
     def effect_stands(self) -> bool:
-        return bool(self.drops) or any(s.unstorable() for s in self.steps)
+        return bool(self.drops) or bool(self.unstorable_at)
 
     def owner_ended(self) -> bool:
         return any(r.instance == self.instance for r in self.run_spans)
@@ -323,7 +349,7 @@ class _Run:
         if self.recovering() or len(self.run_spans) >= 2:
             if final is None:
                 # A second process took the run over and has not finished yet.
-                others = any(a for s in self.steps for a in s.comps) or self.unwind is not None
+                others = self.lowest_comp is not None or self.unwind is not None
                 return sc.STATE_UNWINDING if others else sc.STATE_RUNNING
             return sc.STATE_RECOVERED if final.status in _RECOVERED_FROM else final.status
         if final is not None:
@@ -336,6 +362,33 @@ class _Run:
 
     def has_ended(self) -> bool:
         return bool(self.run_spans)
+
+
+_Saved = dict[int, "_Step | None"]
+"""id(step) -> the step as it was before this batch (None: the batch created it)."""
+
+
+class _Snapshot(NamedTuple):
+    """A run as it was before a batch, without copying its steps per span.
+
+    ``run`` holds the run's own fields as they were; its steps are the live ones
+    with those the batch changed put back from ``saved`` (and those it created left
+    out): built only when a before view is asked for.
+    """
+
+    run: _Run
+    live: _Run
+    saved: _Saved
+
+    def materialize(self) -> _Run:
+        saved = self.saved
+        steps = []
+        for step in self.live.steps:
+            before = saved.get(id(step), step)
+            if before is not None:
+                steps.append(before)
+        self.run.steps = steps
+        return self.run
 
 
 def _step_index(step: _Step) -> int:
@@ -368,22 +421,32 @@ class Facts(NamedTuple):
 
 
 def _facts(run: _Run) -> Facts:
+    """O(failing steps), not O(steps): from the aggregates ``_Run.restep`` keeps."""
     failed: tuple[int, ...] = ()
-    if run.first_comp_start is not None:  # no compensation span: no step can have failed
+    if run.comp_failing:  # what _comp_failed says of each step, from the aggregates
         ended = run.has_ended()
-        lowest = min((s.index for s in run.steps if s.comps), default=None)
-        failed = tuple(s.index for s in run.steps if _comp_failed(s, ended, lowest))
+        lowest = run.lowest_comp
+        failed = tuple(i for i in run.comp_failing if ended or (lowest is not None and lowest < i))
     return Facts(
         run.status,
         run.unwind.start if run.unwind else run.first_comp_start,
         run.escalation,
-        next((s.index for s in run.steps if s.pivot_ok), None),
+        run.pivot,
         failed,
         run.resolution is not None,
         len(run.drops),
-        tuple(s.index for s in run.steps if s.unstorable()),
+        run.unstorable_at,
         run.lease.override if run.lease is not None else None,
     )
+
+
+def _mark(indexes: tuple[int, ...], index: int, present: bool) -> tuple[int, ...]:
+    """``indexes`` (sorted) with ``index`` in it or not."""
+    if (index in indexes) == present:
+        return indexes
+    if present:
+        return tuple(sorted((*indexes, index)))
+    return tuple(i for i in indexes if i != index)
 
 
 def _error_text(span: SpanRecord) -> str | None:
@@ -554,7 +617,7 @@ class RunState:
     def view_before(self, applied: Applied, run_id: str) -> RunView | None:
         """The view ``run_id`` had before ``applied`` (which must be ``keep_before``)."""
         snapshot = applied.snapshots.get(run_id)
-        return None if snapshot is None else self._view(snapshot)
+        return None if snapshot is None else self._view(snapshot.materialize())
 
     def _view(self, run: _Run) -> RunView:
         final = run.final_run_span()
@@ -707,7 +770,7 @@ class RunState:
         changed: dict[str, None] = {}
         touched: dict[str, _Run] = {}
         before_status: dict[str, RunStatus | None] = {}
-        snapshots: dict[str, _Run | None] = {}
+        snapshots: dict[str, _Snapshot | None] = {}
         before_facts: dict[str, Facts] = {}
         runs = self._runs
         fold = self._fold
@@ -718,7 +781,7 @@ class RunState:
             found = runs.get(run_id)
             before_status[run_id] = found.status if found else None
             if keep_before:
-                snapshots[run_id] = found.copy() if found else None
+                snapshots[run_id] = _Snapshot(found.shallow(), found, {}) if found else None
                 before_facts[run_id] = _facts(found) if found else _NEW_RUN_FACTS
             if found is None:
                 found = runs[run_id] = _Run(_intern(run_id))
@@ -740,7 +803,8 @@ class RunState:
             run = touched.get(run_id)
             if run is None:  # first span of this run in the batch
                 run = touch(run_id)
-            if fold(run, span, phase):
+            snap = snapshots.get(run_id) if keep_before else None
+            if fold(run, span, phase, snap.saved if snap is not None else None):
                 changed[run_id] = None
             if run.instance == span.instance:
                 heard.add(run_id)
@@ -847,8 +911,13 @@ class RunState:
                     del self._idle[run_id]
                     self._idle[run_id] = None
 
-    def _fold(self, run: _Run, span: SpanRecord, phase: object) -> bool:
-        """Fold one span; False when it was a duplicate that changed nothing."""
+    def _fold(
+        self, run: _Run, span: SpanRecord, phase: object, saved: _Saved | None = None
+    ) -> bool:
+        """Fold one span; False when it was a duplicate that changed nothing.
+
+        With ``saved``, a step about to change is first saved there (see _Snapshot).
+        """
         attrs = span.attributes
         span_id = int(span.span_id or "0", 16)
         changed = False
@@ -889,7 +958,10 @@ class RunState:
         if phase == sc.PHASE_DO or phase == sc.PHASE_COMPENSATE:
             index = int(attrs[sc.SAGA_STEP_INDEX])
             name = attrs.get(sc.SAGA_STEP_NAME)
+            count = len(run.steps)
             step = run.step(index, _intern(name) if isinstance(name, str) else "")
+            if saved is not None and id(step) not in saved:
+                saved[id(step)] = step.copy() if len(run.steps) == count else None
             attempt = int(attrs.get(sc.SAGA_STEP_ATTEMPT, 1))
             ok = span.ok
             if phase == sc.PHASE_DO:
@@ -925,6 +997,10 @@ class RunState:
                     str(unstorable) if unstorable else None,
                 )
                 step.dos = _insert(dos, entry)
+                if (ok and unstorable) or (pivot and ok):
+                    # Only these move what the facts read of a step (an attempt without
+                    # an unstorable reason never changes step.unstorable()).
+                    run.restep(step)
             else:
                 comps = step.comps
                 for c in comps:
@@ -943,6 +1019,7 @@ class RunState:
                     _intern(tool) if isinstance(tool, str) else None,
                 )
                 step.comps = _insert(comps, entry_c)
+                run.restep(step)
                 if run.first_comp_start is None or span.start < run.first_comp_start:
                     run.first_comp_start = span.start
             return True

@@ -222,8 +222,22 @@ def prepare_db_file(path: Path, *, warn: bool = True) -> None:
             os.chmod(side, 0o600)
 
 
+CHECKPOINT_INTERVAL = 1.0
+"""Seconds between the background WAL checkpoints (``SqliteStore._checkpoints``)."""
+BACKSTOP_PAGES = 16384
+"""WAL pages (64 MiB at 4 KiB) after which a commit checkpoints itself after all: only
+when the background checkpoints fall that far behind."""
+
+
 class SqliteStore:
-    """One connection, used from the event loop thread only (``inline``: a local file)."""
+    """One connection, used from the event loop thread only (``inline``: a local file).
+
+    WAL checkpoints (copying committed pages into the database file, with an fsync)
+    run on a thread of the store with a connection of its own, every
+    CHECKPOINT_INTERVAL: not inside a COMMIT of the intake path, where SQLite's
+    automatic checkpoint put 6-7 ms stalls on the request that crossed 1,000 pages.
+    A commit is as durable either way (it is in the WAL when COMMIT returns).
+    """
 
     inline = True
 
@@ -240,6 +254,7 @@ class SqliteStore:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.execute("PRAGMA busy_timeout=5000")
+            self._db.execute(f"PRAGMA wal_autocheckpoint={BACKSTOP_PAGES}")
             migrate(self._db, repr(str(path)))
             # Another component (the alert outbox) may have created the file first with
             # the umask's mode: tighten it and WAL's side files either way.
@@ -252,12 +267,40 @@ class SqliteStore:
                 f"cannot open the sidecar database {str(path)!r}: {exc}; pass a writable "
                 "path with --db (SAGA_SIDECAR_DB)"
             ) from exc
+        self._stop_checkpoints = threading.Event()
+        self._checkpointer = threading.Thread(
+            target=self._checkpoints, name="saga-db-checkpoint", daemon=True
+        )
+        self._checkpointer.start()
+
+    def _checkpoints(self) -> None:
+        """PASSIVE checkpoints every CHECKPOINT_INTERVAL until close (the store's thread).
+
+        PASSIVE never waits for the writer: the intake commits on while pages are
+        copied. A failure is logged and retried at the next interval (the backstop
+        keeps the WAL bounded meanwhile).
+        """
+        try:
+            db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        except sqlite3.Error as exc:
+            log.warning("sidecar.db.checkpointer_failed", db=str(self.path), error=str(exc))
+            return
+        try:
+            while not self._stop_checkpoints.wait(CHECKPOINT_INTERVAL):
+                try:
+                    db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+                except sqlite3.Error as exc:
+                    log.warning("sidecar.db.checkpoint_failed", db=str(self.path), error=str(exc))
+        finally:
+            db.close()
 
     def schema_version(self) -> int:
         row = self._db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone()
         return int(row[0])
 
     def close(self) -> None:
+        self._stop_checkpoints.set()
+        self._checkpointer.join()
         self._db.close()
 
     def write(

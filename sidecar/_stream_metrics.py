@@ -155,24 +155,36 @@ class StreamMetrics:
         return found
 
     def transitions(self, transitions: Iterable[Transition], state: RunState) -> None:
-        """Count status changes: runs started, finished by status, orphaned."""
+        """Count status changes: runs started, finished by status, orphaned.
+
+        Summed per label set first, through the cached children (a batch opens
+        hundreds of runs of a few sagas: one increment each, not one ``labels()``).
+        """
+        counts: dict[tuple[Any, ...], int] = {}
+        child = self._child
         for t in transitions:
             saga, service = state.labels(t.run_id)
             if t.before is None:
-                self.runs_started.labels(saga, service).inc()
+                key: tuple[Any, ...] = (self.runs_started, saga, service)
+                counts[key] = counts.get(key, 0) + 1
                 # At 0 from a saga's first run: "none orphaned" is data, not a gap.
-                self.runs_orphaned.labels(saga, service)
-                self.unwinds.labels(saga, service)
+                child(self.runs_orphaned, saga, service)
+                child(self.unwinds, saga, service)
             if t.after == sc.STATE_ORPHANED:
-                self.runs_orphaned.labels(saga, service).inc()
+                key = (self.runs_orphaned, saga, service)
+                counts[key] = counts.get(key, 0) + 1
             elif t.after in FINISHED:
-                self.runs_finished.labels(saga, service, t.after).inc()
+                key = (self.runs_finished, saga, service, t.after)
+                counts[key] = counts.get(key, 0) + 1
                 duration = state.unwind_duration(t.run_id)
                 if duration is not None and t.after != sc.STATUS_COMPLETED:
-                    self.unwind_duration.labels(saga, service).observe(duration)
+                    child(self.unwind_duration, saga, service).observe(duration)
                 if t.after == sc.STATUS_COMPENSATION_FAILED:
                     for step in state.failed_compensations(t.run_id):
-                        self.compensation_failures.labels(saga, service, step).inc()
+                        key = (self.compensation_failures, saga, service, step)
+                        counts[key] = counts.get(key, 0) + 1
+        for (metric, *labels), n in counts.items():
+            child(metric, *labels).inc(n)
 
     def render(self, state: RunState) -> None:
         """Set the gauges (at scrape time)."""

@@ -89,6 +89,56 @@ def test_any_permutation_duplication_and_split_gives_the_same_view(name: str, da
     assert state.status(run_id) == EXPECTED_STATUS[name]
 
 
+def _facts_by_walking(run: Any) -> Any:
+    """The facts as they were computed before the aggregates: a walk over every step."""
+    from sidecar._state import Facts, _comp_failed
+
+    failed: tuple[int, ...] = ()
+    if run.first_comp_start is not None:
+        ended = run.has_ended()
+        lowest = min((s.index for s in run.steps if s.comps), default=None)
+        failed = tuple(s.index for s in run.steps if _comp_failed(s, ended, lowest))
+    return Facts(
+        run.status,
+        run.unwind.start if run.unwind else run.first_comp_start,
+        run.escalation,
+        next((s.index for s in run.steps if s.pivot_ok), None),
+        failed,
+        run.resolution is not None,
+        len(run.drops),
+        tuple(s.index for s in run.steps if s.unstorable()),
+        run.lease.override if run.lease is not None else None,
+    )
+
+
+@given(
+    name=st.sampled_from(sorted(SCENARIOS)),
+    data=st.data(),
+)
+def test_kept_facts_and_before_views_match_a_walk_over_the_steps(name: str, data: Any) -> None:
+    """The per-run aggregates (``_Run.restep``) and the snapshot without step copies
+    (``_Snapshot``) give what walking and copying every step gave, batch by batch."""
+    from sidecar._state import _facts
+
+    spans = BUILT[name]
+    order = data.draw(st.permutations(spans))
+    dupes = data.draw(st.lists(st.sampled_from(spans), max_size=len(spans)))
+    delivery = data.draw(st.permutations(order + dupes))
+    cuts = sorted(data.draw(st.sets(st.integers(0, len(delivery)), max_size=5)))
+    state = RunState()
+    start = 0
+    for cut in [*cuts, len(delivery)]:
+        batch = delivery[start:cut]
+        start = max(start, cut)
+        before = {r: state.view(r) for r in state.run_ids()}
+        applied = state.apply(batch, T, keep_before=True)
+        for run_id in applied.changed:
+            assert state.view_before(applied, run_id) == before.get(run_id)
+        for run_id in state.run_ids():
+            run = state._runs[run_id]
+            assert _facts(run) == _facts_by_walking(run)
+
+
 def test_stack_items_are_compensation_to_dict() -> None:
     view = final_view(BUILT["open"])
     expected = Compensation(

@@ -1,0 +1,132 @@
+"""SQLite group commit: concurrent requests share one transaction and keep every rule.
+
+Requests screened in one loop iteration commit together (``Sidecar._commit_inline``);
+each must still be answered only once committed, screened as if the ones before it
+were folded, and fail together when their transaction fails. PostgreSQL intake takes
+one request at a time (its own lock): these are SQLite's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from sidecar_testkit import FakeClock, RunScript, open_run, settings_for
+
+from saga_otel import semconv as sc
+from sidecar import Sidecar
+from sidecar._errors import StoreError
+from sidecar._otlp import Decoded, extract
+
+
+def _decoded(spans: Any) -> Decoded:
+    body = encode_spans(list(spans)).SerializeToString()
+    return extract(ExportTraceServiceRequest.FromString(body), body)
+
+
+def _stored(db: Path) -> int:
+    with sqlite3.connect(db) as conn:
+        return int(conn.execute("SELECT count(*) FROM spans").fetchone()[0])
+
+
+async def test_concurrent_requests_share_one_commit_and_all_fold(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    runs = [open_run() for _ in range(6)]
+    async with Sidecar(settings_for(tmp_path), clock=clock) as sidecar:
+        store = sidecar.store
+        assert store is not None
+        writes: list[int] = []
+        real_write = store.write
+
+        def counting_write(*args: Any) -> None:
+            writes.append(len(args[0]))
+            real_write(*args)
+
+        store.write = counting_write  # type: ignore[method-assign]
+        results = await asyncio.gather(*(sidecar.ingest(_decoded(r.spans()), "http") for r in runs))
+        assert [d.rejected for d in results] == [0] * 6
+        assert writes == [12]  # six requests of two spans: one transaction
+        assert _stored(sidecar.db_path) == 12
+        for r in runs:
+            view = sidecar.state.view(r.run_id)
+            assert view is not None and len(view["steps"]) == 2
+
+
+async def test_a_run_opened_in_the_forming_group_belongs_to_its_first_request(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    first = open_run(instance="agent-1")
+    stranger = RunScript(instance="agent-2", run_id=first.run_id, t0=1_700_000_001.0)
+    stranger.do(2, "send_reply", "read")
+    outcomes = []
+    for concurrent in (True, False):  # the same answers as one request after the other
+        async with Sidecar(settings_for(tmp_path / str(concurrent)), clock=clock) as sidecar:
+            a, b = _decoded(first.spans()), _decoded(stranger.spans())
+            if concurrent:
+                got = await asyncio.gather(sidecar.ingest(a, "http"), sidecar.ingest(b, "http"))
+            else:
+                got = [await sidecar.ingest(a, "http"), await sidecar.ingest(b, "http")]
+            outcomes.append([(d.rejected, d.errors) for d in got])
+            owner = sidecar.state.owner(first.run_id)
+            assert owner is not None and owner.instance == "agent-1"
+    assert outcomes[0] == outcomes[1]
+    assert outcomes[0][0][0] == 0
+    assert outcomes[0][1][0] == len(stranger.spans())  # the stranger's spans: refused
+
+
+async def test_a_conflicting_duplicate_in_the_same_group_is_refused(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    run = open_run()
+    body = encode_spans(list(run.spans())).SerializeToString()
+    other = ExportTraceServiceRequest.FromString(body)
+    for kv in other.resource_spans[0].scope_spans[0].spans[0].attributes:
+        if kv.key == sc.SAGA_STEP_NAME:
+            kv.value.string_value = "something_else"  # same span id, other content
+    changed = other.SerializeToString()
+    async with Sidecar(settings_for(tmp_path), clock=clock) as sidecar:
+        first, resend, conflict = await asyncio.gather(
+            sidecar.ingest(extract(ExportTraceServiceRequest.FromString(body), body), "http"),
+            sidecar.ingest(extract(ExportTraceServiceRequest.FromString(body), body), "http"),
+            sidecar.ingest(extract(ExportTraceServiceRequest.FromString(changed), changed), "http"),
+        )
+        assert first.rejected == 0 and resend.rejected == 0  # a resend: the same bytes
+        assert conflict.rejected == 1
+        assert "already received with other content" in conflict.errors[0]
+        assert _stored(sidecar.db_path) == 2
+        view = sidecar.state.view(run.run_id)
+        assert view is not None
+        assert [s["name"] for s in view["steps"]] == ["lookup_order", "issue_credit"]
+
+
+async def test_a_failed_group_commit_fails_every_request_and_folds_none(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    runs = [open_run() for _ in range(3)]
+    async with Sidecar(settings_for(tmp_path), clock=clock) as sidecar:
+        store = sidecar.store
+        assert store is not None
+        store._db.execute("PRAGMA busy_timeout=50")  # type: ignore[attr-defined]
+        # Another process holds the write lock: the group's transaction cannot commit.
+        blocker = sqlite3.connect(sidecar.db_path, isolation_level=None)
+        blocker.execute("BEGIN IMMEDIATE")
+        try:
+            got = await asyncio.gather(
+                *(sidecar.ingest(_decoded(r.spans()), "http") for r in runs),
+                return_exceptions=True,
+            )
+        finally:
+            blocker.execute("ROLLBACK")
+            blocker.close()
+        assert all(isinstance(g, StoreError) for g in got), got
+        assert all(sidecar.state.view(r.run_id) is None for r in runs)
+        assert sidecar._pending_owners == {} and sidecar._pending_seen == {}
+        # The agents retry (a 503 asks them to): now everything is taken.
+        again = await asyncio.gather(*(sidecar.ingest(_decoded(r.spans()), "http") for r in runs))
+        assert [d.rejected for d in again] == [0, 0, 0]
+        assert _stored(sidecar.db_path) == 6
