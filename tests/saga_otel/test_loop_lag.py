@@ -25,7 +25,7 @@ from saga_otel import semconv as sc
 
 DELAY = 0.3  # the slow sidecar's answer time, under the ack bound below
 ACK_TIMEOUT = 1.0
-MAX_LAG = 0.05  # far under DELAY: a blocked loop cannot pass
+MAX_LAG = DELAY / 2  # a wait that blocked the loop blocks it for DELAY; a busy CI host adds ~0.1 s
 
 
 class SlowSidecar:
