@@ -27,6 +27,7 @@ from ._leases import Lease, LeaseRefusal, Owner
 from ._log import get_logger
 from ._outbox_sql import OutboxReads
 from ._storage import (
+    LEASE_ROW,
     NOT_PUT_AWAY,
     SCHEMA_VERSION,
     AlertTx,
@@ -392,8 +393,7 @@ class PgStore(_Pooled):
                 (floor, floor),
             ).fetchall()
             leases = conn.execute(
-                "SELECT run_id, holder, token, granted_at, expires_at, released, forced_reason, "
-                "forced_by, forced_at FROM run_leases WHERE granted_at > %s OR expires_at > %s",
+                LEASE_ROW + " WHERE granted_at > %s OR expires_at > %s",
                 (floor, floor),
             ).fetchall()
         return Changes(
@@ -538,8 +538,7 @@ class PgStore(_Pooled):
             # The run's row lock too: no span of it is screened while its lease changes.
             conn.execute("SELECT 1 FROM run_owners WHERE run_id = %s FOR UPDATE", (run_id,))
             row = conn.execute(
-                "SELECT run_id, holder, token, granted_at, expires_at, released, forced_reason, "
-                "forced_by, forced_at FROM run_leases WHERE run_id = %s",
+                LEASE_ROW + " WHERE run_id = %s",
                 (run_id,),
             ).fetchone()
             outcome = decide(None if row is None else lease_from_row(row))
@@ -614,8 +613,7 @@ class PgStore(_Pooled):
             (run_ids,),
         ).fetchall()
         leases = conn.execute(
-            "SELECT run_id, holder, token, granted_at, expires_at, released, forced_reason, "
-            "forced_by, forced_at FROM run_leases WHERE run_id = ANY(%b::text[])",
+            LEASE_ROW + " WHERE run_id = ANY(%b::text[])",
             (run_ids,),
         ).fetchall()
         stored = conn.execute(
@@ -649,10 +647,7 @@ class PgStore(_Pooled):
         return [(str(r), Owner(str(t), str(i), str(s))) for r, t, i, s in rows]
 
     def leases(self) -> list[Lease]:
-        rows = self._all(
-            "SELECT run_id, holder, token, granted_at, expires_at, released, forced_reason, "
-            "forced_by, forced_at FROM run_leases WHERE " + NOT_PUT_AWAY.format(table="run_leases")
-        )
+        rows = self._all(LEASE_ROW + " WHERE " + NOT_PUT_AWAY.format(table="run_leases"))
         return [lease_from_row(row) for row in rows]
 
     # --- finished runs put away from memory -----------------------------------------
@@ -692,8 +687,7 @@ class PgStore(_Pooled):
                 (ids,),
             ).fetchall()
             leases = conn.execute(
-                "SELECT run_id, holder, token, granted_at, expires_at, released, forced_reason, "
-                "forced_by, forced_at FROM run_leases WHERE run_id = ANY(%s)",
+                LEASE_ROW + " WHERE run_id = ANY(%s)",
                 (ids,),
             ).fetchall()
             if reopen:

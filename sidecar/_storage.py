@@ -457,6 +457,13 @@ NOT_PUT_AWAY = (
 """The condition (on ``{table}.run_id``) that a run is not put away: what a start folds."""
 
 
+LEASE_ROW = (
+    "SELECT run_id, holder, token, granted_at, expires_at, released, forced_reason, "
+    "forced_by, forced_at FROM run_leases"
+)
+"""A lease's columns in the order ``lease_from_row`` reads them (both backends)."""
+
+
 def put_away_page_sql(query: RunQuery, limit: int, mark: str) -> tuple[str, list[object]]:
     """The index query of :meth:`Store.put_away_page` (``mark``: the driver's placeholder)."""
     where: list[str] = []

@@ -23,6 +23,7 @@ from ._leases import Lease, LeaseRefusal, Override, Owner
 from ._log import get_logger
 from ._outbox_sql import ROW, OutboxReads
 from ._storage import (
+    LEASE_ROW,
     NO_CHANGES,
     NOT_PUT_AWAY,
     SCHEMA_VERSION,
@@ -451,8 +452,7 @@ class SqliteStore:
 
     def leases(self) -> list[Lease]:
         rows = self._db.execute(
-            "SELECT run_id, holder, token, granted_at, expires_at, released, forced_reason, "
-            "forced_by, forced_at FROM run_leases WHERE " + NOT_PUT_AWAY.format(table="run_leases")
+            LEASE_ROW + " WHERE " + NOT_PUT_AWAY.format(table="run_leases")
         ).fetchall()
         return [lease_from_row(row) for row in rows]
 
@@ -563,8 +563,7 @@ class SqliteStore:
         try:
             db.execute("BEGIN IMMEDIATE")
             row = db.execute(
-                "SELECT run_id, holder, token, granted_at, expires_at, released, forced_reason, "
-                "forced_by, forced_at FROM run_leases WHERE run_id = ?",
+                LEASE_ROW + " WHERE run_id = ?",
                 (run_id,),
             ).fetchone()
             outcome = decide(None if row is None else lease_from_row(row))
