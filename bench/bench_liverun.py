@@ -1,0 +1,236 @@
+"""A 3-step run against a live sidecar: what durability costs inside a real run.
+
+Two rows of issue 16's table:
+
+- the compensable step's call inside a 3-step run, exported durably to
+  ``saga-sidecar serve`` (alerting on, SQLite, own process), p99, against one
+  OTLP/HTTP round trip of one span to the parse-only reference receiver, p99,
+  with the library's own transport (the least a durable push can cost);
+- the whole 3-step run (ok, and failing at step 3) with that sidecar, against
+  the same run in the same process with no sidecar (full telemetry either way).
+
+Run with and without the sidecar alternate batch by batch, several times; the
+ratio's spread is over those repetitions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+from opentelemetry.sdk.trace import TracerProvider
+from prometheus_client import CollectorRegistry
+
+from bench._figures import Figure
+from bench.bench_export import _attrs, _run_context
+from bench.bench_sidecar import _start_reference, _start_sidecar, _stop
+from saga_otel import Saga, ToolRegistry, configure, tool
+from saga_otel._logging import default_logger
+from saga_otel._transport import Poster, TransportSettings
+
+AREA = "live run"
+GOAL_STEP = 1.5  # a durable step within 1.5x one round trip
+GOAL_RUN = 2.0  # a run with a live sidecar within 2x the same run without one
+REPEATS = 5
+RUNS = 100  # per batch
+WARMUP = 30
+ROUND_TRIPS = 1000
+
+
+class StepFailed(Exception):
+    """Step 3's planned failure."""
+
+
+class _Discard(io.StringIO):
+    def write(self, s: str) -> int:
+        return len(s)
+
+
+def _saga(provider: TracerProvider) -> Saga:
+    """The peer harness's 3-step run: each undo takes the id its do returned."""
+
+    def make(n: int) -> list[Any]:
+        @tool(
+            "compensable",
+            name=f"step{n}",
+            compensate=f"undo{n}",
+            compensate_args=lambda i: {"id": i.result["id"]},
+        )
+        async def do(fail: bool = False) -> dict[str, Any]:
+            if fail:
+                raise StepFailed(f"step {n} failed")
+            return {"id": f"id-{n}"}
+
+        @tool("convergent", name=f"undo{n}")
+        async def undo(id: str) -> None:
+            return None
+
+        return [do, undo]
+
+    return Saga(
+        "bench3",
+        tools=ToolRegistry([t for n in (1, 2, 3) for t in make(n)]),
+        tracer_provider=provider,
+        registry=CollectorRegistry(),
+        logger=default_logger(_Discard()),
+    )
+
+
+async def _runs(saga: Saga, fail: bool, n: int, steps: list[float] | None) -> float:
+    """Milliseconds per run; with ``steps``, each compensable step's call time (ms) too."""
+    t0 = time.perf_counter()
+    for _ in range(n):
+        try:
+            async with saga.run() as r:
+                for i in (1, 2, 3):
+                    s0 = time.perf_counter()
+                    await r.call(f"step{i}", fail=fail and i == 3)
+                    if steps is not None:
+                        steps.append((time.perf_counter() - s0) * 1000.0)
+        except StepFailed:
+            pass
+    return (time.perf_counter() - t0) / n * 1000.0
+
+
+def _round_trips(port: int, n: int) -> list[float]:
+    """Milliseconds of one POST of one encoded saga span, the library's transport."""
+    tracer = TracerProvider(shutdown_on_exit=False).get_tracer("bench")
+    ctx, run_id = _run_context(tracer)
+    poster = Poster(f"http://127.0.0.1:{port}/v1/traces", TransportSettings(headers={}))
+    out: list[float] = []
+    try:
+        for i in range(n):
+            span = tracer.start_span("saga.do charge", context=ctx, attributes=_attrs(i, run_id))
+            span.end()
+            body = encode_spans([span]).SerializeToString()  # type: ignore[list-item]
+            t0 = time.perf_counter()
+            if not 200 <= poster.post(body).status < 300:
+                raise RuntimeError("the reference receiver refused a span")
+            out.append((time.perf_counter() - t0) * 1000.0)
+    finally:
+        poster.abort()
+        poster.close()
+    return out
+
+
+def _pct(xs: list[float], q: float) -> float:
+    ordered = sorted(xs)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _spread(xs: list[float]) -> str:
+    xs = sorted(xs)
+    return f"{xs[0]:.2f} / {statistics.median(xs):.2f} / {xs[-1]:.2f}"
+
+
+def run(progress: Callable[[str], None]) -> list[Figure]:
+    ref_proc, ref_port = _start_reference()
+    try:
+        _round_trips(ref_port, WARMUP)
+        trips = _round_trips(ref_port, ROUND_TRIPS)
+    finally:
+        _stop(ref_proc)
+    progress(f"live run: reference round trip p99 {_pct(trips, 0.99):.3f} ms")
+
+    plain = TracerProvider(shutdown_on_exit=False)
+    live = TracerProvider(shutdown_on_exit=False)
+    bare_saga, live_saga = _saga(plain), _saga(live)
+    with tempfile.TemporaryDirectory() as tmp:
+        proc, port = _start_sidecar(Path(tmp) / "sidecar.db")
+        export = configure(
+            f"http://127.0.0.1:{port}",
+            tracer_provider=live,
+            registry=CollectorRegistry(),
+            ack_timeout=2.0,
+        )
+        try:
+            side_trips = _round_trips(port, ROUND_TRIPS // 2)
+            results: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
+            steps: list[float] = []
+
+            async def go() -> None:
+                for fail in (False, True):
+                    await _runs(bare_saga, fail, WARMUP, None)
+                    await _runs(live_saga, fail, WARMUP, None)
+                for rep in range(REPEATS):
+                    for fail in (False, True):
+                        bare = await _runs(bare_saga, fail, RUNS, None)
+                        with_sidecar = await _runs(live_saga, fail, RUNS, steps)
+                        results[fail].append((with_sidecar, bare))
+                    progress(
+                        f"live run: repetition {rep + 1}: ok {results[False][-1][0]:.2f} vs "
+                        f"{results[False][-1][1]:.2f} ms, failing {results[True][-1][0]:.2f} "
+                        f"vs {results[True][-1][1]:.2f} ms"
+                    )
+
+            asyncio.run(go())
+        finally:
+            export.shutdown()
+            _stop(proc)
+            live.shutdown()
+            plain.shutdown()
+
+    ref_p99 = _pct(trips, 0.99)
+    step_p99 = _pct(steps, 0.99)
+    where = (
+        f"{len(steps):,} compensable step calls over {REPEATS} repetitions (ok and failing "
+        f"runs); step p50 {_pct(steps, 0.5):.3f} ms, reference p50 {_pct(trips, 0.5):.3f} ms "
+        f"({ROUND_TRIPS} POSTs of one encoded saga do span, bench._otlp_reference, "
+        f"saga_otel's own Poster on a kept-alive connection); the same POST to the sidecar: "
+        f"p50/p99 {_pct(side_trips, 0.5):.3f} / {_pct(side_trips, 0.99):.3f} ms, which is "
+        "the sidecar's answer time (decode, screen, SQLite commit) the step waits for"
+    )
+    figures = [
+        Figure(
+            area=AREA,
+            name="compensable step call in a 3-step run, live sidecar, p99",
+            value=round(step_p99, 3),
+            unit="ms",
+            reference_name="one OTLP/HTTP round trip of one span to the parse-only receiver, p99",
+            reference_value=round(ref_p99, 3),
+            ratio=round(step_p99 / ref_p99, 3),
+            goal=f"<= {GOAL_STEP}",
+            met=step_p99 / ref_p99 <= GOAL_STEP,
+            notes=where,
+        )
+    ]
+    for fail, label in ((False, "ok"), (True, "failing at step 3")):
+        pairs = results[fail]
+        ratios = [a / b for a, b in pairs]
+        value = statistics.median(a for a, _ in pairs)
+        reference = statistics.median(b for _, b in pairs)
+        figures.append(
+            Figure(
+                area=AREA,
+                name=f"3-step run with a live sidecar, {label}",
+                value=round(value, 3),
+                unit="ms/run",
+                reference_name="the same run, same process, no sidecar",
+                reference_value=round(reference, 3),
+                ratio=round(statistics.median(ratios), 3),
+                goal=f"<= {GOAL_RUN}",
+                met=statistics.median(ratios) <= GOAL_RUN,
+                notes=(
+                    f"the peer harness's run (bench/peer_harness.py), full telemetry; live: "
+                    f"saga_otel.configure() to `saga-sidecar serve` (alerting on, SQLite), so "
+                    f"each of the run's compensable steps waits for the sidecar's ack before "
+                    f"the next; batches of {RUNS} runs alternate with and without the sidecar, "
+                    f"{REPEATS} repetitions; ratio min/median/max {_spread(ratios)}. Each "
+                    f"durable step is one round trip (figure above), so a run of 3 pushes "
+                    f"costs at least 3 round trips however cheap the library is"
+                ),
+            )
+        )
+    return figures
+
+
+if __name__ == "__main__":
+    for f in run(print):
+        print(f)
