@@ -31,7 +31,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
-from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 from opentelemetry.trace import SpanContext
@@ -52,6 +51,7 @@ from saga_otel._acks import (
 from saga_otel._errors import ConfigurationError
 from saga_otel._logging import Logger, default_logger
 from saga_otel._transport import Poster, TransportSettings, partial_rejections, retry_after
+from saga_otel._wire import encode
 from saga_otel.records import backoff_seconds
 
 __all__ = ["DEFAULT_MAX_SPAN_BYTES", "SagaSpanProcessor", "export_failures_counter"]
@@ -115,8 +115,9 @@ class SagaSpanProcessor(SpanProcessor):
     Why not ``OTLPSpanExporter.export``: its retry loop blocks the caller for up
     to its whole timeout with 1 s, 2 s, 4 s sleeps, does not retry a plain 500,
     and reports only SUCCESS/FAILURE, so a 400 (drop: configuration error) and
-    a refused connection (keep: sidecar restarting) look the same. We reuse its
-    encoder (``encode_spans``) and do the HTTP ourselves (:mod:`saga_otel._transport`),
+    a refused connection (keep: sidecar restarting) look the same. The request
+    bytes are the SDK encoder's, written directly (:mod:`saga_otel._wire`: the
+    step waits for them), and we do the HTTP ourselves (:mod:`saga_otel._transport`),
     so each attempt is one bounded request and the queue, not the thread,
     waits out the backoff.
     """
@@ -376,7 +377,7 @@ class SagaSpanProcessor(SpanProcessor):
     def _send(self, batch: list[_Item]) -> tuple[Outcome, float | None]:
         """One attempt; returns the outcome and a retry delay (or None)."""
         try:
-            body = encode_spans([i.span for i in batch]).SerializeToString()
+            body = encode([i.span for i in batch])
         except Exception as exc:
             self._lose(batch, REASON_ERROR, f"could not encode spans: {exc!r}")
             return "drop", None
