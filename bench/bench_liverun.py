@@ -154,16 +154,19 @@ def run(progress: Callable[[str], None]) -> list[Figure]:
             side_trips = _round_trips(port, ROUND_TRIPS // 2)
             results: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
             steps: list[float] = []
+            step_p99s: list[float] = []  # per repetition, for the spread
 
             async def go() -> None:
                 for fail in (False, True):
                     await _runs(bare_saga, fail, WARMUP, None)
                     await _runs(live_saga, fail, WARMUP, None)
                 for rep in range(REPEATS):
+                    first = len(steps)
                     for fail in (False, True):
                         bare = await _runs(bare_saga, fail, RUNS, None)
                         with_sidecar = await _runs(live_saga, fail, RUNS, steps)
                         results[fail].append((with_sidecar, bare))
+                    step_p99s.append(_pct(steps[first:], 0.99) / _pct(trips, 0.99))
                     progress(
                         f"live run: repetition {rep + 1}: ok {results[False][-1][0]:.2f} vs "
                         f"{results[False][-1][1]:.2f} ms, failing {results[True][-1][0]:.2f} "
@@ -181,7 +184,8 @@ def run(progress: Callable[[str], None]) -> list[Figure]:
     step_p99 = _pct(steps, 0.99)
     where = (
         f"{len(steps):,} compensable step calls over {REPEATS} repetitions (ok and failing "
-        f"runs); step p50 {_pct(steps, 0.5):.3f} ms, reference p50 {_pct(trips, 0.5):.3f} ms "
+        f"runs), ratio of each repetition's p99 min/median/max {_spread(step_p99s)}; "
+        f"step p50 {_pct(steps, 0.5):.3f} ms, reference p50 {_pct(trips, 0.5):.3f} ms "
         f"({ROUND_TRIPS} POSTs of one encoded saga do span, bench._otlp_reference, "
         f"saga_otel's own Poster on a kept-alive connection); the same POST to the sidecar: "
         f"p50/p99 {_pct(side_trips, 0.5):.3f} / {_pct(side_trips, 0.99):.3f} ms, which is "
