@@ -1,9 +1,7 @@
 """The latency durable export adds to a step: end a saga span, wait for the sidecar's ack.
 
-Receiver, in its own process on loopback as in production: the real sidecar
-(``sidecar._server.Sidecar``, OTLP/HTTP decode + SQLite write) when it starts,
-else a bare aiohttp OTLP/HTTP server that decodes the request and answers 200.
-The figure's notes say which one was measured.
+Receiver, in its own process on loopback as in production: ``saga-sidecar serve``
+with its defaults (alerting on, SQLite), started as the ingest bench starts it.
 Reference: the same span ended on a provider with no saga processor, so no wait.
 """
 
@@ -14,9 +12,10 @@ import itertools
 import socket
 import statistics
 import subprocess
-import sys
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from opentelemetry import trace
@@ -24,6 +23,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CollectorRegistry
 
 from bench._figures import Figure
+from bench.bench_sidecar import _start_sidecar, _stop
 from saga_otel import semconv as sc
 from saga_otel._acks import wait_for_ack, wait_for_ack_async
 from saga_otel._config import configure
@@ -54,75 +54,24 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-_RECEIVER = """
-import sys
-from aiohttp import web
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-
-async def traces(request):
-    ExportTraceServiceRequest.FromString(await request.read())
-    return web.Response(body=b"", content_type="application/x-protobuf")
-
-app = web.Application()
-app.router.add_post("/v1/traces", traces)
-web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), access_log=None, print=None)
-"""
-
-
-_SIDECAR = """
-import asyncio, sys, tempfile
-from pathlib import Path
-from sidecar._server import Sidecar
-from sidecar._settings import Settings
-
-async def main():
-    with tempfile.TemporaryDirectory() as tmp:
-        settings = Settings(otlp_http_port=int(sys.argv[1]), otlp_grpc_port=0, api_port=0,
-                            db_path=Path(tmp) / "sidecar.db")
-        async with Sidecar(settings):
-            await asyncio.Event().wait()
-
-asyncio.run(main())
-"""
-
-
 class _Receiver:
-    """The sidecar (or a bare receiver) in its own process, as in production."""
+    """``saga-sidecar serve`` (alerting on, SQLite) in its own process, as users run it."""
 
     def __init__(self) -> None:
-        self.port = _free_port()
-        self.kind = ""
-        self._proc: subprocess.Popen[bytes] | None = None
-
-    def _start(self, script: str) -> bool:
-        self._proc = subprocess.Popen(
-            [sys.executable, "-c", script, str(self.port)], stderr=subprocess.DEVNULL
-        )
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and self._proc.poll() is None:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
-                return True
-            except OSError:
-                time.sleep(0.05)
-        self.__exit__()
-        return False
+        self.port = 0
+        self.kind = "`saga-sidecar serve` (alerting on, SQLite in a temp dir)"
+        self._proc: subprocess.Popen[str] | None = None
+        self._tmp = tempfile.TemporaryDirectory()
 
     def __enter__(self) -> _Receiver:
-        if self._start(_SIDECAR):
-            self.kind = "the real sidecar (sidecar._server.Sidecar, SQLite in a temp dir)"
-        elif self._start(_RECEIVER):
-            self.kind = "a bare aiohttp OTLP/HTTP receiver (the sidecar did not start)"
-        else:
-            raise RuntimeError("bench receiver did not start")
+        self._proc, self.port = _start_sidecar(Path(self._tmp.name) / "sidecar.db")
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self._proc is not None:
-            if self._proc.poll() is None:
-                self._proc.terminate()
-            self._proc.wait(10)
+            _stop(self._proc)
             self._proc = None
+        self._tmp.cleanup()
 
 
 def _attrs(i: int, run_id: str) -> dict[str, Any]:
@@ -318,12 +267,6 @@ def run(progress: Callable[[str], None]) -> list[Figure]:
         )
     )
     return figures
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _refund_runs(provider: TracerProvider) -> float:
