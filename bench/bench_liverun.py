@@ -16,7 +16,6 @@ ratio's spread is over those repetitions.
 from __future__ import annotations
 
 import asyncio
-import io
 import statistics
 import tempfile
 import time
@@ -31,8 +30,8 @@ from prometheus_client import CollectorRegistry
 from bench._figures import Figure
 from bench.bench_export import _attrs, _run_context
 from bench.bench_sidecar import _start_reference, _start_sidecar, _stop
-from saga_otel import Saga, ToolRegistry, configure, tool
-from saga_otel._logging import default_logger
+from bench.peer_harness import StepFailed, saga_otel_saga
+from saga_otel import configure
 from saga_otel._transport import Poster, TransportSettings
 
 AREA = "live run"
@@ -44,46 +43,7 @@ WARMUP = 30
 ROUND_TRIPS = 1000
 
 
-class StepFailed(Exception):
-    """Step 3's planned failure."""
-
-
-class _Discard(io.StringIO):
-    def write(self, s: str) -> int:
-        return len(s)
-
-
-def _saga(provider: TracerProvider) -> Saga:
-    """The peer harness's 3-step run: each undo takes the id its do returned."""
-
-    def make(n: int) -> list[Any]:
-        @tool(
-            "compensable",
-            name=f"step{n}",
-            compensate=f"undo{n}",
-            compensate_args=lambda i: {"id": i.result["id"]},
-        )
-        async def do(fail: bool = False) -> dict[str, Any]:
-            if fail:
-                raise StepFailed(f"step {n} failed")
-            return {"id": f"id-{n}"}
-
-        @tool("convergent", name=f"undo{n}")
-        async def undo(id: str) -> None:
-            return None
-
-        return [do, undo]
-
-    return Saga(
-        "bench3",
-        tools=ToolRegistry([t for n in (1, 2, 3) for t in make(n)]),
-        tracer_provider=provider,
-        registry=CollectorRegistry(),
-        logger=default_logger(_Discard()),
-    )
-
-
-async def _runs(saga: Saga, fail: bool, n: int, steps: list[float] | None) -> float:
+async def _runs(saga: Any, fail: bool, n: int, steps: list[float] | None) -> float:
     """Milliseconds per run; with ``steps``, each compensable step's call time (ms) too."""
     t0 = time.perf_counter()
     for _ in range(n):
@@ -141,7 +101,7 @@ def run(progress: Callable[[str], None]) -> list[Figure]:
 
     plain = TracerProvider(shutdown_on_exit=False)
     live = TracerProvider(shutdown_on_exit=False)
-    bare_saga, live_saga = _saga(plain), _saga(live)
+    bare_saga, live_saga = saga_otel_saga(plain), saga_otel_saga(live)
     with tempfile.TemporaryDirectory() as tmp:
         proc, port = _start_sidecar(Path(tmp) / "sidecar.db")
         export = configure(

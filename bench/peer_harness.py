@@ -42,8 +42,9 @@ class _Discard(io.StringIO):
         return len(s)
 
 
-def saga_otel_run() -> Run:
-    """saga-otel with full telemetry: SDK spans, JSON log lines (default logger), metrics."""
+def saga_otel_saga(tracer_provider: Any = None) -> Any:
+    """saga-otel's 3-step saga: SDK spans (a fresh provider unless given), the default
+    JSON log lines into a discarding stream, a private metrics registry."""
     from opentelemetry.sdk.trace import TracerProvider
     from prometheus_client import CollectorRegistry
 
@@ -68,13 +69,18 @@ def saga_otel_run() -> Run:
 
         return [do, undo]
 
-    saga = Saga(
+    return Saga(
         "bench3",
         tools=ToolRegistry([t for n in (1, 2, 3) for t in make(n)]),
-        tracer_provider=TracerProvider(),
+        tracer_provider=tracer_provider or TracerProvider(),
         registry=CollectorRegistry(),
         logger=default_logger(_Discard()),
     )
+
+
+def saga_otel_run() -> Run:
+    """saga-otel with full telemetry: SDK spans, JSON log lines (default logger), metrics."""
+    saga = saga_otel_saga()
 
     async def run(fail: bool) -> None:
         try:
