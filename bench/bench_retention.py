@@ -20,9 +20,8 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-
 from bench._figures import Figure
+from bench._spans import new_request, saga_span
 from saga_otel import semconv as sc
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -34,21 +33,10 @@ CHECK_EVERY = 25_000
 
 
 def _request(starts: range, ends: range, t: float) -> bytes:
-    req = ExportTraceServiceRequest()
-    rs = req.resource_spans.add()
-    for key, value in ((sc.SERVICE_NAME, "bench-agent"), (sc.SERVICE_INSTANCE_ID, "i-1")):
-        kv = rs.resource.attributes.add()
-        kv.key, kv.value.string_value = key, value
-    spans = rs.scope_spans.add().spans
+    req, spans = new_request()
     for phase, runs in ((sc.PHASE_DO, starts), (sc.PHASE_RUN, ends)):
         for run in runs:
-            span = spans.add()
-            span.trace_id = (run + 1).to_bytes(16, "big")
-            span.span_id = (2 * run + (phase == sc.PHASE_RUN) + 1).to_bytes(8, "big")
             start = int(t * 1e9) if phase == sc.PHASE_DO else int((t - RUN_SECONDS) * 1e9)
-            span.start_time_unix_nano = start
-            span.end_time_unix_nano = int(t * 1e9) + 1000
-            span.status.code = 1  # type: ignore[assignment]  # STATUS_CODE_OK
             strings = [
                 (sc.SAGA_RUN_ID, f"{run + 1:032x}"),
                 (sc.SAGA_NAME, "refund"),
@@ -56,7 +44,7 @@ def _request(starts: range, ends: range, t: float) -> bytes:
             ]
             ints = [(sc.SAGA_CONTRACT_VERSION, 1)]
             if phase == sc.PHASE_DO:
-                span.name = sc.do_span_name("issue_credit")
+                name = sc.do_span_name("issue_credit")
                 strings += [
                     (sc.SAGA_STEP_NAME, "issue_credit"),
                     (sc.SAGA_STEP_CLASS, "compensable"),
@@ -65,14 +53,10 @@ def _request(starts: range, ends: range, t: float) -> bytes:
                 ]
                 ints += [(sc.SAGA_STEP_INDEX, 0), (sc.SAGA_STEP_ATTEMPT, 1)]
             else:
-                span.name = sc.run_span_name("refund")
+                name = sc.run_span_name("refund")
                 strings.append((sc.SAGA_RUN_STATUS, sc.STATUS_COMPLETED))
-            for key, val in strings:
-                kv = span.attributes.add()
-                kv.key, kv.value.string_value = key, val
-            for key, num in ints:
-                kv = span.attributes.add()
-                kv.key, kv.value.int_value = key, num
+            span_id = 2 * run + (phase == sc.PHASE_RUN) + 1
+            saga_span(spans, run + 1, span_id, name, start, int(t * 1e9) + 1000, strings, ints)
     return req.SerializeToString()
 
 

@@ -25,13 +25,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-
 from bench import bench_alerts as alerts
 from bench import bench_sidecar as intake
 from bench._figures import Figure
 from bench._loadgen import drive
-from saga_otel import semconv as sc
+from bench._spans import do_span, new_request
 
 AREA = "scale"
 RUN_LENGTHS = (10, 100, 1000, 3000)
@@ -45,43 +43,10 @@ GOAL_FLAT = 2.0  # per-span cost at N steps within 2x of 10 steps: flat (linear 
 STEP_NAMES = ("issue_credit", "send_reply", "charge", "reserve", "notify")
 
 
-def _do_span(spans: object, run: int, index: int, counter: int) -> None:
-    span = spans.add()  # type: ignore[attr-defined]
-    span.trace_id = run.to_bytes(16, "big")
-    span.span_id = counter.to_bytes(8, "big")
-    name = STEP_NAMES[index % len(STEP_NAMES)]
-    span.name = sc.do_span_name(name)
-    span.start_time_unix_nano = 1_700_000_000_000_000_000 + counter * 1000
-    span.end_time_unix_nano = span.start_time_unix_nano + 500
-    span.status.code = 1
-    for key, val in (
-        (sc.SAGA_RUN_ID, f"{run:032x}"),
-        (sc.SAGA_NAME, "refund"),
-        (sc.SAGA_PHASE, sc.PHASE_DO),
-        (sc.SAGA_STEP_NAME, name),
-        (sc.SAGA_STEP_CLASS, "compensable"),
-        (sc.SAGA_COMPENSATION_TOOL, "reverse_credit"),
-        (sc.SAGA_COMPENSATION_ARGS, f'{{"credit_id": "cr_{counter}"}}'),
-        (sc.SAGA_COMPENSATION_DESCRIPTION, "reverse the credit"),
-    ):
-        kv = span.attributes.add()
-        kv.key, kv.value.string_value = key, val
-    for key, num in ((sc.SAGA_STEP_INDEX, index), (sc.SAGA_STEP_ATTEMPT, 1)):
-        kv = span.attributes.add()
-        kv.key, kv.value.int_value = key, num
-    kv = span.attributes.add()
-    kv.key, kv.value.int_value = sc.SAGA_CONTRACT_VERSION, 1
-
-
 def _request(spans: list[tuple[int, int, int]]) -> bytes:
-    req = ExportTraceServiceRequest()
-    rs = req.resource_spans.add()
-    for key, value in ((sc.SERVICE_NAME, "bench-agent"), (sc.SERVICE_INSTANCE_ID, "i-1")):
-        kv = rs.resource.attributes.add()
-        kv.key, kv.value.string_value = key, value
-    out = rs.scope_spans.add().spans
+    req, out = new_request()
     for run, index, counter in spans:
-        _do_span(out, run, index, counter)
+        do_span(out, run, index, counter, STEP_NAMES[index % len(STEP_NAMES)])
     return req.SerializeToString()
 
 

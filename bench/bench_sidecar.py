@@ -20,11 +20,10 @@ from pathlib import Path
 from typing import NamedTuple
 
 import psutil  # type: ignore[import-untyped]
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from bench._figures import Figure
 from bench._loadgen import drive
-from saga_otel import semconv as sc
+from bench._spans import do_span, new_request
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVER_CORE = 0
@@ -101,42 +100,12 @@ def _bodies(n_requests: int, spans_per_request: int, seed: int) -> list[bytes]:
     bodies = []
     counter = seed * 10_000_000
     for _ in range(n_requests):
-        req = ExportTraceServiceRequest()
-        rs = req.resource_spans.add()
-        for key, value in ((sc.SERVICE_NAME, "bench-agent"), (sc.SERVICE_INSTANCE_ID, "i-1")):
-            kv = rs.resource.attributes.add()
-            kv.key, kv.value.string_value = key, value
-        spans = rs.scope_spans.add().spans
+        req, spans = new_request()
         for _ in range(spans_per_request):
             counter += 1
-            run = counter // SPANS_PER_RUN
-            index = counter % SPANS_PER_RUN
-            span = spans.add()
-            span.trace_id = run.to_bytes(16, "big")
-            span.span_id = counter.to_bytes(8, "big")
-            span.name = sc.do_span_name("issue_credit")
-            span.start_time_unix_nano = 1_700_000_000_000_000_000 + counter * 1000
-            span.end_time_unix_nano = span.start_time_unix_nano + 500
-            span.status.code = 1  # type: ignore[assignment]  # STATUS_CODE_OK
-            for key, val in (
-                (sc.SAGA_RUN_ID, f"{run:032x}"),
-                (sc.SAGA_NAME, "refund"),
-                (sc.SAGA_PHASE, sc.PHASE_DO),
-                (sc.SAGA_STEP_NAME, "issue_credit"),
-                (sc.SAGA_STEP_CLASS, "compensable"),
-                (sc.SAGA_COMPENSATION_TOOL, "reverse_credit"),
-                (sc.SAGA_COMPENSATION_ARGS, f'{{"credit_id": "cr_{counter}"}}'),
-                (sc.SAGA_COMPENSATION_DESCRIPTION, "reverse the credit"),
-            ):
-                kv = span.attributes.add()
-                kv.key, kv.value.string_value = key, val
-            for key, num in (
-                (sc.SAGA_STEP_INDEX, index),
-                (sc.SAGA_STEP_ATTEMPT, 1),
-                (sc.SAGA_CONTRACT_VERSION, 1),
-            ):
-                kv = span.attributes.add()
-                kv.key, kv.value.int_value = key, num
+            do_span(
+                spans, counter // SPANS_PER_RUN, counter % SPANS_PER_RUN, counter, "issue_credit"
+            )
         bodies.append(req.SerializeToString())
     return bodies
 
