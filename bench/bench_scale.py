@@ -97,17 +97,22 @@ print(json.dumps({"us": total / len(records) * 1e6}))
 """
 
 
+def _child(script: str, arg: int) -> dict[str, float]:
+    """Run a measuring script in a fresh process (its own heap); its one JSON line."""
+    got = subprocess.run(
+        [sys.executable, "-c", script, str(arg)],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=intake.ROOT,
+    )
+    return json.loads(got.stdout)  # type: ignore[no-any-return]
+
+
 def _fold_per_span(progress: Callable[[str], None]) -> dict[int, float]:
     out = {}
     for steps in RUN_LENGTHS:
-        got = subprocess.run(
-            [sys.executable, "-c", _FOLD, str(steps)],
-            capture_output=True,
-            text=True,
-            check=True,
-            cwd=intake.ROOT,
-        )
-        out[steps] = float(json.loads(got.stdout)["us"])
+        out[steps] = float(_child(_FOLD, steps)["us"])
         progress(f"scale: fold at {steps} steps per run: {out[steps]:.1f} us per span")
     return out
 
@@ -169,14 +174,7 @@ print(json.dumps({"per_run": (loaded - idle) / runs, "unfrozen_ms": unfrozen * 1
 def _open_runs(progress: Callable[[str], None]) -> dict[int, dict[str, float]]:
     out = {}
     for runs in OPEN_RUNS:
-        got = subprocess.run(
-            [sys.executable, "-c", _OPEN, str(runs)],
-            capture_output=True,
-            text=True,
-            check=True,
-            cwd=intake.ROOT,
-        )
-        out[runs] = json.loads(got.stdout)
+        out[runs] = _child(_OPEN, runs)
         progress(
             f"scale: {runs:,} open runs: {out[runs]['per_run']:.0f} B per run, full GC "
             f"{out[runs]['unfrozen_ms']:.1f} ms, after freeze {out[runs]['frozen_ms']:.2f} ms"
