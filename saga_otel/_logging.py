@@ -49,6 +49,22 @@ def render(fields: Mapping[str, Any]) -> str:
 
 
 _write_locks: dict[int, threading.Lock] = {}
+_CLASSES: dict[int, type[Any]] = {}
+# structlog's level methods and their numbers (as structlog's LEVEL_TO_NAME).
+_METHOD_LEVELS = {
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+    "critical": logging.CRITICAL,
+}
+
+
+def _interpolate(event: str, args: tuple[Any, ...]) -> str:
+    """structlog's positional (or one-mapping) ``%`` interpolation of the event."""
+    if len(args) == 1 and isinstance(args[0], Mapping) and args[0]:
+        return event % args[0]
+    return event % args
 
 
 class _Clock:
@@ -111,17 +127,57 @@ class _Render:
         return render(event)
 
 
+def _fast_method(name: str) -> Any:
+    """A level method of the library's own logger: the event dict structlog's
+    ``_process_event`` would build (context, then the call's fields, then ``event``),
+    rendered by :class:`_Render` and written in one call, without the generic processor
+    chain's dispatch. A logger whose processors are not the one ``_Render`` (never the
+    case for :func:`json_lines_logger`'s loggers and their binds) takes structlog's path."""
+
+    def meth(self: Any, event: str, *args: Any, **kw: Any) -> Any:
+        if args:
+            event = _interpolate(event, args)
+        procs = self._processors
+        if len(procs) != 1 or type(procs[0]) is not _Render:
+            return self._proxy_to_logger(name, event, **kw)
+        ctx = self._context
+        fields = {**ctx, **kw} if ctx else kw  # kw is this call's own dict
+        fields["event"] = event
+        self._logger.msg(procs[0](self._logger, name, fields))
+        return None
+
+    meth.__name__ = name
+    return meth
+
+
+def _json_lines_class(level: int) -> type[Any]:
+    """structlog's filtering bound logger for ``level`` (filtered levels stay its no-op
+    methods, ``bind``/``new``/``unbind`` and the async methods are its own), with the
+    enabled levels' methods taking :func:`_fast_method`'s path."""
+    found = _CLASSES.get(level)
+    if found is None:
+        base = structlog.make_filtering_bound_logger(level)
+        meths: dict[str, Any] = {"__slots__": ()}
+        for name, lvl in _METHOD_LEVELS.items():
+            if lvl >= level:
+                meths[name] = _fast_method(name)
+        for alias, name in (("fatal", "critical"), ("warn", "warning"), ("msg", "info")):
+            if name in meths:
+                meths[alias] = meths[name]
+        found = _CLASSES[level] = type(f"JsonLines{base.__name__}", (base,), meths)
+    return found
+
+
 def json_lines_logger(
     stream: IO[str], level: int = logging.INFO, *, _clock: _Clock | None = None
 ) -> Any:
     """A structlog bound logger of the library's own (structlog's global configuration is
-    never touched) that filters by ``level`` and writes one JSON object per line."""
-    return structlog.wrap_logger(
-        LineWriter(stream),
-        processors=[_Render(_clock or _Clock())],
-        wrapper_class=structlog.make_filtering_bound_logger(level),
-        context_class=dict,
-    )
+    never touched) that filters by ``level`` and writes one JSON object per line.
+
+    It is the bound logger itself, not ``structlog.wrap_logger``'s lazy proxy (which
+    assembles a new bound logger on every method lookup)."""
+    cls = _json_lines_class(level)
+    return cls(LineWriter(stream), processors=[_Render(_clock or _Clock())], context={})
 
 
 def is_default(logger: object) -> bool:
