@@ -16,6 +16,7 @@ two pipelines' events.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -127,27 +128,43 @@ class _Render:
         return render(event)
 
 
+def _write_fields(self: Any, name: str, event: str, fields: dict[str, Any]) -> None:
+    """One event of level method ``name``: the event dict structlog's ``_process_event``
+    builds (bound context, then ``fields``, then ``event``), rendered by :class:`_Render`
+    and written, without the generic processor chain's dispatch. ``fields`` is consumed.
+    A logger whose processors are not the one ``_Render`` (never the case for
+    :func:`json_lines_logger`'s loggers and their binds) takes structlog's own path."""
+    procs = self._processors
+    if len(procs) != 1 or type(procs[0]) is not _Render:
+        self._proxy_to_logger(name, event, **fields)
+        return
+    ctx = self._context
+    if ctx:
+        fields = {**ctx, **fields}
+    fields["event"] = event
+    self._logger.msg(procs[0](self._logger, name, fields))
+
+
 def _fast_method(name: str) -> Any:
-    """A level method of the library's own logger: the event dict structlog's
-    ``_process_event`` would build (context, then the call's fields, then ``event``),
-    rendered by :class:`_Render` and written in one call, without the generic processor
-    chain's dispatch. A logger whose processors are not the one ``_Render`` (never the
-    case for :func:`json_lines_logger`'s loggers and their binds) takes structlog's path."""
+    """A level method of the library's own logger, through :func:`_write_fields`."""
 
     def meth(self: Any, event: str, *args: Any, **kw: Any) -> Any:
         if args:
             event = _interpolate(event, args)
-        procs = self._processors
-        if len(procs) != 1 or type(procs[0]) is not _Render:
-            return self._proxy_to_logger(name, event, **kw)
-        ctx = self._context
-        fields = {**ctx, **kw} if ctx else kw  # kw is this call's own dict
-        fields["event"] = event
-        self._logger.msg(procs[0](self._logger, name, fields))
+        _write_fields(self, name, event, kw)  # kw is this call's own dict
         return None
 
     meth.__name__ = name
     return meth
+
+
+def emitter(logger: object) -> tuple[int, Any] | None:
+    """For the library's own logger: its level (fixed for its life) and a writer of one
+    event from a fields dict, ``write(method, event, fields)``; None for any other logger."""
+    if not is_default(logger) or not isinstance(logger, tuple(_CLASSES.values())):
+        return None
+    level: int = logger.get_effective_level()  # type: ignore[attr-defined]
+    return level, functools.partial(_write_fields, logger)
 
 
 def _json_lines_class(level: int) -> type[Any]:
