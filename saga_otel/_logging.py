@@ -49,6 +49,14 @@ def render(fields: Mapping[str, Any]) -> str:
         return _encode(fields)
 
 
+def render_line(fields: Mapping[str, Any]) -> str:
+    """:func:`render` and the newline, in one encode."""
+    try:
+        return orjson.dumps(fields, default=_fallback, option=orjson.OPT_APPEND_NEWLINE).decode()
+    except TypeError:
+        return _encode(fields) + "\n"
+
+
 _write_locks: dict[int, threading.Lock] = {}
 _CLASSES: dict[int, type[Any]] = {}
 # structlog's level methods and their numbers (as structlog's LEVEL_TO_NAME).
@@ -102,8 +110,12 @@ class LineWriter:
         self._lock = _write_locks.setdefault(id(stream), threading.Lock())
 
     def msg(self, line: str) -> None:
+        self.write_line(line + "\n")
+
+    def write_line(self, line: str) -> None:
+        """Write ``line``, its newline included."""
         with self._lock:
-            self._stream.write(line + "\n")
+            self._stream.write(line)
             self._stream.flush()
 
     debug = info = warning = warn = error = critical = exception = log = msg
@@ -122,9 +134,13 @@ class _Render:
     def __init__(self, clock: _Clock) -> None:
         self._clock = clock
 
-    def __call__(self, _logger: object, method: str, event: MutableMapping[str, Any]) -> str:
-        event["level"] = _LEVEL_NAMES.get(method, method)
+    def fill(self, level: str, event: MutableMapping[str, Any]) -> None:
+        """Add ``level`` and ``timestamp``, as add_log_level and TimeStamper do."""
+        event["level"] = level
         event["timestamp"] = self._clock.stamp()
+
+    def __call__(self, _logger: object, method: str, event: MutableMapping[str, Any]) -> str:
+        self.fill(_LEVEL_NAMES.get(method, method), event)
         return render(event)
 
 
@@ -142,7 +158,8 @@ def _write_fields(self: Any, name: str, event: str, fields: dict[str, Any]) -> N
     if ctx:
         fields = {**ctx, **fields}
     fields["event"] = event
-    self._logger.msg(procs[0](self._logger, name, fields))
+    procs[0].fill(name, fields)  # name is a level's own method name, never an alias
+    self._logger.write_line(render_line(fields))
 
 
 def _fast_method(name: str) -> Any:
