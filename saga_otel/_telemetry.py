@@ -402,8 +402,8 @@ class Instrumentation:
             },
         )
         self._guard("span", lambda: span.set_attributes(self._identity(run, sc.PHASE_RUN)))
-        self._guard("metric", lambda: self.metrics.runs_started.labels(saga=self.saga).inc())
-        self._guard("metric", lambda: self.metrics.runs_in_progress.labels(saga=self.saga).inc())
+        self._guard("metric", lambda: self._child(self.metrics.runs_started, self.saga).inc())
+        self._guard("metric", lambda: self._child(self.metrics.runs_in_progress, self.saga).inc())
         self._event("info", sc.EV_RUN_STARTED, span, saga=self.saga, run_id=rid)
         return run
 
@@ -419,13 +419,13 @@ class Instrumentation:
             run.span.end()
 
         self._guard("span", close)
-        self._guard("metric", lambda: self.metrics.runs_in_progress.labels(saga=self.saga).dec())
+        self._guard("metric", lambda: self._child(self.metrics.runs_in_progress, self.saga).dec())
         self._guard(
             "metric",
-            lambda: self.metrics.runs_finished.labels(saga=self.saga, status=status).inc(),
+            lambda: self._child(self.metrics.runs_finished, self.saga, status).inc(),
         )
         if status == sc.STATUS_STUCK:
-            self._guard("metric", lambda: self.metrics.stuck_runs.labels(saga=self.saga).inc())
+            self._guard("metric", lambda: self._child(self.metrics.stuck_runs, self.saga).inc())
         level = "info" if status == sc.STATUS_COMPLETED else "warning"
         self._event(
             level,
@@ -526,21 +526,19 @@ class Instrumentation:
 
     # -- moments -------------------------------------------------------------
     def pivot_crossed(self, run: RunTelemetry, step: str) -> None:
-        self._guard("metric", lambda: self.metrics.pivots.labels(saga=self.saga, step=step).inc())
+        self._guard("metric", lambda: self._child(self.metrics.pivots, self.saga, step).inc())
         self._event("info", sc.EV_PIVOT, run.span, saga=self.saga, run_id=run.run_id, step=step)
 
     def compensation_finished(self, step: str, ok: bool) -> None:
         outcome = "ok" if ok else "failed"
         self._guard(
             "metric",
-            lambda: self.metrics.compensations.labels(
-                saga=self.saga, step=step, outcome=outcome
-            ).inc(),
+            lambda: self._child(self.metrics.compensations, self.saga, step, outcome).inc(),
         )
         if not ok:
             self._guard(
                 "metric",
-                lambda: self.metrics.compensation_failures.labels(saga=self.saga, step=step).inc(),
+                lambda: self._child(self.metrics.compensation_failures, self.saga, step).inc(),
             )
 
     def _instant(self, run: RunTelemetry, name: str, attrs: Mapping[str, Any]) -> Span:
@@ -569,7 +567,7 @@ class Instrumentation:
             sc.SAGA_STACK: json.dumps([c.to_dict() for c in stack], sort_keys=True),
         }
         span = self._instant(run, sc.unwind_span_name(self.saga), attrs)
-        self._guard("metric", lambda: self.metrics.unwinds.labels(saga=self.saga).inc())
+        self._guard("metric", lambda: self._child(self.metrics.unwinds, self.saga).inc())
         self._event(
             "warning",
             sc.EV_UNWIND,
