@@ -125,7 +125,28 @@ def bounded_stack(exc: BaseException, frames: int = STACK_FRAMES) -> str:
         entries.append(f'  File "{code.co_filename}", line {tb.tb_lineno}, in {code.co_name}\n')
         tb = tb.tb_next
     head = "Traceback (most recent call last):\n" if entries else ""
-    return head + "".join(entries) + "".join(traceback.format_exception_only(exc))
+    return head + "".join(entries) + exception_only(exc)
+
+
+def exception_only(exc: BaseException) -> str:
+    """``"".join(traceback.format_exception_only(exc))``, without building a
+    ``TracebackException`` (and its walk of the cause chain) for the plain case: an
+    exception with no notes, not a syntax error or a group, whose ``str()`` works."""
+    kind = type(exc)
+    if (
+        issubclass(kind, (SyntaxError, BaseExceptionGroup))
+        or getattr(exc, "__notes__", None) is not None
+    ):
+        return "".join(traceback.format_exception_only(exc))
+    try:
+        text = str(exc)
+    except Exception:  # traceback's own placeholder for a broken __str__
+        return "".join(traceback.format_exception_only(exc))
+    module = kind.__module__
+    name = kind.__qualname__
+    if module not in ("__main__", "builtins"):
+        name = f"{module if isinstance(module, str) else '<unknown>'}.{name}"
+    return f"{name}: {text}\n" if text else f"{name}\n"
 
 
 def record_error(span: Span, exc: BaseException) -> None:

@@ -168,3 +168,37 @@ def test_timestamp_matches_datetime_isoformat(monkeypatch: pytest.MonkeyPatch, n
         .replace("+00:00", "Z")
     )
     assert _logging._Clock().stamp() == want
+
+
+class _BrokenStr(Exception):
+    def __str__(self) -> str:
+        raise ValueError("no text")
+
+
+def _noted() -> BaseException:
+    exc = ValueError("noted")
+    exc.add_note("a note")
+    return exc
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        KeyError("charge ch_1"),
+        ValueError(""),
+        RuntimeError("two\nlines"),
+        _BrokenStr("x"),
+        OSError(2, "not found"),
+        SyntaxError("bad", ("f.py", 1, 2, "x y")),
+        ExceptionGroup("g", [ValueError(1)]),
+        KeyboardInterrupt(),
+        _noted(),
+    ],
+)
+def test_exception_line_is_tracebacks(exc: BaseException) -> None:
+    """The recorded exception's last line is traceback.format_exception_only's, exactly."""
+    import traceback
+
+    from saga_otel._telemetry import exception_only
+
+    assert exception_only(exc) == "".join(traceback.format_exception_only(exc))
