@@ -16,14 +16,13 @@ two pipelines' events.
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import os
 import sys
 import threading
 import time
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from typing import IO, Any
 
 import orjson
@@ -175,13 +174,29 @@ def _fast_method(name: str) -> Any:
     return meth
 
 
-def emitter(logger: object) -> tuple[int, Any] | None:
+def emitter(logger: object) -> tuple[int, Callable[[str, str, dict[str, Any]], None]] | None:
     """For the library's own logger: its level (fixed for its life) and a writer of one
-    event from a fields dict, ``write(method, event, fields)``; None for any other logger."""
+    event from a fields dict, ``write(method, event, fields)`` (``fields`` consumed; the
+    caller checks the level); None for any other logger.
+
+    The writer is :func:`_write_fields` with this logger's parts looked up once."""
     if not is_default(logger) or not isinstance(logger, tuple(_CLASSES.values())):
         return None
+    procs = logger._processors  # type: ignore[attr-defined]
+    if len(procs) != 1 or type(procs[0]) is not _Render:
+        return None
+    fill, write_line = procs[0].fill, logger._logger.write_line  # type: ignore[attr-defined]
+    context: dict[str, Any] = logger._context  # type: ignore[attr-defined]
+
+    def write(name: str, event: str, fields: dict[str, Any]) -> None:
+        if context:
+            fields = {**context, **fields}
+        fields["event"] = event
+        fill(name, fields)
+        write_line(render_line(fields))
+
     level: int = logger.get_effective_level()  # type: ignore[attr-defined]
-    return level, functools.partial(_write_fields, logger)
+    return level, write
 
 
 def _json_lines_class(level: int) -> type[Any]:

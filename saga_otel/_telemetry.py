@@ -364,8 +364,9 @@ class Instrumentation:
     def _emit(self, level: str, event: str, span: Span | None, fields: dict[str, Any]) -> None:
         """One log event with the span's ids; ``fields`` is consumed. Never raises."""
         try:
-            if not self._enabled(level):  # skip building the event at all
-                return
+            on = self._on
+            if not (on[level] if on is not None else self._enabled(level)):
+                return  # skip building the event at all
             ctx = span.get_span_context() if span is not None else None
             if ctx is not None and ctx.is_valid:
                 trace_id = ctx.trace_id
