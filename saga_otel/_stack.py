@@ -9,8 +9,8 @@ driver, and tests can walk this machine directly.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 from enum import Enum
+from typing import Any
 
 from saga_otel._errors import StepRefusedError
 from saga_otel.records import (

@@ -204,8 +204,18 @@ class Attempt:
     enter, closes it at exit) and the handle its body gets (``span``, ``extra``
     attributes set at the end, :meth:`pushed`)."""
 
-    __slots__ = ("_attempt", "_attrs", "_instr", "_kind", "_phase", "_run", "_step", "_t0")
-    __slots__ += ("extra", "span")
+    __slots__ = (
+        "_attempt",
+        "_attrs",
+        "_instr",
+        "_kind",
+        "_phase",
+        "_run",
+        "_step",
+        "_t0",
+        "extra",
+        "span",
+    )
 
     def __init__(
         self,
