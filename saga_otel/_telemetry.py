@@ -441,11 +441,12 @@ class Instrumentation:
 
     def end_run(self, run: RunTelemetry, status: str, failed_step: str | None) -> None:
         def close() -> None:
-            run.span.set_attribute(sc.SAGA_RUN_STATUS, status)
+            ending: dict[str, Any] = {sc.SAGA_RUN_STATUS: status}
             if failed_step is not None and status != sc.STATUS_COMPLETED:
-                run.span.set_attribute(sc.SAGA_RUN_FAILED_STEP, failed_step)
+                ending[sc.SAGA_RUN_FAILED_STEP] = failed_step
+            run.span.set_attributes(ending)  # one pass through the SDK's attribute cleaning
             if status == sc.STATUS_COMPLETED:
-                run.span.set_status(Status(StatusCode.OK))
+                run.span.set_status(_OK)
             else:
                 run.span.set_status(Status(StatusCode.ERROR, f"run ended {status}"))
             run.span.end()
