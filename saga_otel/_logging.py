@@ -7,7 +7,11 @@ configuration) that writes JSON lines to stderr: the lines structlog's
 ``add_log_level`` + ``TimeStamper(fmt="iso", utc=True)`` + ``JSONRenderer()``
 pipeline would write (the event's fields, then ``event``, ``level`` and
 ``timestamp``, in that order, with the same values), rendered by one processor
-instead of three, with the timestamp's date and time cached per second.
+instead of three, with the timestamp's date and time cached per second. It is the
+bound logger itself (no lazy proxy), and its enabled level methods build the same event
+dict and write it without structlog's generic processor dispatch (``bind`` and level
+filtering stay structlog's); :func:`emitter` hands :class:`Instrumentation` a writer
+that takes the event's fields dict as built.
 The JSON is orjson's (compact: no spaces after ``,`` and ``:``); a value
 orjson refuses (an int over 64 bits, a non-string key) falls back to the
 standard library's encoder. ``tests/saga_otel/test_logging.py`` compares the
@@ -16,6 +20,7 @@ two pipelines' events.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -143,22 +148,33 @@ class _Render:
         return render(event)
 
 
+def _write(
+    context: Mapping[str, Any],
+    renderer: _Render,
+    out: LineWriter,
+    name: str,
+    event: str,
+    fields: dict[str, Any],
+) -> None:
+    """One event of level method ``name`` (never an alias): the event dict structlog's
+    ``_process_event`` builds (bound context, then ``fields``, then ``event``), filled
+    and rendered as :class:`_Render` does and written. ``fields`` is consumed."""
+    if context:
+        fields = {**context, **fields}
+    fields["event"] = event
+    renderer.fill(name, fields)
+    out.write_line(render_line(fields))
+
+
 def _write_fields(self: Any, name: str, event: str, fields: dict[str, Any]) -> None:
-    """One event of level method ``name``: the event dict structlog's ``_process_event``
-    builds (bound context, then ``fields``, then ``event``), rendered by :class:`_Render`
-    and written, without the generic processor chain's dispatch. ``fields`` is consumed.
+    """:func:`_write` for a bound logger, without the generic processor chain's dispatch.
     A logger whose processors are not the one ``_Render`` (never the case for
     :func:`json_lines_logger`'s loggers and their binds) takes structlog's own path."""
     procs = self._processors
     if len(procs) != 1 or type(procs[0]) is not _Render:
         self._proxy_to_logger(name, event, **fields)
         return
-    ctx = self._context
-    if ctx:
-        fields = {**ctx, **fields}
-    fields["event"] = event
-    procs[0].fill(name, fields)  # name is a level's own method name, never an alias
-    self._logger.write_line(render_line(fields))
+    _write(self._context, procs[0], self._logger, name, event, fields)
 
 
 def _fast_method(name: str) -> Any:
@@ -179,22 +195,13 @@ def emitter(logger: object) -> tuple[int, Callable[[str, str, dict[str, Any]], N
     event from a fields dict, ``write(method, event, fields)`` (``fields`` consumed; the
     caller checks the level); None for any other logger.
 
-    The writer is :func:`_write_fields` with this logger's parts looked up once."""
+    The writer is :func:`_write` with this logger's parts looked up once."""
     if not is_default(logger) or not isinstance(logger, tuple(_CLASSES.values())):
         return None
     procs = logger._processors  # type: ignore[attr-defined]
     if len(procs) != 1 or type(procs[0]) is not _Render:
         return None
-    fill, write_line = procs[0].fill, logger._logger.write_line  # type: ignore[attr-defined]
-    context: dict[str, Any] = logger._context  # type: ignore[attr-defined]
-
-    def write(name: str, event: str, fields: dict[str, Any]) -> None:
-        if context:
-            fields = {**context, **fields}
-        fields["event"] = event
-        fill(name, fields)
-        write_line(render_line(fields))
-
+    write = functools.partial(_write, logger._context, procs[0], logger._logger)  # type: ignore[attr-defined]
     level: int = logger.get_effective_level()  # type: ignore[attr-defined]
     return level, write
 
