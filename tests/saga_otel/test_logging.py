@@ -227,6 +227,4 @@ def test_instrumentation_writes_through_a_bound_default_logger() -> None:
         pass
     with pytest.raises(KeyError), instr.attempt(run, "do", "charge", index=0, attempt=2):
         raise KeyError("x")
-    assert [(e["event"], e["level"]) for e in lines(quiet)] == [
-        ("saga.step.finished", "warning")
-    ]
+    assert [(e["event"], e["level"]) for e in lines(quiet)] == [("saga.step.finished", "warning")]
