@@ -18,8 +18,7 @@ import inspect
 import json
 import random
 import time
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Any, Literal, NamedTuple, Protocol, TypeVar
@@ -415,43 +414,35 @@ class _Core:
             kwargs[IDEMPOTENCY_PARAM] = key
         return kwargs
 
-    def enter_call(self, step: str, index: int, phase: str, attempt: int) -> contextvars.Token[Any]:
-        return _current_call.set(
-            CallContext(
-                saga=self.saga.name,
-                run_id=self.run_id,
-                step=step,
-                index=index,
-                phase=phase,
-                attempt=attempt,
-                idempotency_key=idempotency_key(self.run_id, index, phase),
-            )
+    def call_context(self, step: str, index: int, phase: str, attempt: int) -> CallContext:
+        return CallContext(
+            saga=self.saga.name,
+            run_id=self.run_id,
+            step=step,
+            index=index,
+            phase=phase,
+            attempt=attempt,
+            idempotency_key=idempotency_key(self.run_id, index, phase),
         )
 
-    @contextmanager
-    def do_attempt(self, t: Tool, idx: int, attempt: int) -> Iterator[Attempt]:
+    def do_attempt(self, t: Tool, idx: int, attempt: int) -> _CallScope:
         """One do attempt: the tool's call context and its telemetry, around the call."""
-        token = self.enter_call(t.name, idx, "do", attempt)
-        try:
-            with self.instr.attempt(
+        return _CallScope(
+            self.call_context(t.name, idx, "do", attempt),
+            self.instr.attempt(
                 self.telemetry, "do", t.name, index=idx, attempt=attempt, tool=t.name,
                 step_class=t.step_class, pivot=t.pivot,
-            ) as obs:  # fmt: skip
-                yield obs
-        finally:
-            _current_call.reset(token)
+            ),
+        )  # fmt: skip
 
-    @contextmanager
-    def undo_attempt(self, comp: Compensation, attempt: int) -> Iterator[Attempt]:
-        token = self.enter_call(comp.step, comp.index, "compensate", attempt)
-        try:
-            with self.instr.attempt(
+    def undo_attempt(self, comp: Compensation, attempt: int) -> _CallScope:
+        return _CallScope(
+            self.call_context(comp.step, comp.index, "compensate", attempt),
+            self.instr.attempt(
                 self.telemetry, "compensate", comp.step or comp.tool, index=comp.index,
                 attempt=attempt, tool=comp.tool, compensation=comp,
-            ) as obs:  # fmt: skip
-                yield obs
-        finally:
-            _current_call.reset(token)
+            ),
+        )  # fmt: skip
 
     # -- opening -----------------------------------------------------------------
     def open(self) -> None:
@@ -529,18 +520,13 @@ class _Core:
                 return acked.map(lambda _: done.result)
             return acked.map(lambda _: _raise(ConfigurationError(done.unstorable)))
 
-        snapshot = (
-            self.invoke(mode, t.snapshot, name, **dict(args))
-            if t.snapshot is not None
-            else mode.pure(None)
-        )
-        return (
-            snapshot.then(
+        if t.snapshot is None:
+            tried = self.retrying(mode, self.forward_policy, lambda n: attempt(n, None))
+        else:
+            tried = self.invoke(mode, t.snapshot, name, **dict(args)).then(
                 lambda snap: self.retrying(mode, self.forward_policy, lambda n: attempt(n, snap))
             )
-            .intercept(failed)
-            .then(settled)
-        )
+        return tried.intercept(failed).then(settled)
 
     def succeeded(
         self,
@@ -767,6 +753,33 @@ class _Core:
             .map(ended)
             .intercept(on_error)
         )
+
+
+class _CallScope:
+    """The ``with`` around one tool call: its :class:`CallContext` set (see
+    :func:`current_call`), then its attempt's telemetry opened; both undone at exit."""
+
+    __slots__ = ("_call", "_scope", "_token")
+
+    def __init__(self, call: CallContext, scope: Attempt) -> None:
+        self._call, self._scope = call, scope
+
+    def __enter__(self) -> Attempt:
+        self._token = _current_call.set(self._call)
+        try:
+            return self._scope.__enter__()
+        except BaseException:
+            _current_call.reset(self._token)
+            raise
+
+    def __exit__(
+        self, et: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> Literal[False]:
+        try:
+            self._scope.__exit__(et, exc, tb)
+        finally:
+            _current_call.reset(self._token)
+        return False
 
 
 def _raise(exc: BaseException) -> Any:

@@ -7,7 +7,11 @@ configuration) that writes JSON lines to stderr: the lines structlog's
 ``add_log_level`` + ``TimeStamper(fmt="iso", utc=True)`` + ``JSONRenderer()``
 pipeline would write (the event's fields, then ``event``, ``level`` and
 ``timestamp``, in that order, with the same values), rendered by one processor
-instead of three, with the timestamp's date and time cached per second.
+instead of three, with the timestamp's date and time cached per second. It is the
+bound logger itself (no lazy proxy), and its enabled level methods build the same event
+dict and write it without structlog's generic processor dispatch (``bind`` and level
+filtering stay structlog's); :func:`emitter` hands :class:`Instrumentation` a writer
+that takes the event's fields dict as built.
 The JSON is orjson's (compact: no spaces after ``,`` and ``:``); a value
 orjson refuses (an int over 64 bits, a non-string key) falls back to the
 standard library's encoder. ``tests/saga_otel/test_logging.py`` compares the
@@ -16,13 +20,14 @@ two pipelines' events.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
 import sys
 import threading
 import time
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from typing import IO, Any
 
 import orjson
@@ -48,7 +53,31 @@ def render(fields: Mapping[str, Any]) -> str:
         return _encode(fields)
 
 
+def render_line(fields: Mapping[str, Any]) -> str:
+    """:func:`render` and the newline, in one encode."""
+    try:
+        return orjson.dumps(fields, default=_fallback, option=orjson.OPT_APPEND_NEWLINE).decode()
+    except TypeError:
+        return _encode(fields) + "\n"
+
+
 _write_locks: dict[int, threading.Lock] = {}
+_CLASSES: dict[int, type[Any]] = {}
+# structlog's level methods and their numbers (as structlog's LEVEL_TO_NAME).
+_METHOD_LEVELS = {
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+    "critical": logging.CRITICAL,
+}
+
+
+def _interpolate(event: str, args: tuple[Any, ...]) -> str:
+    """structlog's positional (or one-mapping) ``%`` interpolation of the event."""
+    if len(args) == 1 and isinstance(args[0], Mapping) and args[0]:
+        return event % args[0]
+    return event % args
 
 
 class _Clock:
@@ -85,8 +114,12 @@ class LineWriter:
         self._lock = _write_locks.setdefault(id(stream), threading.Lock())
 
     def msg(self, line: str) -> None:
+        self.write_line(line + "\n")
+
+    def write_line(self, line: str) -> None:
+        """Write ``line``, its newline included."""
         with self._lock:
-            self._stream.write(line + "\n")
+            self._stream.write(line)
             self._stream.flush()
 
     debug = info = warning = warn = error = critical = exception = log = msg
@@ -105,23 +138,102 @@ class _Render:
     def __init__(self, clock: _Clock) -> None:
         self._clock = clock
 
-    def __call__(self, _logger: object, method: str, event: MutableMapping[str, Any]) -> str:
-        event["level"] = _LEVEL_NAMES.get(method, method)
+    def fill(self, level: str, event: MutableMapping[str, Any]) -> None:
+        """Add ``level`` and ``timestamp``, as add_log_level and TimeStamper do."""
+        event["level"] = level
         event["timestamp"] = self._clock.stamp()
+
+    def __call__(self, _logger: object, method: str, event: MutableMapping[str, Any]) -> str:
+        self.fill(_LEVEL_NAMES.get(method, method), event)
         return render(event)
+
+
+def _write(
+    context: Mapping[str, Any],
+    renderer: _Render,
+    out: LineWriter,
+    name: str,
+    event: str,
+    fields: dict[str, Any],
+) -> None:
+    """One event of level method ``name`` (never an alias): the event dict structlog's
+    ``_process_event`` builds (bound context, then ``fields``, then ``event``), filled
+    and rendered as :class:`_Render` does and written. ``fields`` is consumed."""
+    if context:
+        fields = {**context, **fields}
+    fields["event"] = event
+    renderer.fill(name, fields)
+    out.write_line(render_line(fields))
+
+
+def _write_fields(self: Any, name: str, event: str, fields: dict[str, Any]) -> None:
+    """:func:`_write` for a bound logger, without the generic processor chain's dispatch.
+    A logger whose processors are not the one ``_Render`` (never the case for
+    :func:`json_lines_logger`'s loggers and their binds) takes structlog's own path."""
+    procs = self._processors
+    if len(procs) != 1 or type(procs[0]) is not _Render:
+        self._proxy_to_logger(name, event, **fields)
+        return
+    _write(self._context, procs[0], self._logger, name, event, fields)
+
+
+def _fast_method(name: str) -> Any:
+    """A level method of the library's own logger, through :func:`_write_fields`."""
+
+    def meth(self: Any, event: str, *args: Any, **kw: Any) -> Any:
+        if args:
+            event = _interpolate(event, args)
+        _write_fields(self, name, event, kw)  # kw is this call's own dict
+        return None
+
+    meth.__name__ = name
+    return meth
+
+
+def emitter(logger: object) -> tuple[int, Callable[[str, str, dict[str, Any]], None]] | None:
+    """For the library's own logger: its level (fixed for its life) and a writer of one
+    event from a fields dict, ``write(method, event, fields)`` (``fields`` consumed; the
+    caller checks the level); None for any other logger.
+
+    The writer is :func:`_write` with this logger's parts looked up once."""
+    if not is_default(logger) or not isinstance(logger, tuple(_CLASSES.values())):
+        return None
+    procs = logger._processors  # type: ignore[attr-defined]
+    if len(procs) != 1 or type(procs[0]) is not _Render:
+        return None
+    write = functools.partial(_write, logger._context, procs[0], logger._logger)  # type: ignore[attr-defined]
+    level: int = logger.get_effective_level()  # type: ignore[attr-defined]
+    return level, write
+
+
+def _json_lines_class(level: int) -> type[Any]:
+    """structlog's filtering bound logger for ``level`` (filtered levels stay its no-op
+    methods, ``bind``/``new``/``unbind`` and the async methods are its own), with the
+    enabled levels' methods taking :func:`_fast_method`'s path."""
+    found = _CLASSES.get(level)
+    if found is None:
+        base = structlog.make_filtering_bound_logger(level)
+        meths: dict[str, Any] = {"__slots__": ()}
+        for name, lvl in _METHOD_LEVELS.items():
+            if lvl >= level:
+                meths[name] = _fast_method(name)
+        for alias, name in (("fatal", "critical"), ("warn", "warning"), ("msg", "info")):
+            if name in meths:
+                meths[alias] = meths[name]
+        found = _CLASSES[level] = type(f"JsonLines{base.__name__}", (base,), meths)
+    return found
 
 
 def json_lines_logger(
     stream: IO[str], level: int = logging.INFO, *, _clock: _Clock | None = None
 ) -> Any:
     """A structlog bound logger of the library's own (structlog's global configuration is
-    never touched) that filters by ``level`` and writes one JSON object per line."""
-    return structlog.wrap_logger(
-        LineWriter(stream),
-        processors=[_Render(_clock or _Clock())],
-        wrapper_class=structlog.make_filtering_bound_logger(level),
-        context_class=dict,
-    )
+    never touched) that filters by ``level`` and writes one JSON object per line.
+
+    It is the bound logger itself, not ``structlog.wrap_logger``'s lazy proxy (which
+    assembles a new bound logger on every method lookup)."""
+    cls = _json_lines_class(level)
+    return cls(LineWriter(stream), processors=[_Render(_clock or _Clock())], context={})
 
 
 def is_default(logger: object) -> bool:

@@ -214,6 +214,9 @@ class Mode(ABC):
         this mode. The last attempt's exception propagates unchanged.
         """
 
+        if attempts <= 1:  # nothing to retry: the body's outcome, built when it runs
+            return self.lazy(lambda: body(1))
+
         def attempt(n: int) -> Outcome[T]:
             def failed(exc: BaseException) -> Outcome[T] | None:
                 if n >= attempts or not isinstance(exc, Exception):

@@ -8,8 +8,9 @@ driver, and tests can walk this machine directly.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
 from saga_otel._errors import StepRefusedError
 from saga_otel.records import (
@@ -66,6 +67,32 @@ class StackState:
         return self.pivot is not None
 
 
+_FIELDS = frozenset(StackState.__dataclass_fields__)
+
+
+def evolve(state: StackState, **changes: Any) -> StackState:
+    """``dataclasses.replace`` for the stack's state, at half its cost (it runs several
+    times per step): the fields named directly instead of walked through ``fields()``."""
+    if not _FIELDS.issuperset(changes):
+        raise TypeError(f"StackState has no field {sorted(set(changes) - _FIELDS)}")
+    get = changes.get
+    return StackState(
+        run_id=get("run_id", state.run_id),
+        allow_writes_after_pivot=get("allow_writes_after_pivot", state.allow_writes_after_pivot),
+        phase=get("phase", state.phase),
+        next_index=get("next_index", state.next_index),
+        stack=get("stack", state.stack),
+        in_flight_writes=get("in_flight_writes", state.in_flight_writes),
+        pivot=get("pivot", state.pivot),
+        steps=get("steps", state.steps),
+        failed_step=get("failed_step", state.failed_step),
+        failure=get("failure", state.failure),
+        pending=get("pending", state.pending),
+        outcomes=get("outcomes", state.outcomes),
+        status=get("status", state.status),
+    )
+
+
 def begin_step(
     state: StackState,
     name: str,
@@ -98,7 +125,7 @@ def begin_step(
     index = state.next_index if index is None else index
     writes = state.in_flight_writes | {index} if step_class.writes else state.in_flight_writes
     return (
-        replace(
+        evolve(
             state,
             next_index=max(state.next_index, index + 1),
             in_flight_writes=writes,
@@ -107,12 +134,12 @@ def begin_step(
     )
 
 
-def _settle(state: StackState, record: StepRecord) -> StackState:
-    return replace(
-        state,
-        in_flight_writes=state.in_flight_writes - {record.index},
-        steps=(*state.steps, record),
-    )
+def _settled(record: StepRecord, state: StackState) -> dict[str, Any]:
+    """The changes every ended do makes: no longer in flight, and recorded."""
+    return {
+        "in_flight_writes": state.in_flight_writes - {record.index},
+        "steps": (*state.steps, record),
+    }
 
 
 def step_succeeded(state: StackState, record: StepRecord) -> StackState:
@@ -122,23 +149,24 @@ def step_succeeded(state: StackState, record: StepRecord) -> StackState:
     with nothing on the stack: it becomes the run's failure, so an unwind ends
     ``compensation_failed``.
     """
-    state = _settle(state, record)
+    changes = _settled(record, state)
     if record.compensation is not None:
-        state = replace(state, stack=(*state.stack, record.compensation))
+        changes["stack"] = (*state.stack, record.compensation)
     if record.undo_error is not None:
-        state = replace(state, failed_step=record.name, failure=record.undo_error)
+        changes["failed_step"] = record.name
+        changes["failure"] = record.undo_error
     if state.pivot is None and is_pivot(record.step_class, record.pivot):
-        state = replace(state, pivot=record)
-    return state
+        changes["pivot"] = record
+    return evolve(state, **changes)
 
 
 def step_failed(
     state: StackState, record: StepRecord, pending: PendingCall | None = None
 ) -> StackState:
     """Record a failed do. Whether it ends the run is the caller's choice (see abort)."""
-    state = _settle(state, record)
-    return replace(
+    return evolve(
         state,
+        **_settled(record, state),
         failed_step=record.name,
         failure=record.error,
         # Only the latest failure is owed: one the agent caught and worked around is not.
@@ -153,7 +181,7 @@ def abort(
     failed = failed_step or state.failed_step
     if state.pivot_crossed:
         return (
-            replace(
+            evolve(
                 state,
                 phase=Phase.ENDED,
                 status=RunStatus.STUCK,
@@ -164,7 +192,7 @@ def abort(
         )
     top_first = tuple(reversed(state.stack))
     return (
-        replace(state, phase=Phase.UNWINDING, failed_step=failed, failure=error),
+        evolve(state, phase=Phase.UNWINDING, failed_step=failed, failure=error),
         Unwind(top_first),
     )
 
@@ -174,12 +202,12 @@ def compensation_ended(state: StackState, outcome: CompensationOutcome) -> Stack
     stack = state.stack
     if outcome.ok:
         stack = tuple(c for c in stack if c.index != outcome.compensation.index)
-    return replace(state, stack=stack, outcomes=(*state.outcomes, outcome))
+    return evolve(state, stack=stack, outcomes=(*state.outcomes, outcome))
 
 
 def reject(state: StackState, step: str, error: str) -> StackState:
     """A pre-flight validation said no: end before any side effect."""
-    return replace(
+    return evolve(
         state, phase=Phase.ENDED, status=RunStatus.REJECTED, failed_step=step, failure=error
     )
 
@@ -196,7 +224,7 @@ def finish(state: StackState) -> StackState:
         status = RunStatus.COMPENSATION_FAILED
     else:
         status = RunStatus.COMPENSATED
-    return replace(state, phase=Phase.ENDED, status=status)
+    return evolve(state, phase=Phase.ENDED, status=status)
 
 
 def resume(state: StackState) -> StackState:
@@ -206,4 +234,4 @@ def resume(state: StackState) -> StackState:
             f"run {state.run_id} is {state.status.value if state.status else 'running'}, not "
             "stuck; only a stuck run is resumed forward"
         )
-    return replace(state, phase=Phase.FORWARD, status=None, failed_step=None, failure=None)
+    return evolve(state, phase=Phase.FORWARD, status=None, failed_step=None, failure=None)

@@ -16,7 +16,7 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Literal
@@ -36,7 +36,7 @@ from opentelemetry.trace import (
 from prometheus_client import CollectorRegistry
 
 from saga_otel import semconv as sc
-from saga_otel._logging import default_logger
+from saga_otel._logging import default_logger, emitter
 from saga_otel._metrics import SagaMetrics, metrics_for
 from saga_otel.records import Compensation, StepClass, describe_error
 
@@ -102,19 +102,6 @@ class RunTelemetry:
         return self.span.get_span_context().span_id
 
 
-@dataclass(slots=True)
-class Attempt:
-    """Handle given to the body of one do/compensate/validate attempt."""
-
-    span: Span
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def pushed(self, comp: Compensation) -> None:
-        self.extra[sc.SAGA_COMPENSATION_TOOL] = comp.tool
-        self.extra[sc.SAGA_COMPENSATION_ARGS] = compensation_json(comp)
-        self.extra[sc.SAGA_COMPENSATION_DESCRIPTION] = comp.description
-
-
 _OK = Status(StatusCode.OK)
 
 #: Frames kept in a recorded exception's stack (the innermost ones): enough to
@@ -138,7 +125,28 @@ def bounded_stack(exc: BaseException, frames: int = STACK_FRAMES) -> str:
         entries.append(f'  File "{code.co_filename}", line {tb.tb_lineno}, in {code.co_name}\n')
         tb = tb.tb_next
     head = "Traceback (most recent call last):\n" if entries else ""
-    return head + "".join(entries) + "".join(traceback.format_exception_only(exc))
+    return head + "".join(entries) + exception_only(exc)
+
+
+def exception_only(exc: BaseException) -> str:
+    """``"".join(traceback.format_exception_only(exc))``, without building a
+    ``TracebackException`` (and its walk of the cause chain) for the plain case: an
+    exception with no notes, not a syntax error or a group, whose ``str()`` works."""
+    kind = type(exc)
+    if (
+        issubclass(kind, (SyntaxError, BaseExceptionGroup))
+        or getattr(exc, "__notes__", None) is not None
+    ):
+        return "".join(traceback.format_exception_only(exc))
+    try:
+        text = str(exc)
+    except Exception:  # traceback's own placeholder for a broken __str__
+        return "".join(traceback.format_exception_only(exc))
+    module = kind.__module__
+    name = kind.__qualname__
+    if module not in ("__main__", "builtins"):
+        name = f"{module if isinstance(module, str) else '<unknown>'}.{name}"
+    return f"{name}: {text}\n" if text else f"{name}\n"
 
 
 def record_error(span: Span, exc: BaseException) -> None:
@@ -158,10 +166,56 @@ def record_error(span: Span, exc: BaseException) -> None:
     )
 
 
-class _AttemptScope:
-    """The ``with`` around one attempt: opens the span at enter, closes it at exit."""
+class _Kind:
+    """What every attempt of one step kind shares (phase, step, tool, class, pivot),
+    computed once per Instrumentation: the span name, the attributes that follow the
+    run's identity, and the metric children by outcome."""
 
-    __slots__ = ("attempt", "attrs", "handle", "instr", "phase", "run", "span", "step", "t0")
+    __slots__ = ("after", "before", "error", "middle", "name", "ok", "retries")
+
+    def __init__(
+        self,
+        phase: str,
+        step: str,
+        tool: str | None,
+        step_class: StepClass | None,
+        pivot: bool,
+    ) -> None:
+        self.name = _SPAN_NAMES[phase](step)
+        # The attribute order of the contract's tables: identity, phase and step, index
+        # and attempt (not for validate), class and pivot (do), [tool call id],
+        # [compensation], then the gen_ai tool.
+        self.before: dict[str, Any] = {sc.SAGA_PHASE: phase, sc.SAGA_STEP_NAME: step}
+        self.middle: dict[str, Any] = {}
+        if phase == sc.PHASE_DO:
+            self.middle[sc.SAGA_STEP_CLASS] = (step_class or StepClass.CONVERGENT).value
+            self.middle[sc.SAGA_STEP_PIVOT] = bool(pivot)
+        self.after: dict[str, Any] = {}
+        if tool is not None and phase in (sc.PHASE_DO, sc.PHASE_COMPENSATE):
+            self.after[sc.GEN_AI_OPERATION_NAME] = sc.GEN_AI_OPERATION_EXECUTE_TOOL
+            self.after[sc.GEN_AI_TOOL_NAME] = tool
+        self.ok: tuple[Any, Any] | None = None
+        self.error: tuple[Any, Any] | None = None
+        self.retries: Any = None
+
+
+class Attempt:
+    """One do/compensate/validate attempt: the ``with`` around it (opens the span at
+    enter, closes it at exit) and the handle its body gets (``span``, ``extra``
+    attributes set at the end, :meth:`pushed`)."""
+
+    __slots__ = (
+        "_attempt",
+        "_attrs",
+        "_instr",
+        "_kind",
+        "_phase",
+        "_run",
+        "_step",
+        "_t0",
+        "extra",
+        "span",
+    )
 
     def __init__(
         self,
@@ -171,47 +225,57 @@ class _AttemptScope:
         step: str,
         attempt: int,
         attrs: dict[str, Any],
+        kind: _Kind,
     ) -> None:
-        self.instr, self.run, self.phase, self.step = instr, run, phase, step
-        self.attempt, self.attrs = attempt, attrs
+        self._instr, self._run, self._phase, self._step = instr, run, phase, step
+        self._attempt, self._attrs, self._kind = attempt, attrs, kind
         self.span: Span = trace.INVALID_SPAN
-        self.handle = Attempt(trace.INVALID_SPAN)
-        self.t0 = 0.0
+        self.extra: dict[str, Any] = {}
+        self._t0 = 0.0
+
+    def pushed(self, comp: Compensation) -> None:
+        extra = self.extra
+        extra[sc.SAGA_COMPENSATION_TOOL] = comp.tool
+        extra[sc.SAGA_COMPENSATION_ARGS] = comp.args_json()
+        extra[sc.SAGA_COMPENSATION_DESCRIPTION] = comp.description
 
     def common(self) -> dict[str, Any]:
         return {
-            "saga": self.instr.saga,
-            "run_id": self.run.run_id,
-            "step": self.step,
-            "phase": self.phase,
-            "attempt": self.attempt,
+            "saga": self._instr.saga,
+            "run_id": self._run.run_id,
+            "step": self._step,
+            "phase": self._phase,
+            "attempt": self._attempt,
         }
 
     def __enter__(self) -> Attempt:
-        instr = self.instr
+        instr = self._instr
         try:
             self.span = instr.tracer.start_span(
-                _SPAN_NAMES[self.phase](self.step), context=self.run.context, attributes=self.attrs
+                self._kind.name, context=self._run.context, attributes=self._attrs
             )
         except Exception as exc:
             instr.swallowed("span", exc)
-            self.span = trace.INVALID_SPAN
-        self.handle.span = self.span
         # Start events are debug: the finish event carries everything, at half the cost.
         if instr.wants_debug():
             instr._emit("debug", sc.EV_STEP_STARTED, self.span, self.common())
-        if self.attempt > 1:
+        if self._attempt > 1:
             try:
-                instr._child(instr.metrics.step_retries, instr.saga, self.step, self.phase).inc()
+                kind = self._kind
+                if kind.retries is None:
+                    kind.retries = instr._child(
+                        instr.metrics.step_retries, instr.saga, self._step, self._phase
+                    )
+                kind.retries.inc()
             except Exception as exc:
                 instr.swallowed("metric", exc)
-        self.t0 = time.perf_counter()
-        return self.handle
+        self._t0 = time.perf_counter()
+        return self
 
     def __exit__(
         self, _et: type[BaseException] | None, exc: BaseException | None, _tb: TracebackType | None
     ) -> Literal[False]:
-        self.instr._finish_attempt(self, time.perf_counter() - self.t0, exc)
+        self._instr._finish_attempt(self, time.perf_counter() - self._t0, exc)
         return False  # the body's exception propagates unchanged
 
 
@@ -232,6 +296,8 @@ class Instrumentation:
         self.metrics: SagaMetrics = metrics_for(registry)
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self._steps: dict[tuple[str, str, str], tuple[Any, Any]] = {}
+        self._kinds: dict[tuple[str, str, str | None, StepClass | None, bool], _Kind] = {}
+        self._trace_hex: tuple[int, str] = (0, "")
         self.log = logger if logger is not None else default_logger()
 
     # -- safety ------------------------------------------------------------
@@ -269,8 +335,27 @@ class Instrumentation:
         except Exception:
             pass
 
+    @property
+    def log(self) -> Any:
+        """The logger the events go to (settable)."""
+        return self._log
+
+    @log.setter
+    def log(self, logger: Any) -> None:
+        self._log = logger
+        fast = emitter(logger)
+        # The library's own logger has a fixed level: which levels pass is known now,
+        # and its events are written from the fields dict as built.
+        self._on: dict[str, bool] | None = None
+        self._write: Callable[[str, str, dict[str, Any]], None] | None = None
+        if fast is not None:
+            level, self._write = fast
+            self._on = {name: number >= level for name, number in _LEVELS.items()}
+
     def _enabled(self, level: str) -> bool:
-        check = getattr(self.log, "is_enabled_for", None)
+        if self._on is not None:
+            return self._on[level]
+        check = getattr(self._log, "is_enabled_for", None)
         if check is None:
             return True
         try:
@@ -280,7 +365,8 @@ class Instrumentation:
 
     def wants_debug(self) -> bool:
         """Whether debug events are written: skips building one that would be dropped."""
-        return self._enabled("debug")
+        on = self._on
+        return on["debug"] if on is not None else self._enabled("debug")
 
     def _event(self, level: str, event: str, span: Span | None, **fields: Any) -> None:
         self._emit(level, event, span, fields)
@@ -288,13 +374,22 @@ class Instrumentation:
     def _emit(self, level: str, event: str, span: Span | None, fields: dict[str, Any]) -> None:
         """One log event with the span's ids; ``fields`` is consumed. Never raises."""
         try:
-            if not self._enabled(level):  # skip building the event at all
-                return
+            on = self._on
+            if not (on[level] if on is not None else self._enabled(level)):
+                return  # skip building the event at all
             ctx = span.get_span_context() if span is not None else None
             if ctx is not None and ctx.is_valid:
-                fields["trace_id"] = _hex_trace(ctx)
+                trace_id = ctx.trace_id
+                last = self._trace_hex
+                if last[0] != trace_id:  # a run's spans share one trace: format it once
+                    last = self._trace_hex = (trace_id, _hex_trace(ctx))
+                fields["trace_id"] = last[1]
                 fields["span_id"] = _hex_span(ctx)
-            getattr(self.log, level)(event, **fields)
+            write = self._write
+            if write is not None:
+                write(level, event, fields)
+            else:
+                getattr(self._log, level)(event, **fields)
         except Exception as exc:  # telemetry must never break the agent
             self.swallowed("log", exc)
 
@@ -339,30 +434,31 @@ class Instrumentation:
             },
         )
         self._guard("span", lambda: span.set_attributes(self._identity(run, sc.PHASE_RUN)))
-        self._guard("metric", lambda: self.metrics.runs_started.labels(saga=self.saga).inc())
-        self._guard("metric", lambda: self.metrics.runs_in_progress.labels(saga=self.saga).inc())
+        self._guard("metric", lambda: self._child(self.metrics.runs_started, self.saga).inc())
+        self._guard("metric", lambda: self._child(self.metrics.runs_in_progress, self.saga).inc())
         self._event("info", sc.EV_RUN_STARTED, span, saga=self.saga, run_id=rid)
         return run
 
     def end_run(self, run: RunTelemetry, status: str, failed_step: str | None) -> None:
         def close() -> None:
-            run.span.set_attribute(sc.SAGA_RUN_STATUS, status)
+            ending: dict[str, Any] = {sc.SAGA_RUN_STATUS: status}
             if failed_step is not None and status != sc.STATUS_COMPLETED:
-                run.span.set_attribute(sc.SAGA_RUN_FAILED_STEP, failed_step)
+                ending[sc.SAGA_RUN_FAILED_STEP] = failed_step
+            run.span.set_attributes(ending)  # one pass through the SDK's attribute cleaning
             if status == sc.STATUS_COMPLETED:
-                run.span.set_status(Status(StatusCode.OK))
+                run.span.set_status(_OK)
             else:
                 run.span.set_status(Status(StatusCode.ERROR, f"run ended {status}"))
             run.span.end()
 
         self._guard("span", close)
-        self._guard("metric", lambda: self.metrics.runs_in_progress.labels(saga=self.saga).dec())
+        self._guard("metric", lambda: self._child(self.metrics.runs_in_progress, self.saga).dec())
         self._guard(
             "metric",
-            lambda: self.metrics.runs_finished.labels(saga=self.saga, status=status).inc(),
+            lambda: self._child(self.metrics.runs_finished, self.saga, status).inc(),
         )
         if status == sc.STATUS_STUCK:
-            self._guard("metric", lambda: self.metrics.stuck_runs.labels(saga=self.saga).inc())
+            self._guard("metric", lambda: self._child(self.metrics.stuck_runs, self.saga).inc())
         level = "info" if status == sc.STATUS_COMPLETED else "warning"
         self._event(
             level,
@@ -388,40 +484,38 @@ class Instrumentation:
         step_class: StepClass | None = None,
         pivot: bool = False,
         compensation: Compensation | None = None,
-    ) -> AbstractContextManager[Attempt]:
+    ) -> Attempt:
         """One attempt as a span, two log events and metrics.
 
         The body's exception is recorded and re-raised unchanged. Used as a
         plain ``with`` in sync and async code alike, so the span closes after
         the awaited call, never before.
         """
-        attrs = dict(run.identity)
-        attrs[sc.SAGA_PHASE] = phase
-        attrs[sc.SAGA_STEP_NAME] = step
+        key = (phase, step, tool, step_class, pivot)
+        kind = self._kinds.get(key)
+        if kind is None:
+            kind = self._kinds[key] = _Kind(phase, step, tool, step_class, pivot)
+        attrs = {**run.identity, **kind.before}
         if phase != sc.PHASE_VALIDATE:  # the contract gives validate spans no index/attempt
             attrs[sc.SAGA_STEP_INDEX] = index
             attrs[sc.SAGA_STEP_ATTEMPT] = attempt
         if phase == sc.PHASE_DO:
-            attrs[sc.SAGA_STEP_CLASS] = (step_class or StepClass.CONVERGENT).value
-            attrs[sc.SAGA_STEP_PIVOT] = bool(pivot)
+            attrs.update(kind.middle)
             call_id = _tool_call_id.get()
             if call_id:
                 attrs[sc.GEN_AI_TOOL_CALL_ID] = call_id
         if compensation is not None:
             attrs[sc.SAGA_COMPENSATION_TOOL] = compensation.tool
             attrs[sc.SAGA_COMPENSATION_ARGS] = compensation_json(compensation)
-        if tool is not None and phase in (sc.PHASE_DO, sc.PHASE_COMPENSATE):
-            attrs[sc.GEN_AI_OPERATION_NAME] = sc.GEN_AI_OPERATION_EXECUTE_TOOL
-            attrs[sc.GEN_AI_TOOL_NAME] = tool
-        return _AttemptScope(self, run, phase, step, attempt, attrs)
+        if kind.after:
+            attrs.update(kind.after)
+        return Attempt(self, run, phase, step, attempt, attrs, kind)
 
-    def _finish_attempt(
-        self, scope: _AttemptScope, elapsed: float, exc: BaseException | None
-    ) -> None:
-        span, handle = scope.span, scope.handle
+    def _finish_attempt(self, scope: Attempt, elapsed: float, exc: BaseException | None) -> None:
+        span, kind = scope.span, scope._kind
         try:
-            if handle.extra:
-                span.set_attributes(handle.extra)
+            if scope.extra:
+                span.set_attributes(scope.extra)
             if exc is None:
                 span.set_status(_OK)
             else:
@@ -433,34 +527,51 @@ class Instrumentation:
             self.swallowed("span", err)
         outcome = "ok" if exc is None else "error"
         try:
-            count, duration = self._step_children(scope.step, scope.phase, outcome)
-            count.inc()
-            duration.observe(elapsed)
+            children = kind.ok if exc is None else kind.error
+            if children is None:
+                children = self._step_children(scope._step, scope._phase, outcome)
+                if exc is None:
+                    kind.ok = children
+                else:
+                    kind.error = children
+            children[0].inc()
+            children[1].observe(elapsed)
         except Exception as err:
             self.swallowed("metric", err)
-        fields = scope.common()
-        fields["outcome"] = outcome
-        fields["duration_s"] = round(elapsed, 6)
-        fields["error"] = None if exc is None else describe_error(exc)
-        self._emit("info" if exc is None else "warning", sc.EV_STEP_FINISHED, span, fields)
+        level = "info" if exc is None else "warning"
+        if self._on is not None and not self._on[level]:
+            return  # the event would be dropped: do not build it
+        self._emit(
+            level,
+            sc.EV_STEP_FINISHED,
+            span,
+            {
+                "saga": self.saga,
+                "run_id": scope._run.run_id,
+                "step": scope._step,
+                "phase": scope._phase,
+                "attempt": scope._attempt,
+                "outcome": outcome,
+                "duration_s": round(elapsed, 6),
+                "error": None if exc is None else describe_error(exc),
+            },
+        )
 
     # -- moments -------------------------------------------------------------
     def pivot_crossed(self, run: RunTelemetry, step: str) -> None:
-        self._guard("metric", lambda: self.metrics.pivots.labels(saga=self.saga, step=step).inc())
+        self._guard("metric", lambda: self._child(self.metrics.pivots, self.saga, step).inc())
         self._event("info", sc.EV_PIVOT, run.span, saga=self.saga, run_id=run.run_id, step=step)
 
     def compensation_finished(self, step: str, ok: bool) -> None:
         outcome = "ok" if ok else "failed"
         self._guard(
             "metric",
-            lambda: self.metrics.compensations.labels(
-                saga=self.saga, step=step, outcome=outcome
-            ).inc(),
+            lambda: self._child(self.metrics.compensations, self.saga, step, outcome).inc(),
         )
         if not ok:
             self._guard(
                 "metric",
-                lambda: self.metrics.compensation_failures.labels(saga=self.saga, step=step).inc(),
+                lambda: self._child(self.metrics.compensation_failures, self.saga, step).inc(),
             )
 
     def _instant(self, run: RunTelemetry, name: str, attrs: Mapping[str, Any]) -> Span:
@@ -489,7 +600,7 @@ class Instrumentation:
             sc.SAGA_STACK: json.dumps([c.to_dict() for c in stack], sort_keys=True),
         }
         span = self._instant(run, sc.unwind_span_name(self.saga), attrs)
-        self._guard("metric", lambda: self.metrics.unwinds.labels(saga=self.saga).inc())
+        self._guard("metric", lambda: self._child(self.metrics.unwinds, self.saga).inc())
         self._event(
             "warning",
             sc.EV_UNWIND,

@@ -96,7 +96,8 @@ def _json_object_and_text(value: Mapping[str, Any], what: str) -> tuple[dict[str
     """A deep copy of ``value`` through JSON, and its JSON text with sorted keys (one encode).
 
     Flat arguments of strings, ints, bools and None (the usual ids) come back
-    from JSON unchanged, so their copy skips the decode.
+    from JSON unchanged, so their copy skips the decode. ``what`` names the value
+    in the error (``arguments of <what>``).
     """
     try:
         plain = dict(value)
@@ -104,17 +105,18 @@ def _json_object_and_text(value: Mapping[str, Any], what: str) -> tuple[dict[str
             text = _sorted_json_fast(plain)
         except TypeError:  # keys of mixed types cannot be sorted before JSON makes them strings
             text = _sorted_json(_from_json(json.dumps(plain)))
-        if all(type(k) is str and type(v) in _PLAIN for k, v in plain.items()):
-            return plain, text
-        return dict(_from_json(text)), text
+        for k, v in plain.items():
+            if type(k) is not str or type(v) not in _PLAIN:
+                return dict(_from_json(text)), text
+        return plain, text
     except (TypeError, ValueError) as exc:
         raise ConfigurationError(
-            f"{what} must be JSON-serialisable (plain str/int/float/bool/None, lists and "
-            f"dicts), got {value!r}: return plain references such as ids from the tool"
+            f"arguments of {what} must be JSON-serialisable (plain str/int/float/bool/None, "
+            f"lists and dicts), got {value!r}: return plain references such as ids from the tool"
         ) from exc
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class Compensation:
     """The operation that undoes one successful write, with the references it returned.
 
@@ -130,16 +132,30 @@ class Compensation:
     index: int = -1
     _args_json: str = field(default="", init=False, repr=False, compare=False)
 
-    def __post_init__(self) -> None:
-        if not self.tool or not isinstance(self.tool, str):
+    def __init__(
+        self,
+        tool: str,
+        args: Mapping[str, Any],
+        description: str = "",
+        step: str = "",
+        index: int = -1,
+    ) -> None:
+        # Written out (not the dataclass's __init__ and a __post_init__): every field is
+        # set once, the arguments already frozen.
+        if not tool or not isinstance(tool, str):
             raise ConfigurationError(
-                f"a compensation needs a tool name, got {self.tool!r}: name the registered "
+                f"a compensation needs a tool name, got {tool!r}: name the registered "
                 "tool that undoes the step"
             )
         # Freeze the arguments now: a later mutation by the caller must not change the undo.
-        args, text = _json_object_and_text(self.args, f"arguments of {self.tool}")
-        object.__setattr__(self, "args", args)
-        object.__setattr__(self, "_args_json", text)
+        frozen, text = _json_object_and_text(args, tool)
+        put = object.__setattr__
+        put(self, "tool", tool)
+        put(self, "args", frozen)
+        put(self, "description", description)
+        put(self, "step", step)
+        put(self, "index", index)
+        put(self, "_args_json", text)
 
     def args_json(self) -> str:
         """The arguments as JSON with sorted keys (the span attribute), encoded once."""

@@ -168,3 +168,63 @@ def test_timestamp_matches_datetime_isoformat(monkeypatch: pytest.MonkeyPatch, n
         .replace("+00:00", "Z")
     )
     assert _logging._Clock().stamp() == want
+
+
+class _BrokenStr(Exception):
+    def __str__(self) -> str:
+        raise ValueError("no text")
+
+
+def _noted() -> BaseException:
+    exc = ValueError("noted")
+    exc.add_note("a note")
+    return exc
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        KeyError("charge ch_1"),
+        ValueError(""),
+        RuntimeError("two\nlines"),
+        _BrokenStr("x"),
+        OSError(2, "not found"),
+        SyntaxError("bad", ("f.py", 1, 2, "x y")),
+        ExceptionGroup("g", [ValueError(1)]),
+        KeyboardInterrupt(),
+        _noted(),
+    ],
+)
+def test_exception_line_is_tracebacks(exc: BaseException) -> None:
+    """The recorded exception's last line is traceback.format_exception_only's, exactly."""
+    import traceback
+
+    from saga_otel._telemetry import exception_only
+
+    assert exception_only(exc) == "".join(traceback.format_exception_only(exc))
+
+
+def test_instrumentation_writes_through_a_bound_default_logger() -> None:
+    """The events the library writes itself carry the bound context first, and follow the
+    logger's level, like any call through the bound logger."""
+    out = io.StringIO()
+    instr = Instrumentation(
+        "refund",
+        tracer_provider=TracerProvider(),
+        registry=CollectorRegistry(),
+        logger=json_lines_logger(out).bind(service="agent"),
+    )
+    run = instr.start_run()
+    with instr.attempt(run, "do", "charge", index=0):
+        pass
+    started, finished = lines(out)
+    assert list(finished)[:2] == ["service", "saga"] and finished["service"] == "agent"
+    assert (started["event"], finished["event"]) == ("saga.run.started", "saga.step.finished")
+    assert finished["trace_id"] == started["trace_id"] == run.run_id
+    quiet = io.StringIO()
+    instr.log = json_lines_logger(quiet, logging.WARNING)
+    with instr.attempt(run, "do", "charge", index=0):
+        pass
+    with pytest.raises(KeyError), instr.attempt(run, "do", "charge", index=0, attempt=2):
+        raise KeyError("x")
+    assert [(e["event"], e["level"]) for e in lines(quiet)] == [("saga.step.finished", "warning")]

@@ -169,3 +169,23 @@ def test_steps_refused_once_the_run_has_ended() -> None:
     s = _stack.finish(_stack.StackState(run_id="r"))
     with pytest.raises(StepRefusedError, match="not running forward"):
         _stack.begin_step(s, "late", StepClass.READ)
+
+
+def test_evolve_is_dataclasses_replace() -> None:
+    """The stack's own replace (direct construction) changes exactly the named fields."""
+    import dataclasses
+
+    base = _stack.StackState(run_id="r1", next_index=2, failed_step="a", failure="boom")
+    changes: dict[str, object] = {
+        "phase": _stack.Phase.UNWINDING,
+        "stack": (Compensation("undo", {"id": 1}, "", "a", 0),),
+        "in_flight_writes": frozenset({3}),
+        "status": RunStatus.COMPENSATED,
+        "failure": None,
+    }
+    for name, value in changes.items():
+        assert _stack.evolve(base, **{name: value}) == dataclasses.replace(base, **{name: value})
+    assert _stack.evolve(base, **changes) == dataclasses.replace(base, **changes)
+    assert {f.name for f in dataclasses.fields(base)} == set(_stack._FIELDS)
+    with pytest.raises(TypeError, match="no field"):
+        _stack.evolve(base, nope=1)
