@@ -22,7 +22,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
 )
-from opentelemetry.proto.common.v1.common_pb2 import AnyValue
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as PbSpan
 
 from saga_otel import semconv as sc
@@ -243,7 +243,7 @@ def _lean_types() -> tuple[Any, Any]:
     )
     attributes(message("Resource", []), 1)
     message("ScopeSpans", [("spans", 2, msg, rep, "Span")])
-    span = message(
+    message(
         "Span",
         [
             ("trace_id", 1, _F.TYPE_BYTES, opt, ""),
@@ -254,9 +254,11 @@ def _lean_types() -> tuple[Any, Any]:
             ("end_time_unix_nano", 8, _F.TYPE_FIXED64, opt, ""),
             ("events", 11, _F.TYPE_BYTES, rep, ""),
             ("status", 15, msg, opt, "Status"),
+            # Each KeyValue as its bytes: most are the same bytes span after span (the
+            # phase, the saga and step names, the attempt), read once (see _entry).
+            ("attributes", 9, _F.TYPE_BYTES, rep, ""),
         ],
     )
-    attributes(span, 9)
     message(
         "Status", [("message", 2, _F.TYPE_STRING, opt, ""), ("code", 3, _F.TYPE_INT32, opt, "")]
     )
@@ -296,6 +298,67 @@ def _value(data: bytes) -> Any:
         elif tag == 0x21 and size == 9:  # double_value
             return _DOUBLE.unpack_from(data, 1)[0]
     return any_value(AnyValue.FromString(data))
+
+
+def _entry(data: bytes) -> tuple[str, Any]:
+    """A serialized KeyValue as (key, value); the usual short shape without parsing."""
+    size = len(data)
+    # key: tag 0x0A, a one-byte length; value: tag 0x12, a one- or two-byte length.
+    if size >= 4 and data[0] == 0x0A and data[1] < 0x80:
+        at = data[1] + 2
+        if at < size and data[at] == 0x12:
+            n = data[at + 1] if at + 1 < size else 0x80
+            if n < 0x80:
+                start = at + 2
+            elif at + 2 < size and data[at + 2] < 0x80:
+                n, start = n & 0x7F | data[at + 2] << 7, at + 3
+            else:
+                start = size + 1
+            if start + n == size:
+                return data[2:at].decode(), _value(data[start:])
+    kv = KeyValue.FromString(data)
+    return kv.key, any_value(kv.value)
+
+
+# Attributes whose KeyValue bytes repeat across spans (names, phases, attempts, the
+# contract version): their (key, value) is read once and shared, so a run's step names,
+# tools and descriptions are one string each across runs. Bounded: cleared when full.
+_SHARED_KEYS = frozenset(
+    {
+        sc.SAGA_PHASE,
+        sc.SAGA_NAME,
+        sc.SAGA_CONTRACT_VERSION,
+        sc.SAGA_STEP_NAME,
+        sc.SAGA_STEP_INDEX,
+        sc.SAGA_STEP_ATTEMPT,
+        sc.SAGA_STEP_CLASS,
+        sc.SAGA_STEP_PIVOT,
+        sc.SAGA_COMPENSATION_TOOL,
+        sc.SAGA_COMPENSATION_DESCRIPTION,
+        sc.SAGA_RUN_STATUS,
+        sc.SAGA_RUN_FAILED_STEP,
+    }
+)
+_ENTRY_CACHE_MAX = 4096
+_entries: dict[bytes, tuple[str, Any]] = {}
+_IMMUTABLE = (str, int, float)  # bool is an int
+
+
+def _read_entry(data: bytes) -> tuple[str, Any]:
+    """:func:`_entry`, remembered for the attributes of :data:`_SHARED_KEYS`."""
+    entry = _entry(data)
+    if entry[0] in _SHARED_KEYS and isinstance(entry[1], _IMMUTABLE):
+        if len(_entries) >= _ENTRY_CACHE_MAX:
+            _entries.clear()
+        _entries[data] = entry
+    return entry
+
+
+def _span_attributes(wire: Iterable[bytes]) -> dict[str, Any]:
+    """A lean Span's attributes (serialized KeyValues) as a dict; the last of a key wins,
+    as in a protobuf map and in :func:`_attributes`."""
+    get = _entries.get
+    return dict([get(data) or _read_entry(data) for data in wire])
 
 
 # --- validation -----------------------------------------------------------------
@@ -424,6 +487,7 @@ def extract(request: ExportTraceServiceRequest, body: bytes | None = None) -> De
     warnings: list[str] = []
     total = ignored = rejected = 0
     phase_key = sc.SAGA_PHASE
+    phase_bytes = phase_key.encode()
     for rs, raw_rs in zip(lean.resource_spans, raw.resource_spans, strict=True):
         resource: dict[str, Any] | None = None
         derived: DerivedInstance | None = None
@@ -431,14 +495,18 @@ def extract(request: ExportTraceServiceRequest, body: bytes | None = None) -> De
             raw_spans = raw_ss.spans
             for i, span in enumerate(ss.spans):
                 total += 1
-                wire = span.attributes
-                if phase_key not in wire:
+                data = raw_spans[i]
+                if phase_bytes not in data:
                     ignored += 1  # not a saga span: counted, never decoded or stored
                     continue
-                data = raw_spans[i]
                 try:
-                    # By key: the map's items()/dict() go through Python-level views.
-                    attrs = {key: _value(wire[key]) for key in wire}
+                    attrs = _span_attributes(span.attributes)
+                except RecursionError:
+                    attrs = {phase_key: None}  # decided the exact way below
+                if phase_key not in attrs:
+                    ignored += 1  # "saga.phase" was elsewhere in the span (an event, a value)
+                    continue
+                try:
                     problem = validate(attrs)
                 except RecursionError:
                     problem = ""
