@@ -395,13 +395,6 @@ def _read_entry(data: bytes) -> tuple[str, Any]:
     return entry
 
 
-def _span_attributes(wire: Iterable[bytes]) -> dict[str, Any]:
-    """A lean Span's attributes (serialized KeyValues) as a dict; the last of a key wins,
-    as in a protobuf map and in :func:`_attributes`."""
-    get = _entries.get
-    return dict([get(data) or _read_entry(data) for data in wire])
-
-
 # --- validation -----------------------------------------------------------------
 
 
@@ -529,19 +522,19 @@ def extract(request: ExportTraceServiceRequest, body: bytes | None = None) -> De
     total = ignored = rejected = 0
     phase_key = sc.SAGA_PHASE
     phase_bytes = phase_key.encode()
+    known = _entries.get
     for rs, raw_rs in zip(lean.resource_spans, raw.resource_spans, strict=True):
         resource: dict[str, Any] | None = None
         derived: DerivedInstance | None = None
         for ss, raw_ss in zip(rs.scope_spans, raw_rs.scope_spans, strict=True):
-            raw_spans = raw_ss.spans
-            for i, span in enumerate(ss.spans):
+            for span, data in zip(ss.spans, raw_ss.spans, strict=True):
                 total += 1
-                data = raw_spans[i]
                 if phase_bytes not in data:
                     ignored += 1  # not a saga span: counted, never decoded or stored
                     continue
                 try:
-                    attrs = _span_attributes(span.attributes)
+                    # Wire order, the last of a key wins: as _attributes (the exact path).
+                    attrs = dict([known(kv) or _read_entry(kv) for kv in span.attributes])
                 except RecursionError:
                     attrs = {phase_key: None}  # decided the exact way below
                 if phase_key not in attrs:
@@ -552,13 +545,14 @@ def extract(request: ExportTraceServiceRequest, body: bytes | None = None) -> De
                 except RecursionError:
                     problem = ""
                 if problem is not None:
-                    # Rare: redo the span the exact way, so the message names the first
-                    # bad attribute in wire order (the map above has no order).
+                    # Rare: redo the span the exact way, so the message is the exact
+                    # path's (and a value nested too deeply gets its own).
                     problem = _problem_exact(PbSpan.FromString(data))
-                if problem is None and (len(span.trace_id) != 16 or len(span.span_id) != 8):
+                trace_id, span_id = span.trace_id, span.span_id
+                if problem is None and (len(trace_id) != 16 or len(span_id) != 8):
                     problem = (
-                        f"span ids have the wrong length (trace {len(span.trace_id)} bytes, "
-                        f"span {len(span.span_id)} bytes): use 16 and 8 bytes"
+                        f"span ids have the wrong length (trace {len(trace_id)} bytes, "
+                        f"span {len(span_id)} bytes): use 16 and 8 bytes"
                     )
                 if problem is not None:
                     rejected += 1
@@ -574,8 +568,12 @@ def extract(request: ExportTraceServiceRequest, body: bytes | None = None) -> De
                     _record(
                         span,
                         attrs,
-                        _span_resource(resource, derived, span.trace_id, attrs),
+                        resource
+                        if derived is None
+                        else _span_resource(resource, derived, trace_id, attrs),
                         _events(events) if events else (),
+                        trace_id,
+                        span_id,
                     )
                 )
                 raws.append(data)  # the Span exactly as received: nothing to serialise
@@ -604,7 +602,12 @@ def _span_resource(
 
 
 def _record(
-    span: Any, attrs: dict[str, Any], resource: Any, events: tuple[SpanEvent, ...]
+    span: Any,
+    attrs: dict[str, Any],
+    resource: Any,
+    events: tuple[SpanEvent, ...],
+    trace_id: bytes | None = None,
+    span_id: bytes | None = None,
 ) -> SpanRecord:
     """One SpanRecord from a decoded Span (the fast and the exact path alike)."""
     status = span.status
@@ -612,8 +615,8 @@ def _record(
     return _new_record(
         SpanRecord,
         (
-            span.trace_id.hex(),
-            span.span_id.hex(),
+            (span.trace_id if trace_id is None else trace_id).hex(),
+            (span.span_id if span_id is None else span_id).hex(),
             span.parent_span_id.hex(),
             span.name,
             span.start_time_unix_nano / 1e9,
