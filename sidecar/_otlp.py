@@ -723,6 +723,8 @@ def span_from_stored(raw: bytes, service: str, instance: str) -> SpanRecord:
 
 def response(rejected: int, message: str, as_json: bool) -> tuple[bytes, str]:
     """The ExportTraceServiceResponse body and content type for a request's encoding."""
+    if not (rejected or message):  # the usual answer: built once
+        return _ACCEPTED_JSON if as_json else _ACCEPTED_PROTOBUF
     if as_json:
         body: dict[str, Any] = {}
         if rejected or message:
@@ -734,3 +736,7 @@ def response(rejected: int, message: str, as_json: bool) -> tuple[bytes, str]:
             ExportTracePartialSuccess(rejected_spans=rejected, error_message=message)
         )
     return resp.SerializeToString(), "application/x-protobuf"
+
+
+_ACCEPTED_JSON = (b"{}", "application/json")
+_ACCEPTED_PROTOBUF = (ExportTraceServiceResponse().SerializeToString(), "application/x-protobuf")
