@@ -304,7 +304,10 @@ def _lean_types() -> tuple[Any, Any]:
         "Status", [("message", 2, _F.TYPE_STRING, opt, ""), ("code", 3, _F.TYPE_INT32, opt, "")]
     )
     message("RawRequest", [("resource_spans", 1, msg, rep, "RawResourceSpans")])
-    message("RawResourceSpans", [("scope_spans", 2, msg, rep, "RawScopeSpans")])
+    message(
+        "RawResourceSpans",
+        [("resource", 1, _F.TYPE_BYTES, opt, ""), ("scope_spans", 2, msg, rep, "RawScopeSpans")],
+    )
     message("RawScopeSpans", [("spans", 2, _F.TYPE_BYTES, rep, "")])
     pool = descriptor_pool.DescriptorPool()
     pool.Add(fdp)
@@ -560,9 +563,7 @@ def extract(request: ExportTraceServiceRequest, body: bytes | None = None) -> De
                         errors.append(problem)
                     continue
                 if resource is None:
-                    wire_res = rs.resource.attributes
-                    resource = {k: _value(wire_res[k]) for k in wire_res}
-                    derived = _identify(resource, warnings)
+                    resource, derived = _resource(rs, raw_rs.resource, warnings)
                 events = span.events
                 spans.append(
                     _record(
@@ -580,6 +581,32 @@ def extract(request: ExportTraceServiceRequest, body: bytes | None = None) -> De
     return Decoded(
         tuple(spans), tuple(raws), total, ignored, rejected, tuple(errors), tuple(warnings)
     )
+
+
+# A process sends the same resource with every request: its bytes -> its decoded dict
+# (read-only from here on) and derived instance. Bounded: cleared when full.
+_RESOURCE_CACHE_MAX = 1024
+_resources: dict[bytes, tuple[dict[str, Any], DerivedInstance | None]] = {}
+
+
+def _resource(
+    rs: Any, data: bytes, warnings: list[str]
+) -> tuple[dict[str, Any], DerivedInstance | None]:
+    """A lean ResourceSpans' resource attributes (``data``: the Resource's bytes)."""
+    found = _resources.get(data)
+    if found is None:
+        wire = rs.resource.attributes
+        resource = {k: _value(wire[k]) for k in wire}
+        found = (resource, _identify(resource, []))
+        if len(_resources) >= _RESOURCE_CACHE_MAX:
+            _resources.clear()
+        _resources[data] = found
+    derived = found[1]
+    # Each request carries the warning, as _identify gives it.
+    warning = derived.warning if derived is not None else None
+    if warning is not None and len(warnings) < MAX_ERROR_MESSAGES and warning not in warnings:
+        warnings.append(warning)
+    return found
 
 
 def _identify(resource: dict[str, Any], warnings: list[str]) -> DerivedInstance | None:

@@ -185,6 +185,28 @@ def test_the_attribute_cache_is_bounded() -> None:
     assert all(key != sc.SAGA_RUN_ID for key, _ in _otlp._entries.values())
 
 
+def test_a_resource_seen_before_decodes_the_same_and_warns_again() -> None:
+    """The resource cache (_otlp._resources): every request still gets its warning."""
+    request = ExportTraceServiceRequest()
+    rs = request.resource_spans.add()
+    _set(rs.resource.attributes.add(), sc.SERVICE_NAME, "no-instance")
+    span = rs.scope_spans.add().spans.add()
+    span.trace_id, span.span_id = b"\x03" * 16, b"\x04" * 8
+    _set(span.attributes.add(), sc.SAGA_PHASE, sc.PHASE_VALIDATE)
+    _set(span.attributes.add(), sc.SAGA_RUN_ID, "r1")
+    body = request.SerializeToString()
+    first, again = (extract(ExportTraceServiceRequest.FromString(body), body) for _ in "ab")
+    _same(first, _extract_exact(request))
+    _same(again, _extract_exact(request))
+    assert first.warnings == again.warnings == _extract_exact(request).warnings
+    assert first.warnings and first.spans[0].instance.startswith("derived:")
+    for n in range(_otlp._RESOURCE_CACHE_MAX + 10):
+        rs.resource.attributes[0].value.string_value = f"service-{n}"
+        body = request.SerializeToString()
+        extract(ExportTraceServiceRequest.FromString(body), body)
+    assert 0 < len(_otlp._resources) <= _otlp._RESOURCE_CACHE_MAX
+
+
 def test_attempts_arriving_out_of_order_fold_the_same() -> None:
     r = RunScript()
     r.do(0, "issue_credit", ok=False, attempt=1)
