@@ -25,6 +25,7 @@ only when ``saga.step.pivot`` says so. A class that *is* given must be one of
 from __future__ import annotations
 
 import json
+import json.scanner
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -115,7 +116,19 @@ def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+# The scanner json.loads uses (typeshed types make_scanner's argument as itself).
+_scan = json.scanner.make_scanner(json.JSONDecoder())  # type: ignore[arg-type]
+
+
 def _json(text: str) -> tuple[bool, object]:
+    # The scanner json.loads runs, without its two whitespace passes: when it reads the
+    # whole text from the first character, json.loads gives the same value.
+    try:
+        value, end = _scan(text, 0)
+        if end == len(text):
+            return True, value
+    except (StopIteration, ValueError, RecursionError):
+        pass  # the plain way below decides (and says the same as ever)
     try:
         return True, json.loads(text)
     except (ValueError, RecursionError):  # nested thousands deep: not JSON we can read

@@ -155,17 +155,22 @@ async def _read_bounded(
     start = loop.time()
     chunks: list[bytes] = []
     size = 0
+    content = request.content
     try:
         while True:
             deadline = min(start + body_timeout, start + BODY_RATE_GRACE + size / min_rate)
             remaining = deadline - loop.time()
             if remaining <= 0:
                 raise _TooSlow
-            try:
-                async with asyncio.timeout(remaining):
-                    chunk = await request.content.readany()
-            except TimeoutError:
-                raise _TooSlow from None
+            # What has arrived already needs no timer (a small body comes with its
+            # headers): the deadline is armed only to wait for more.
+            chunk = content.read_nowait() if not content.at_eof() else b""
+            if not chunk and not content.at_eof():
+                try:
+                    async with asyncio.timeout(remaining):
+                        chunk = await content.readany()
+                except TimeoutError:
+                    raise _TooSlow from None
             if not chunk:
                 return b"".join(chunks), size
             if size + len(chunk) > limit:

@@ -13,7 +13,7 @@ import json
 import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from google.protobuf import descriptor_pb2, descriptor_pool, json_format, message_factory
 from google.protobuf.message import DecodeError as ProtobufDecodeError
@@ -22,7 +22,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
 )
-from opentelemetry.proto.common.v1.common_pb2 import AnyValue
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as PbSpan
 
 from saga_otel import semconv as sc
@@ -42,10 +42,7 @@ class SpanEvent:
     attributes: Mapping[str, Any]
 
 
-@dataclass(frozen=True, slots=True)
-class SpanRecord:
-    """One span as the state machine sees it. Ids are lowercase hex; times epoch seconds."""
-
+class _SpanFields(NamedTuple):
     trace_id: str
     span_id: str
     parent_span_id: str
@@ -56,7 +53,56 @@ class SpanRecord:
     status_message: str
     attributes: Mapping[str, Any]
     resource: Mapping[str, Any]
-    events: tuple[SpanEvent, ...] = ()
+    events: tuple[SpanEvent, ...]
+    # Of the resource, read once: the intake asks for them several times a span.
+    instance: str
+    service: str
+
+
+class SpanRecord(_SpanFields):
+    """One span as the state machine sees it. Ids are lowercase hex; times epoch seconds.
+
+    A named tuple (the intake builds one per span: a tuple costs a fifth of a frozen
+    dataclass's field-by-field init); ``instance`` and ``service`` come from ``resource``.
+    """
+
+    __slots__ = ()
+
+    def __new__(
+        cls,
+        trace_id: str,
+        span_id: str,
+        parent_span_id: str,
+        name: str,
+        start: float,
+        end: float,
+        status: str,
+        status_message: str,
+        attributes: Mapping[str, Any],
+        resource: Mapping[str, Any],
+        events: tuple[SpanEvent, ...] = (),
+    ) -> SpanRecord:
+        return _new_record(
+            cls,
+            (
+                trace_id,
+                span_id,
+                parent_span_id,
+                name,
+                start,
+                end,
+                status,
+                status_message,
+                attributes,
+                resource,
+                events,
+                str(resource.get(sc.SERVICE_INSTANCE_ID, "")),
+                str(resource.get(sc.SERVICE_NAME, "")),
+            ),
+        )
+
+    def __getnewargs__(self) -> tuple[Any, ...]:  # copy and pickle: the constructor's
+        return tuple(self)[:11]
 
     @property
     def ok(self) -> bool:
@@ -70,13 +116,8 @@ class SpanRecord:
     def run_id(self) -> str:
         return str(self.attributes.get(sc.SAGA_RUN_ID, ""))
 
-    @property
-    def instance(self) -> str:
-        return str(self.resource.get(sc.SERVICE_INSTANCE_ID, ""))
 
-    @property
-    def service(self) -> str:
-        return str(self.resource.get(sc.SERVICE_NAME, ""))
+_new_record = tuple.__new__
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,7 +284,7 @@ def _lean_types() -> tuple[Any, Any]:
     )
     attributes(message("Resource", []), 1)
     message("ScopeSpans", [("spans", 2, msg, rep, "Span")])
-    span = message(
+    message(
         "Span",
         [
             ("trace_id", 1, _F.TYPE_BYTES, opt, ""),
@@ -254,14 +295,19 @@ def _lean_types() -> tuple[Any, Any]:
             ("end_time_unix_nano", 8, _F.TYPE_FIXED64, opt, ""),
             ("events", 11, _F.TYPE_BYTES, rep, ""),
             ("status", 15, msg, opt, "Status"),
+            # Each KeyValue as its bytes: most are the same bytes span after span (the
+            # phase, the saga and step names, the attempt), read once (see _entry).
+            ("attributes", 9, _F.TYPE_BYTES, rep, ""),
         ],
     )
-    attributes(span, 9)
     message(
         "Status", [("message", 2, _F.TYPE_STRING, opt, ""), ("code", 3, _F.TYPE_INT32, opt, "")]
     )
     message("RawRequest", [("resource_spans", 1, msg, rep, "RawResourceSpans")])
-    message("RawResourceSpans", [("scope_spans", 2, msg, rep, "RawScopeSpans")])
+    message(
+        "RawResourceSpans",
+        [("resource", 1, _F.TYPE_BYTES, opt, ""), ("scope_spans", 2, msg, rep, "RawScopeSpans")],
+    )
     message("RawScopeSpans", [("spans", 2, _F.TYPE_BYTES, rep, "")])
     pool = descriptor_pool.DescriptorPool()
     pool.Add(fdp)
@@ -296,6 +342,60 @@ def _value(data: bytes) -> Any:
         elif tag == 0x21 and size == 9:  # double_value
             return _DOUBLE.unpack_from(data, 1)[0]
     return any_value(AnyValue.FromString(data))
+
+
+def _entry(data: bytes) -> tuple[str, Any]:
+    """A serialized KeyValue as (key, value); the usual short shape without parsing."""
+    size = len(data)
+    # key: tag 0x0A, a one-byte length; value: tag 0x12, a one- or two-byte length.
+    if size >= 4 and data[0] == 0x0A and data[1] < 0x80:
+        at = data[1] + 2
+        if at < size and data[at] == 0x12:
+            n = data[at + 1] if at + 1 < size else 0x80
+            if n < 0x80:
+                start = at + 2
+            elif at + 2 < size and data[at + 2] < 0x80:
+                n, start = n & 0x7F | data[at + 2] << 7, at + 3
+            else:
+                start = size + 1
+            if start + n == size:
+                return data[2:at].decode(), _value(data[start:])
+    kv = KeyValue.FromString(data)
+    return kv.key, any_value(kv.value)
+
+
+# Attributes whose KeyValue bytes repeat across spans (names, phases, attempts, the
+# contract version): their (key, value) is read once and shared, so a run's step names,
+# tools and descriptions are one string each across runs. Bounded: cleared when full.
+_SHARED_KEYS = frozenset(
+    {
+        sc.SAGA_PHASE,
+        sc.SAGA_NAME,
+        sc.SAGA_CONTRACT_VERSION,
+        sc.SAGA_STEP_NAME,
+        sc.SAGA_STEP_INDEX,
+        sc.SAGA_STEP_ATTEMPT,
+        sc.SAGA_STEP_CLASS,
+        sc.SAGA_STEP_PIVOT,
+        sc.SAGA_COMPENSATION_TOOL,
+        sc.SAGA_COMPENSATION_DESCRIPTION,
+        sc.SAGA_RUN_STATUS,
+        sc.SAGA_RUN_FAILED_STEP,
+    }
+)
+_ENTRY_CACHE_MAX = 4096
+_entries: dict[bytes, tuple[str, Any]] = {}
+_IMMUTABLE = (str, int, float)  # bool is an int
+
+
+def _read_entry(data: bytes) -> tuple[str, Any]:
+    """:func:`_entry`, remembered for the attributes of :data:`_SHARED_KEYS`."""
+    entry = _entry(data)
+    if entry[0] in _SHARED_KEYS and isinstance(entry[1], _IMMUTABLE):
+        if len(_entries) >= _ENTRY_CACHE_MAX:
+            _entries.clear()
+        _entries[data] = entry
+    return entry
 
 
 # --- validation -----------------------------------------------------------------
@@ -424,32 +524,38 @@ def extract(request: ExportTraceServiceRequest, body: bytes | None = None) -> De
     warnings: list[str] = []
     total = ignored = rejected = 0
     phase_key = sc.SAGA_PHASE
+    phase_bytes = phase_key.encode()
+    known = _entries.get
     for rs, raw_rs in zip(lean.resource_spans, raw.resource_spans, strict=True):
         resource: dict[str, Any] | None = None
         derived: DerivedInstance | None = None
         for ss, raw_ss in zip(rs.scope_spans, raw_rs.scope_spans, strict=True):
-            raw_spans = raw_ss.spans
-            for i, span in enumerate(ss.spans):
+            for span, data in zip(ss.spans, raw_ss.spans, strict=True):
                 total += 1
-                wire = span.attributes
-                if phase_key not in wire:
+                if phase_bytes not in data:
                     ignored += 1  # not a saga span: counted, never decoded or stored
                     continue
-                data = raw_spans[i]
                 try:
-                    # By key: the map's items()/dict() go through Python-level views.
-                    attrs = {key: _value(wire[key]) for key in wire}
+                    # Wire order, the last of a key wins: as _attributes (the exact path).
+                    attrs = dict([known(kv) or _read_entry(kv) for kv in span.attributes])
+                except RecursionError:
+                    attrs = {phase_key: None}  # decided the exact way below
+                if phase_key not in attrs:
+                    ignored += 1  # "saga.phase" was elsewhere in the span (an event, a value)
+                    continue
+                try:
                     problem = validate(attrs)
                 except RecursionError:
                     problem = ""
                 if problem is not None:
-                    # Rare: redo the span the exact way, so the message names the first
-                    # bad attribute in wire order (the map above has no order).
+                    # Rare: redo the span the exact way, so the message is the exact
+                    # path's (and a value nested too deeply gets its own).
                     problem = _problem_exact(PbSpan.FromString(data))
-                if problem is None and (len(span.trace_id) != 16 or len(span.span_id) != 8):
+                trace_id, span_id = span.trace_id, span.span_id
+                if problem is None and (len(trace_id) != 16 or len(span_id) != 8):
                     problem = (
-                        f"span ids have the wrong length (trace {len(span.trace_id)} bytes, "
-                        f"span {len(span.span_id)} bytes): use 16 and 8 bytes"
+                        f"span ids have the wrong length (trace {len(trace_id)} bytes, "
+                        f"span {len(span_id)} bytes): use 16 and 8 bytes"
                     )
                 if problem is not None:
                     rejected += 1
@@ -457,22 +563,50 @@ def extract(request: ExportTraceServiceRequest, body: bytes | None = None) -> De
                         errors.append(problem)
                     continue
                 if resource is None:
-                    wire_res = rs.resource.attributes
-                    resource = {k: _value(wire_res[k]) for k in wire_res}
-                    derived = _identify(resource, warnings)
+                    resource, derived = _resource(rs, raw_rs.resource, warnings)
                 events = span.events
                 spans.append(
                     _record(
                         span,
                         attrs,
-                        _span_resource(resource, derived, span.trace_id, attrs),
+                        resource
+                        if derived is None
+                        else _span_resource(resource, derived, trace_id, attrs),
                         _events(events) if events else (),
+                        trace_id,
+                        span_id,
                     )
                 )
                 raws.append(data)  # the Span exactly as received: nothing to serialise
     return Decoded(
         tuple(spans), tuple(raws), total, ignored, rejected, tuple(errors), tuple(warnings)
     )
+
+
+# A process sends the same resource with every request: its bytes -> its decoded dict
+# (read-only from here on) and derived instance. Bounded: cleared when full.
+_RESOURCE_CACHE_MAX = 1024
+_resources: dict[bytes, tuple[dict[str, Any], DerivedInstance | None]] = {}
+
+
+def _resource(
+    rs: Any, data: bytes, warnings: list[str]
+) -> tuple[dict[str, Any], DerivedInstance | None]:
+    """A lean ResourceSpans' resource attributes (``data``: the Resource's bytes)."""
+    found = _resources.get(data)
+    if found is None:
+        wire = rs.resource.attributes
+        resource = {k: _value(wire[k]) for k in wire}
+        found = (resource, _identify(resource, []))
+        if len(_resources) >= _RESOURCE_CACHE_MAX:
+            _resources.clear()
+        _resources[data] = found
+    derived = found[1]
+    # Each request carries the warning, as _identify gives it.
+    warning = derived.warning if derived is not None else None
+    if warning is not None and len(warnings) < MAX_ERROR_MESSAGES and warning not in warnings:
+        warnings.append(warning)
+    return found
 
 
 def _identify(resource: dict[str, Any], warnings: list[str]) -> DerivedInstance | None:
@@ -495,22 +629,33 @@ def _span_resource(
 
 
 def _record(
-    span: Any, attrs: dict[str, Any], resource: Any, events: tuple[SpanEvent, ...]
+    span: Any,
+    attrs: dict[str, Any],
+    resource: Any,
+    events: tuple[SpanEvent, ...],
+    trace_id: bytes | None = None,
+    span_id: bytes | None = None,
 ) -> SpanRecord:
     """One SpanRecord from a decoded Span (the fast and the exact path alike)."""
-    code = span.status.code
-    return SpanRecord(
-        trace_id=span.trace_id.hex(),
-        span_id=span.span_id.hex(),
-        parent_span_id=span.parent_span_id.hex(),
-        name=span.name,
-        start=span.start_time_unix_nano / 1e9,
-        end=span.end_time_unix_nano / 1e9,
-        status="error" if code == _STATUS_CODE_ERROR else ("ok" if code == 1 else "unset"),
-        status_message=span.status.message,
-        attributes=attrs,
-        resource=resource,
-        events=events,
+    status = span.status
+    code = status.code
+    return _new_record(
+        SpanRecord,
+        (
+            (span.trace_id if trace_id is None else trace_id).hex(),
+            (span.span_id if span_id is None else span_id).hex(),
+            span.parent_span_id.hex(),
+            span.name,
+            span.start_time_unix_nano / 1e9,
+            span.end_time_unix_nano / 1e9,
+            "error" if code == _STATUS_CODE_ERROR else ("ok" if code == 1 else "unset"),
+            status.message,
+            attrs,
+            resource,
+            events,
+            str(resource.get(sc.SERVICE_INSTANCE_ID, "")),
+            str(resource.get(sc.SERVICE_NAME, "")),
+        ),
     )
 
 
@@ -605,6 +750,8 @@ def span_from_stored(raw: bytes, service: str, instance: str) -> SpanRecord:
 
 def response(rejected: int, message: str, as_json: bool) -> tuple[bytes, str]:
     """The ExportTraceServiceResponse body and content type for a request's encoding."""
+    if not (rejected or message):  # the usual answer: built once
+        return _ACCEPTED_JSON if as_json else _ACCEPTED_PROTOBUF
     if as_json:
         body: dict[str, Any] = {}
         if rejected or message:
@@ -616,3 +763,7 @@ def response(rejected: int, message: str, as_json: bool) -> tuple[bytes, str]:
             ExportTracePartialSuccess(rejected_spans=rejected, error_message=message)
         )
     return resp.SerializeToString(), "application/x-protobuf"
+
+
+_ACCEPTED_JSON = (b"{}", "application/json")
+_ACCEPTED_PROTOBUF = (ExportTraceServiceResponse().SerializeToString(), "application/x-protobuf")

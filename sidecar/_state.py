@@ -963,7 +963,8 @@ class RunState:
             if saved is not None and id(step) not in saved:
                 saved[id(step)] = step.copy() if len(run.steps) == count else None
             attempt = int(attrs.get(sc.SAGA_STEP_ATTEMPT, 1))
-            ok = span.ok
+            ok = span.status != "error"  # span.ok, without the call (per span)
+            error = None if ok else _error_text(span)
             if phase == sc.PHASE_DO:
                 dos = step.dos
                 for a in dos:
@@ -991,7 +992,7 @@ class RunState:
                     span.start,
                     span_id,
                     ok,
-                    _error_text(span),
+                    error,
                     span.end,
                     comp,
                     str(unstorable) if unstorable else None,
@@ -1014,7 +1015,7 @@ class RunState:
                     span.start,
                     span_id,
                     ok,
-                    _error_text(span),
+                    error,
                     span.end,
                     _intern(tool) if isinstance(tool, str) else None,
                 )

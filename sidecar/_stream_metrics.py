@@ -100,50 +100,62 @@ class StreamMetrics:
     def spans(self, spans: Iterable[SpanRecord], state: RunState) -> None:
         """Count newly stored saga spans (folded into ``state`` already).
 
-        Counts are summed per label set over the batch first: one increment per
-        label set, not per span (a Prometheus increment takes a lock).
+        Spans are grouped first by what their counts read (labels, phase, outcome,
+        retry, tool, pivot): one increment per metric and group, not per span (a
+        Prometheus increment takes a lock), and the durations observed per group.
         """
-        counts: dict[tuple[Any, ...], int] = {}
-        observe = self._observe
+        groups: dict[tuple[Any, ...], list[float]] = {}
         labelled: dict[tuple[object, str], tuple[str, str]] = {}  # a batch is a few runs
         for span in spans:
             attrs = span.attributes
             phase = attrs.get(sc.SAGA_PHASE)
             if phase not in _COUNTED:
                 continue
-            where = (attrs.get(sc.SAGA_RUN_ID), span.service)
-            found = labelled.get(where)
-            if found is None:
-                found = labelled[where] = self._labels(span, state)
-            saga, service = found
+            saga = attrs.get(sc.SAGA_NAME)
+            service = span.service
+            if not (service and isinstance(saga, str) and saga):  # ask the state (_labels)
+                where = (attrs.get(sc.SAGA_RUN_ID), service)
+                found = labelled.get(where)
+                if found is None:
+                    found = labelled[where] = self._labels(span, state)
+                saga, service = found
             if phase == sc.PHASE_UNWIND:
-                key: tuple[Any, ...] = (self.unwinds, saga, service)
-                counts[key] = counts.get(key, 0) + 1
-                continue
-            step = str(attrs.get(sc.SAGA_STEP_NAME) or "")
-            ok = span.ok
-            keys: list[tuple[Any, ...]] = [
-                (self.steps, saga, service, step, phase, "ok" if ok else "error")
-            ]
-            observe(self.step_duration, (saga, service, step, phase), span.end - span.start)
-            if int(attrs.get(sc.SAGA_STEP_ATTEMPT, 1)) > 1:
-                keys.append((self.step_retries, saga, service, step, phase))
-            if phase == sc.PHASE_COMPENSATE:
-                tool = str(attrs.get(sc.SAGA_COMPENSATION_TOOL) or "")
-                outcome = "ok" if ok else "failed"
-                keys.append((self.compensations, saga, service, step, tool, outcome))
-            elif ok and is_pivot(
-                attrs.get(sc.SAGA_STEP_CLASS), attrs.get(sc.SAGA_STEP_PIVOT) is True
-            ):
-                keys.append((self.pivots, saga, service, step))
-            for key in keys:
-                counts[key] = counts.get(key, 0) + 1
+                key: tuple[Any, ...] = (saga, service, phase)
+            else:
+                ok = span.status != "error"
+                retry = int(attrs.get(sc.SAGA_STEP_ATTEMPT, 1)) > 1
+                extra: str | bool
+                if phase == sc.PHASE_COMPENSATE:
+                    extra = str(attrs.get(sc.SAGA_COMPENSATION_TOOL) or "")
+                else:  # a do: whether it crossed a pivot
+                    extra = ok and is_pivot(
+                        attrs.get(sc.SAGA_STEP_CLASS), attrs.get(sc.SAGA_STEP_PIVOT) is True
+                    )
+                step = str(attrs.get(sc.SAGA_STEP_NAME) or "")
+                key = (saga, service, phase, step, ok, retry, extra)
+            found_group = groups.get(key)
+            if found_group is None:
+                found_group = groups[key] = []
+            found_group.append(span.end - span.start)
         child = self._child
-        for (metric, *labels), n in counts.items():
-            child(metric, *labels).inc(n)
-
-    def _observe(self, metric: Histogram, labels: tuple[str, ...], value: float) -> None:
-        self._child(metric, *labels).observe(max(0.0, value))
+        for key, durations in groups.items():
+            n = len(durations)
+            saga, service, phase = key[:3]
+            if phase == sc.PHASE_UNWIND:
+                child(self.unwinds, saga, service).inc(n)
+                continue
+            step, ok, retry, extra = key[3:]
+            child(self.steps, saga, service, step, phase, "ok" if ok else "error").inc(n)
+            histogram = child(self.step_duration, saga, service, step, phase)
+            for duration in durations:
+                histogram.observe(max(0.0, duration))
+            if retry:
+                child(self.step_retries, saga, service, step, phase).inc(n)
+            if phase == sc.PHASE_COMPENSATE:
+                outcome = "ok" if ok else "failed"
+                child(self.compensations, saga, service, step, str(extra), outcome).inc(n)
+            elif extra:
+                child(self.pivots, saga, service, step).inc(n)
 
     def _child(self, metric: Any, *labels: str) -> Any:
         # labels() costs more than the increment, per span on the intake path: keep the

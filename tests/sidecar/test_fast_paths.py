@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.common.v1.common_pb2 import KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 from sidecar_testkit import (
     CREDIT,
@@ -27,7 +28,7 @@ from sidecar_testkit import (
 )
 
 from saga_otel import semconv as sc
-from sidecar import Sidecar
+from sidecar import Sidecar, _otlp
 from sidecar._alerting import evaluate
 from sidecar._otlp import Decoded, _extract_exact, extract
 from sidecar._state import RunState
@@ -134,6 +135,76 @@ def test_lean_decoding_matches_on_odd_attributes(
     body = request.SerializeToString()
     exact = _extract_exact(request)  # an array saga.phase is rejected, never a TypeError
     _same(extract(ExportTraceServiceRequest.FromString(body), body), exact)
+
+
+def test_lean_attribute_entries_of_every_shape_match_the_generated_types() -> None:
+    """The KeyValue shortcut (_otlp._entry) and its cache against the exact path: long
+    keys and values (multi-byte lengths), a key repeated (the last wins), a value-less
+    key, a KeyValue with its fields in the other order, and "saga.phase" only in an event."""
+    request = ExportTraceServiceRequest()
+    rs = request.resource_spans.add()
+    _set(rs.resource.attributes.add(), sc.SERVICE_INSTANCE_ID, "i-1")
+    out = rs.scope_spans.add().spans
+    shapes: list[list[tuple[str, Any]]] = [
+        [("k" * 200, "v"), (sc.SAGA_NAME, "x" * 200), (sc.SAGA_NAME, "y" * 20_000)],
+        [(sc.SAGA_STEP_NAME, "a"), (sc.SAGA_STEP_NAME, "b"), (sc.SAGA_STEP_CLASS, None)],
+        [(sc.SAGA_STEP_INDEX, 300), (sc.SAGA_STEP_ATTEMPT, -1), (sc.SAGA_STEP_PIVOT, True)],
+        [(sc.SAGA_COMPENSATION_DESCRIPTION, "\u00e9" * 70), ("", "no key")],
+    ]
+    for n, attrs in enumerate(shapes * 2, 1):  # twice: the second time from the cache
+        span = out.add()
+        span.trace_id, span.span_id = b"\x02" * 16, n.to_bytes(8, "big")
+        _set(span.attributes.add(), sc.SAGA_PHASE, sc.PHASE_DO)
+        _set(span.attributes.add(), sc.SAGA_RUN_ID, "r1")
+        for key, value in attrs:
+            _set(span.attributes.add(), key, value)
+    span = out.add()  # the phase key only in an event: not a saga span
+    span.trace_id, span.span_id = b"\x02" * 16, (99).to_bytes(8, "big")
+    _set(span.events.add().attributes.add(), sc.SAGA_PHASE, sc.PHASE_DO)
+    body = request.SerializeToString()
+    exact = _extract_exact(request)
+    _same(extract(ExportTraceServiceRequest.FromString(body), body), exact)
+    assert exact.ignored == 1
+    # A KeyValue written value first, then key: the shortcut declines, the parse decides.
+    kv = KeyValue(key=sc.SAGA_PHASE)
+    kv.value.string_value = sc.PHASE_DO
+    flipped = kv.value.SerializeToString()
+    entry = b"\x12" + bytes([len(flipped)]) + flipped + b"\x0a\x0a" + sc.SAGA_PHASE.encode()
+    assert _otlp._entry(entry) == (sc.SAGA_PHASE, sc.PHASE_DO)
+
+
+def test_the_attribute_cache_is_bounded() -> None:
+    for n in range(_otlp._ENTRY_CACHE_MAX + 10):
+        kv = KeyValue(key=sc.SAGA_STEP_NAME)
+        kv.value.string_value = f"step-{n}"
+        _otlp._read_entry(kv.SerializeToString())
+        kv = KeyValue(key=sc.SAGA_RUN_ID)  # one per run: never kept
+        kv.value.string_value = f"run-{n}"
+        _otlp._read_entry(kv.SerializeToString())
+    assert 0 < len(_otlp._entries) <= _otlp._ENTRY_CACHE_MAX
+    assert all(key != sc.SAGA_RUN_ID for key, _ in _otlp._entries.values())
+
+
+def test_a_resource_seen_before_decodes_the_same_and_warns_again() -> None:
+    """The resource cache (_otlp._resources): every request still gets its warning."""
+    request = ExportTraceServiceRequest()
+    rs = request.resource_spans.add()
+    _set(rs.resource.attributes.add(), sc.SERVICE_NAME, "no-instance")
+    span = rs.scope_spans.add().spans.add()
+    span.trace_id, span.span_id = b"\x03" * 16, b"\x04" * 8
+    _set(span.attributes.add(), sc.SAGA_PHASE, sc.PHASE_VALIDATE)
+    _set(span.attributes.add(), sc.SAGA_RUN_ID, "r1")
+    body = request.SerializeToString()
+    first, again = (extract(ExportTraceServiceRequest.FromString(body), body) for _ in "ab")
+    _same(first, _extract_exact(request))
+    _same(again, _extract_exact(request))
+    assert first.warnings == again.warnings == _extract_exact(request).warnings
+    assert first.warnings and first.spans[0].instance.startswith("derived:")
+    for n in range(_otlp._RESOURCE_CACHE_MAX + 10):
+        rs.resource.attributes[0].value.string_value = f"service-{n}"
+        body = request.SerializeToString()
+        extract(ExportTraceServiceRequest.FromString(body), body)
+    assert 0 < len(_otlp._resources) <= _otlp._RESOURCE_CACHE_MAX
 
 
 def test_attempts_arriving_out_of_order_fold_the_same() -> None:
