@@ -143,14 +143,6 @@ async def _read_bounded(
     """
     if request.content_length is not None and request.content_length > limit:
         raise _TooLarge
-    content = request.content
-    if content.is_eof():  # the whole body came with the headers: no wait, no timer
-        body = content.read_nowait()
-        if len(body) > limit:
-            raise _TooLarge
-        if not receiving.take(len(body)):
-            raise _Busy
-        return body, len(body)
     loop = asyncio.get_running_loop()
     start = loop.time()
     chunks: list[bytes] = []
