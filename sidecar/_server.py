@@ -1,16 +1,17 @@
 """The Sidecar service object: store, state, listeners, orphan ticker and the servers.
 
-One asyncio loop runs everything. On SQLite intake is synchronous inside a
-request handler (decode, one SQLite transaction, fold into the state, notify),
-which keeps a change, its commit and its listeners in one order with no locks.
+One asyncio loop runs everything. On SQLite intake runs on the loop (decode in the
+request handler; screening, one SQLite transaction, the fold and the listeners in
+one loop callback per group), which keeps a change, its commit and its listeners in
+one order with no locks.
 On PostgreSQL (``store.inline`` False) every database call runs on one worker
 thread of the sidecar, in submission order, and intake holds an asyncio lock
 from screening to folding: the same order, without the loop waiting on the
 network. Across replicas a request is screened and stored in one transaction
 holding its runs' owner row locks (``Store.write_screened``), so one run's
-requests are taken one at a time whichever replicas they reach. The requests that
-arrive while a transaction runs wait and go into the next one together (group
-commit: screened in arrival order, one COMMIT, folded in order).
+requests are taken one at a time whichever replicas they reach. Concurrent requests
+share a transaction (group commit: the policy is ``_groups.py``; ``_commit_inline``
+and ``_take_groups`` are its SQLite and PostgreSQL drivers).
 """
 
 from __future__ import annotations
