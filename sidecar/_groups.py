@@ -15,10 +15,12 @@ it is folded):
 3. One COMMIT for the whole group.
 4. :func:`settle`: if the COMMIT failed, every member gets its error and none is folded
    (503, retry: nothing of theirs was stored); otherwise each member is folded in
-   arrival order, then answered (a screening or fold error answers that member alone). A 200 follows
-   the COMMIT, never precedes it. A member whose sender went away is folded all the same.
+   arrival order, then answered (a screening or fold error answers that member alone).
+   A 200 follows the COMMIT, never precedes it. A member whose sender went away is
+   folded all the same (:func:`deliver` leaves its cancelled answer alone).
 
-Pure except for the futures the answers go to (``answer``).
+A request with no saga spans joins no group: the drivers answer it at once. Pure but
+for :func:`deliver`, which sets an asyncio future.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ R = TypeVar("R")
 T = TypeVar("T")
 
 MAX_GROUP = 256
-"""Requests per group commit (the next arrival starts the next group)."""
+"""Requests per group commit (the next arrival starts the next group). Above the default
+in-flight bound (64): a bound for a sidecar configured with more, not a batching delay."""
 GROUPS_IN_A_ROW = 4
 """PostgreSQL: groups taken per hold of the intake lock (eviction, sync and leases
 get their turn between)."""
