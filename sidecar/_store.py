@@ -388,8 +388,8 @@ class SqliteStore:
 
     @contextlib.contextmanager
     def _tx(self, what: str) -> Iterator[sqlite3.Connection]:
-        """One write transaction: committed at the end of the block, or rolled back and
-        raised as StoreError naming ``what`` failed."""
+        """One write transaction: committed at the end of the block, or rolled back (on
+        any error) and a database error raised as StoreError naming ``what`` failed."""
         db = self._db
         try:
             db.execute("BEGIN")
@@ -398,6 +398,9 @@ class SqliteStore:
         except sqlite3.Error as exc:
             self._rollback()
             raise StoreError(f"could not {what} in {str(self.path)!r}: {exc}") from exc
+        except BaseException:
+            self._rollback()
+            raise
 
     def _rollback(self) -> None:
         with contextlib.suppress(sqlite3.Error):  # no transaction was open

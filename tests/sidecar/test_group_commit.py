@@ -14,6 +14,7 @@ import sqlite3
 from pathlib import Path
 from typing import Any
 
+import pytest
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from sidecar_testkit import FakeClock, RunScript, open_run, settings_for
@@ -144,3 +145,21 @@ async def test_a_failed_group_commit_fails_every_request_and_folds_none(sidecar:
     again = await asyncio.gather(*(sidecar.ingest(_decoded(r.spans()), "http") for r in runs))
     assert [d.rejected for d in again] == [0, 0, 0]
     assert _stored(sidecar.db_path) == 6
+
+
+def test_a_write_transaction_failing_mid_way_is_rolled_back_whatever_failed(
+    tmp_path: Path,
+) -> None:
+    """SQLite's one transaction helper (``SqliteStore._tx``): an error that is not the
+    database's still rolls back, so the next write (a group's COMMIT) is not caught
+    inside a transaction left open."""
+    store = SqliteStore(tmp_path / "s.db")
+    try:
+        with pytest.raises(RuntimeError, match="not the database"), store._tx("mark") as db:
+            db.execute("INSERT INTO run_marks(run_id, orphaned_at) VALUES ('r1', 1.0)")
+            raise RuntimeError("not the database")
+        assert store.marks() == []
+        store.mark_orphaned([("r2", 2.0)])
+        assert [m.run_id for m in store.marks()] == ["r2"]
+    finally:
+        store.close()
