@@ -28,8 +28,11 @@ from ._log import get_logger
 from ._outbox_sql import OutboxReads
 from ._storage import (
     LEASE_ROW,
+    MARK_ROW,
     NOT_PUT_AWAY,
+    OWNER_ROW,
     SCHEMA_VERSION,
+    SPAN_ROW,
     AlertTx,
     Changes,
     DbTarget,
@@ -46,7 +49,9 @@ from ._storage import (
     SpanRow,
     StoredSpan,
     T,
+    owners_from_rows,
     put_away_page_sql,
+    span_from_row,
 )
 from ._store import lease_from_row, newer_schema_message
 
@@ -150,6 +155,23 @@ GAP_WINDOW = 10_000  # at start, only the newest numbers can belong to open tran
 CLOCK_MARGIN_S = 5.0
 SYNC_BATCH = 5000
 CLAIM_TTL_S = 120.0  # an outbox row taken by a replica that died is free again after this
+
+
+def _changes(
+    spans: list[StoredSpan],
+    owners: list[Any],
+    instances: list[HeartbeatRow],
+    marks: list[Any],
+    leases: list[Any],
+) -> Changes:
+    """Rows read with ``OWNER_ROW``, ``MARK_ROW`` and ``LEASE_ROW`` as ``Changes``."""
+    return Changes(
+        spans,
+        owners_from_rows(owners),
+        instances,
+        [RunMark(*m) for m in marks],
+        [lease_from_row(row) for row in leases],
+    )
 
 
 def _statements(script: str) -> list[str]:
@@ -376,32 +398,27 @@ class PgStore(_Pooled):
                 if seq in self._own:
                     self._own.discard(seq)
                     continue
-                spans.append(StoredSpan(run_id, span_id, service, instance, bytes(data)))
+                spans.append(span_from_row((run_id, span_id, service, instance, data)))
             run_ids = sorted({s.run_id for s in spans})
-            owners = conn.execute(
-                "SELECT run_id, trace_id, instance, service FROM run_owners WHERE run_id = ANY(%s)",
-                (run_ids,),
-            ).fetchall()
+            owners = conn.execute(OWNER_ROW + " WHERE run_id = ANY(%s)", (run_ids,)).fetchall()
             instances = conn.execute(
                 "SELECT instance, last_heartbeat, interval_s, open_runs FROM instances "
                 "WHERE last_heartbeat > %s",
                 (floor,),
             ).fetchall()
+            since_floor = (floor, floor)
             marks = conn.execute(
-                "SELECT run_id, orphaned_at, resolution_note, resolution_at FROM run_marks "
-                "WHERE orphaned_at > %s OR resolution_at > %s",
-                (floor, floor),
+                MARK_ROW + " WHERE orphaned_at > %s OR resolution_at > %s", since_floor
             ).fetchall()
             leases = conn.execute(
-                LEASE_ROW + " WHERE granted_at > %s OR expires_at > %s",
-                (floor, floor),
+                LEASE_ROW + " WHERE granted_at > %s OR expires_at > %s", since_floor
             ).fetchall()
-        return Changes(
+        return _changes(
             spans,
-            [(str(r), Owner(str(t), str(i), str(s))) for r, t, i, s in owners],
+            owners,
             [(str(a), float(b), float(c), str(d or "[]")) for a, b, c, d in instances],
-            [RunMark(*m) for m in marks],
-            [lease_from_row(row) for row in leases],
+            marks,
+            leases,
         )
 
     def schema_version(self) -> int:
@@ -581,12 +598,10 @@ class PgStore(_Pooled):
             }
             cur.itersize = 2000
             cur.execute(
-                "SELECT run_id, span_id, service, instance, data FROM spans WHERE "
-                + NOT_PUT_AWAY.format(table="spans")
-                + " ORDER BY run_id"
+                SPAN_ROW + " WHERE " + NOT_PUT_AWAY.format(table="spans") + " ORDER BY run_id"
             )
-            for run_id, span_id, service, instance, data in cur:
-                yield StoredSpan(run_id, span_id, service, instance, bytes(data))
+            for row in cur:
+                yield span_from_row(row)
             newest = max(recent, default=self._seq)
             low = max(self._seq, newest - GAP_WINDOW)
             self._gaps = {g: None for g in range(low + 1, newest) if g not in recent}
@@ -608,9 +623,7 @@ class PgStore(_Pooled):
     def _screening(conn: Any, keys: Sequence[tuple[str, str]], run_ids: list[str]) -> Screening:
         """The runs' owners (their rows locked until commit), leases and stored spans."""
         owners = conn.execute(
-            "SELECT run_id, trace_id, instance, service FROM run_owners "
-            "WHERE run_id = ANY(%b::text[]) ORDER BY run_id FOR UPDATE",
-            (run_ids,),
+            OWNER_ROW + " WHERE run_id = ANY(%b::text[]) ORDER BY run_id FOR UPDATE", (run_ids,)
         ).fetchall()
         leases = conn.execute(
             LEASE_ROW + " WHERE run_id = ANY(%b::text[])",
@@ -623,16 +636,13 @@ class PgStore(_Pooled):
             ([r for r, _ in keys], [s for _, s in keys]),
         ).fetchall()
         return Screening(
-            {str(r): Owner(str(t), str(i), str(s)) for r, t, i, s in owners},
+            dict(owners_from_rows(owners)),
             {str(row[0]): lease_from_row(row) for row in leases},
             {(r, s): bytes(d) for r, s, d in stored},
         )
 
     def marks(self) -> list[RunMark]:
-        rows = self._all(
-            "SELECT run_id, orphaned_at, resolution_note, resolution_at FROM run_marks WHERE "
-            + NOT_PUT_AWAY.format(table="run_marks")
-        )
+        rows = self._all(MARK_ROW + " WHERE " + NOT_PUT_AWAY.format(table="run_marks"))
         return [RunMark(*row) for row in rows]
 
     def instances(self) -> list[InstanceRow]:
@@ -640,11 +650,9 @@ class PgStore(_Pooled):
         return [(str(a), float(b), float(c)) for a, b, c in rows]
 
     def owners(self) -> list[tuple[str, Owner]]:
-        rows = self._all(
-            "SELECT run_id, trace_id, instance, service FROM run_owners WHERE "
-            + NOT_PUT_AWAY.format(table="run_owners")
+        return owners_from_rows(
+            self._all(OWNER_ROW + " WHERE " + NOT_PUT_AWAY.format(table="run_owners"))
         )
-        return [(str(r), Owner(str(t), str(i), str(s))) for r, t, i, s in rows]
 
     def leases(self) -> list[Lease]:
         rows = self._all(LEASE_ROW + " WHERE " + NOT_PUT_AWAY.format(table="run_leases"))
@@ -672,33 +680,18 @@ class PgStore(_Pooled):
     def load_runs(self, run_ids: Sequence[str], *, reopen: bool = False) -> Changes:
         ids = sorted(set(run_ids))
         with self._tx("read runs") as conn:
-            spans = conn.execute(
-                "SELECT run_id, span_id, service, instance, data FROM spans "
-                "WHERE run_id = ANY(%s) ORDER BY run_id",
-                (ids,),
-            ).fetchall()
-            owners = conn.execute(
-                "SELECT run_id, trace_id, instance, service FROM run_owners WHERE run_id = ANY(%s)",
-                (ids,),
-            ).fetchall()
-            marks = conn.execute(
-                "SELECT run_id, orphaned_at, resolution_note, resolution_at FROM run_marks "
-                "WHERE run_id = ANY(%s)",
-                (ids,),
-            ).fetchall()
-            leases = conn.execute(
-                LEASE_ROW + " WHERE run_id = ANY(%s)",
-                (ids,),
-            ).fetchall()
+            spans, owners, marks, leases = (
+                conn.execute(select + " WHERE run_id = ANY(%s)" + order, (ids,)).fetchall()
+                for select, order in (
+                    (SPAN_ROW, " ORDER BY run_id"),
+                    (OWNER_ROW, ""),
+                    (MARK_ROW, ""),
+                    (LEASE_ROW, ""),
+                )
+            )
             if reopen:
                 conn.execute("UPDATE run_index SET status = NULL WHERE run_id = ANY(%s)", (ids,))
-        return Changes(
-            [StoredSpan(r, i, sv, inst, bytes(d)) for r, i, sv, inst, d in spans],
-            [(str(r), Owner(str(t), str(i), str(s))) for r, t, i, s in owners],
-            [],
-            [RunMark(*m) for m in marks],
-            [lease_from_row(row) for row in leases],
-        )
+        return _changes([span_from_row(row) for row in spans], owners, [], marks, leases)
 
     def put_away_page(self, query: RunQuery, limit: int) -> list[tuple[str, float]]:
         sql, args = put_away_page_sql(query, limit, "%s")

@@ -1,16 +1,17 @@
 """The Sidecar service object: store, state, listeners, orphan ticker and the servers.
 
-One asyncio loop runs everything. On SQLite intake is synchronous inside a
-request handler (decode, one SQLite transaction, fold into the state, notify),
-which keeps a change, its commit and its listeners in one order with no locks.
+One asyncio loop runs everything. On SQLite intake runs on the loop (decode in the
+request handler; screening, one SQLite transaction, the fold and the listeners in
+one loop callback per group), which keeps a change, its commit and its listeners in
+one order with no locks.
 On PostgreSQL (``store.inline`` False) every database call runs on one worker
 thread of the sidecar, in submission order, and intake holds an asyncio lock
 from screening to folding: the same order, without the loop waiting on the
 network. Across replicas a request is screened and stored in one transaction
 holding its runs' owner row locks (``Store.write_screened``), so one run's
-requests are taken one at a time whichever replicas they reach. The requests that
-arrive while a transaction runs wait and go into the next one together (group
-commit: screened in arrival order, one COMMIT, folded in order).
+requests are taken one at a time whichever replicas they reach. Concurrent requests
+share a transaction (group commit: the policy is ``_groups.py``; ``_commit_inline``
+and ``_take_groups`` are its SQLite and PostgreSQL drivers).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import TracebackType
-from typing import NamedTuple, TypeVar
+from typing import TypeVar
 
 from aiohttp import web
 from grpc import aio
@@ -36,6 +37,7 @@ from saga_otel import semconv as sc
 from ._backends import open_store
 from ._errors import SidecarError, StoreError
 from ._forward import Forwarder, cancel
+from ._groups import GROUPS_IN_A_ROW, Groups, Pending, Screened, deliver, screen_in_order, settle
 from ._grpc import start_grpc
 from ._http import build_api_app, build_otlp_app
 from ._leases import (
@@ -80,16 +82,13 @@ Listener = Callable[[RunView | None, RunView, float], None]
 """``fn(before, after, now)``: called after each committed change to a run view."""
 BackgroundFactory = Callable[[], Awaitable[None]]
 
-GROUPS_IN_A_ROW = 4
-"""PostgreSQL intake groups taken per hold of the intake lock (see _take_groups)."""
-
-_Decided = tuple[Decoded, set[tuple[str, str]]]
-"""A screened request of a group: its accepted spans, and its accepted resends."""
+_Taken = tuple[Decoded, dict[str, Owner], set[tuple[str, str]]]
+"""A screened member of a group: its accepted spans, the runs it opens, its resends."""
 
 
 @dataclass(frozen=True, slots=True)
-class _Waiting:
-    """A request waiting for the next PostgreSQL intake transaction (group commit)."""
+class _Request:
+    """A request in a group commit (``_groups.py``), answered through ``answer``."""
 
     decoded: Decoded
     transport: str
@@ -138,13 +137,9 @@ class Sidecar:
         # A store that is not inline (PostgreSQL): its calls, one at a time, in order.
         self._db_thread: ThreadPoolExecutor | None = None
         self._intake = asyncio.Lock()
-        # SQLite group commit (see _commit_inline): the group taking requests now, and
-        # what its requests hold (the runs they open, their spans' bytes by key).
-        self._forming: list[_Member] | None = None
-        self._pending_owners: dict[str, Owner] = {}
-        self._pending_seen: dict[tuple[str, str], bytes] = {}
-        # Requests waiting for the next intake transaction, and the task taking them.
-        self._waiting: list[_Waiting] = []
+        # Group commit (_groups.py): the requests waiting, in groups, for their
+        # transaction; on PostgreSQL the task taking them (_take_groups).
+        self._groups: Groups[_Request] = Groups()
         self._taking: asyncio.Task[None] | None = None
         self.leading = False  # replicas: whether this one detects orphans (see _tick_loop)
         self._resolving = asyncio.Lock()
@@ -355,8 +350,8 @@ class Sidecar:
     def evict(self) -> list[str]:
         """Put the settled runs (ended, needing no person) away: index them in the store,
         then forget them here. Synchronous: SQLite's path and the tests'."""
-        if self.store is None or self._forming is not None:
-            return []  # a group commit is forming: its spans may reopen a settled run
+        if self.store is None or self._groups:
+            return []  # a group waits for its commit: its spans may reopen a settled run
         rows = self._index_rows()
         if rows:
             self.store.put_away(rows)
@@ -496,118 +491,120 @@ class Sidecar:
         Returns ``decoded`` less the spans the ownership, fencing and id rules refused
         (counted in its ``rejected`` and ``errors``: answer with those). The spans are
         committed before this returns.
+
+        Group commit (the policy: ``_groups.py``): the request joins the newest group;
+        SQLite commits each group in a loop callback (``_commit_inline``), PostgreSQL
+        takes them under the intake lock (``_take_groups``).
         """
         store = self.store
         if store is None:
             raise StoreError("the sidecar is not running: start it before sending spans")
-        if store.inline:
-            unknown = self._unknown_runs(decoded)
+        if not decoded.spans:  # nothing to screen or store: answered at once
+            return self._fold(decoded, transport, body, content_type, {}, self.clock(), set())
+        loop = asyncio.get_running_loop()
+        request = _Request(decoded, transport, body, content_type, loop.create_future())
+        if self._groups.join(request):
+            if store.inline:
+                loop.call_soon(self._commit_inline)
+            elif self._taking is None:
+                self._taking = asyncio.create_task(self._take_groups())
+        return await request.answer
+
+    def _commit_inline(self) -> None:
+        """SQLite's driver of the group commit: the oldest group, screened in arrival
+        order against memory and the store, written in one transaction on the loop, then
+        folded in order (a change, its commit and its listeners keep one order without
+        locks). Runs as a loop callback after the requests that joined the group."""
+        group = self._groups.take()
+        if group is None:
+            return
+        outcomes: list[_Taken | Exception] | Exception
+        now = self.clock()
+        try:
+            store = self.store
+            if store is None:
+                raise StoreError("the sidecar is stopping: retry against another replica")
+            unknown = self._unknown_runs(group)
             if unknown:
                 away = store.put_away_of(unknown)
                 if away:  # late spans of finished runs: fold them onto the whole run
                     self._restored(store.load_runs(sorted(away), reopen=True))
-            prior = store.stored_spans(self._known_keys(decoded))
-            decoded, owners, resent = self._screen(
-                decoded,
-                transport,
-                prior,
-                pending_owners=self._pending_owners,
-                pending_seen=self._pending_seen,
-            )
-            now = self.clock()
-            rows, heartbeats = self._rows(decoded, now)
-            if not (rows or heartbeats):
-                return self._fold(decoded, transport, body, content_type, owners, now, resent)
-            # Committed before anyone hears "stored", and folded in commit order, by the
-            # group's callback (a cancelled request is folded all the same).
-            return await self._commit_inline(
-                _Member(decoded, transport, body, content_type, owners, now, resent, rows,
-                        heartbeats, asyncio.get_running_loop().create_future())
-            )  # fmt: skip
-        # PostgreSQL: group commit. The requests that arrive while a transaction runs
-        # wait here and go into the next one together (see _take_groups).
-        waiting = _Waiting(
-            decoded, transport, body, content_type, asyncio.get_running_loop().create_future()
-        )
-        self._waiting.append(waiting)
-        if self._taking is None:
-            self._taking = asyncio.create_task(self._take_groups())
-        return await waiting.answer
+            prior = store.stored_spans([k for r in group for k in self._known_keys(r.decoded)])
+            screen = functools.partial(self._screen_member, now, prior, None)
+            rows, outcomes = screen_in_order(group, screen)
+            if rows.spans or rows.heartbeats:
+                store.write(rows.spans, rows.heartbeats, rows.owners)
+        except Exception as exc:  # nothing of the group stored
+            outcomes = exc
+        settle(group, outcomes, functools.partial(self._fold_taken, now, None), _answer)
 
     async def _take_groups(self) -> None:
-        """Take the waiting requests a group at a time, each group in one transaction,
-        under ``_intake``. While one group's transaction runs on the database thread, the
-        group committed before it is folded (transactions commit in submission order and
-        the folds follow them). At most GROUPS_IN_A_ROW groups per hold of the lock, so
-        eviction, sync and leases get their turn. A request whose sender went away (its
-        answer cancelled) is still stored and folded with its group."""
+        """PostgreSQL's driver of the group commit: the groups, oldest first, each in one
+        transaction, under ``_intake``. While one group's transaction runs on the database
+        thread, the group committed before it is folded (transactions commit in submission
+        order and the folds follow them). At most GROUPS_IN_A_ROW groups per hold of the
+        lock, so eviction, sync and leases get their turn."""
         try:
-            while self._waiting:
+            while self._groups:
                 async with self._intake:
                     committed: Callable[[], None] | None = None
                     for _ in range(GROUPS_IN_A_ROW):
-                        if not self._waiting:
+                        group = self._groups.take()
+                        if group is None:
                             break
-                        group, self._waiting = self._waiting, []
-                        running = None
+                        running: Coroutine[object, object, Callable[[], None]] | None = None
                         try:
                             running = await self._start_group(group)
                         except Exception as exc:  # nothing of the group stored
-                            _fail(group, exc)
+                            settle(group, exc, _never, _answer)
                         if committed is not None:  # the group before, while this one runs
                             committed()
                             committed = None
-                        if running is not None:
-                            try:
-                                committed = await running
-                            except Exception as exc:  # the whole group failed: none folded
-                                _fail(group, exc)
+                        if running is None:
+                            continue
+                        try:
+                            committed = await running
+                        except Exception as exc:  # the whole group failed: none folded
+                            settle(group, exc, _never, _answer)
                     if committed is not None:
                         committed()
         finally:
             self._taking = None
 
     async def _start_group(
-        self, group: list[_Waiting]
-    ) -> Coroutine[object, object, Callable[[], None]] | None:
+        self, group: list[_Request]
+    ) -> Coroutine[object, object, Callable[[], None]]:
         """Submit one transaction for every request of ``group`` to the database thread:
-        the union of their runs' owner rows locked in run id order, each request screened
-        in arrival order against the store plus what the requests before it in the group
-        store, one COMMIT. Returns what to await for it (then call, to fold each request
-        in order and answer it); None when no request has spans. Awaiting raises if the
+        the union of their runs' owner rows locked in run id order, the requests screened
+        in arrival order (``_decide_group``), one COMMIT. Returns what to await for it
+        (then call, to fold each request in order and answer it). Awaiting raises if the
         transaction failed (503 for every member: nothing of theirs stored or folded)."""
         store = self.store
         if store is None:
             raise StoreError("the sidecar is stopping: retry against another replica")
         # Late spans of runs put away finished: fold them onto the whole run, read
         # back from the store before the group's spans are screened and stored.
-        unknown = list(dict.fromkeys(r for w in group for r in self._unknown_runs(w.decoded)))
+        unknown = self._unknown_runs(group)
         if unknown:
             away = await self._call(store.put_away_of, unknown)
             if away:
                 self._restored(await self._call(_load_reopen, store, sorted(away)))
         now = self.clock()
-        busy = []
-        for waiting in group:
-            if waiting.decoded.spans:
-                busy.append(waiting)
-            else:  # nothing to store: answered at once
-                self._answer(waiting, {}, now, set())
-        if not busy:
-            return None
-        keys = list(dict.fromkeys(k for w in busy for k in self._known_keys(w.decoded, every=True)))
+        keys = list(
+            dict.fromkeys(k for r in group for k in self._known_keys(r.decoded, every=True))
+        )
         openers: dict[str, Owner] = {}
-        for waiting in busy:
-            for run_id, owner in self._openers(waiting.decoded):
+        for request in group:
+            for run_id, owner in self._openers(request.decoded):
                 openers.setdefault(run_id, owner)
         call = functools.partial(
             store.write_screened,
             keys,
             sorted(openers.items()),
-            functools.partial(self._decide_group, busy, now),
+            functools.partial(self._decide_group, group, now),
         )
         loop = asyncio.get_running_loop()
-        tx: asyncio.Future[tuple[list[_Decided | Exception], Screening]]
+        tx: asyncio.Future[tuple[list[_Taken | Exception], Screening]]
         if self._db_thread is None:  # a store opened without start(): at once, as _call
             tx = loop.create_future()
             try:
@@ -616,86 +613,75 @@ class Sidecar:
                 tx.set_exception(exc)
         else:  # submitted now, not when awaited: it runs while the group before is folded
             tx = loop.run_in_executor(self._db_thread, call)
-        return self._committed(tx, busy, now)
+        return self._committed(tx, group, now)
 
     async def _committed(
         self,
-        tx: asyncio.Future[tuple[list[_Decided | Exception], Screening]],
-        busy: list[_Waiting],
+        tx: asyncio.Future[tuple[list[_Taken | Exception], Screening]],
+        group: list[_Request],
         now: float,
     ) -> Callable[[], None]:
         outcomes, found = await tx
-        return functools.partial(self._fold_group, busy, now, outcomes, found)
+        return functools.partial(self._fold_group, group, now, outcomes, found)
 
     def _fold_group(
         self,
-        busy: list[_Waiting],
+        group: list[_Request],
         now: float,
-        outcomes: list[_Decided | Exception],
+        outcomes: list[_Taken | Exception],
         found: Screening,
     ) -> None:
-        """Fold a committed group's requests in order and answer each."""
+        """Fold a committed PostgreSQL group's requests in order and answer each."""
         # The runs this group opened are new to the state (apply opens them with their
         # owner); the others' owners and leases may be news from other replicas.
         opened = {r: o for r, o in found.owners.items() if r in found.opened}
         self._learn(
             {r: o for r, o in found.owners.items() if r not in opened}, found.leases.values()
         )
-        for waiting, outcome in zip(busy, outcomes, strict=True):
-            if isinstance(outcome, Exception):
-                _fail([waiting], outcome)
-                continue
-            self._answer(replace(waiting, decoded=outcome[0]), opened, now, outcome[1])
-
-    def _answer(
-        self, waiting: _Waiting, owners: dict[str, Owner], now: float, resent: set[tuple[str, str]]
-    ) -> None:
-        """Fold one committed request and answer it (its error, if folding failed)."""
-        try:
-            answer = self._fold(
-                waiting.decoded, waiting.transport, waiting.body, waiting.content_type,
-                owners, now, resent,
-            )  # fmt: skip
-        except Exception as exc:
-            _fail([waiting], exc)
-            return
-        if not waiting.answer.done():
-            waiting.answer.set_result(answer)
+        settle(group, outcomes, functools.partial(self._fold_taken, now, opened), _answer)
 
     def _decide_group(
-        self, group: list[_Waiting], now: float, found: Screening
-    ) -> tuple[IntakeRows, tuple[list[_Decided | Exception], Screening]]:
-        """Screen each request of a group in arrival order against the store's owners,
-        leases and spans of its runs, read under their row locks (on the database thread,
-        inside ``write_screened``: another replica may have opened, leased or written these
-        runs since our last sync), plus the owners and spans the requests before it in the
-        group are storing, as if each had committed before the next. A request whose
-        screening fails gets its error; the others go on."""
-        owners = dict(found.owners)
-        stored = dict(found.stored)
-        spans: list[SpanRow] = []
-        heartbeats: list[HeartbeatRow] = []
-        new_owners: list[tuple[str, Owner]] = []
-        outcomes: list[_Decided | Exception] = []
-        for waiting in group:
-            known = found._replace(owners=owners, stored=stored)
-            try:
-                decoded, mine, resent = self._screen(
-                    waiting.decoded, waiting.transport, stored, known
-                )
-                rows, beats = self._rows(decoded, now)
-            except Exception as exc:
-                outcomes.append(exc)
-                continue
-            for row in rows:
-                stored.setdefault((row[0], row[1]), row[5])
-            for run_id, owner in mine.items():
-                owners.setdefault(run_id, owner)
-            spans += rows
-            heartbeats += beats
-            new_owners += mine.items()
-            outcomes.append((decoded, resent))
-        return IntakeRows(spans, heartbeats, new_owners), (outcomes, found)
+        self, group: list[_Request], now: float, found: Screening
+    ) -> tuple[IntakeRows, tuple[list[_Taken | Exception], Screening]]:
+        """Screen a PostgreSQL group in arrival order against the store's owners, leases and
+        spans of its runs, read under their row locks (on the database thread, inside
+        ``write_screened``: another replica may have opened, leased or written these runs
+        since our last sync)."""
+        screen = functools.partial(self._screen_member, now, found.stored, found)
+        rows, outcomes = screen_in_order(group, screen)
+        return rows, (outcomes, found)
+
+    def _screen_member(
+        self,
+        now: float,
+        stored: dict[tuple[str, str], bytes],
+        known: Screening | None,
+        request: _Request,
+        pending: Pending,
+    ) -> Screened[_Taken]:
+        """One member of a group screened (``_screen``) and its rows to store."""
+        decoded, owners, resent = self._screen(
+            request.decoded, request.transport, stored, known, pending
+        )
+        rows, heartbeats = self._rows(decoded, now)
+        return Screened(
+            IntakeRows(rows, heartbeats, list(owners.items())), (decoded, owners, resent)
+        )
+
+    def _fold_taken(
+        self, now: float, opened: dict[str, Owner] | None, request: _Request, taken: _Taken
+    ) -> Decoded:
+        """Fold one committed member (``opened``: the runs its group opened, PostgreSQL;
+        else the ones it opened)."""
+        decoded, owners, resent = taken
+        try:
+            return self._fold(
+                decoded, request.transport, request.body, request.content_type,
+                owners if opened is None else opened, now, resent,
+            )  # fmt: skip
+        except Exception:  # a bug: the spans are committed, say so in the log
+            log.exception("sidecar.fold.failed", spans=len(decoded.spans))
+            raise
 
     def _openers(self, decoded: Decoded) -> list[tuple[str, Owner]]:
         """The owner each run of the request gets if it is new: its first span's that may
@@ -720,66 +706,16 @@ class Sidecar:
             first[run_id] = Owner(span.trace_id, span.instance, span.service)
         return list(first.items())
 
-    def _unknown_runs(self, decoded: Decoded) -> list[str]:
-        """Run ids of saga spans not in memory (new runs, or runs put away)."""
+    def _unknown_runs(self, group: list[_Request]) -> list[str]:
+        """Run ids of a group's saga spans not in memory (new runs, or runs put away)."""
         state = self.state
         out: dict[str, None] = {}
-        for span in decoded.spans:
-            run_id = span.attributes.get(sc.SAGA_RUN_ID)
-            if isinstance(run_id, str) and run_id not in state:
-                out[run_id] = None
+        for request in group:
+            for span in request.decoded.spans:
+                run_id = span.attributes.get(sc.SAGA_RUN_ID)
+                if isinstance(run_id, str) and run_id not in state:
+                    out[run_id] = None
         return list(out)
-
-    def _commit_inline(self, member: _Member) -> asyncio.Future[Decoded]:
-        """Join the group commit; the future gives the request's folded ``Decoded``.
-
-        Requests screened in the same loop iteration join one group, written in one
-        SQLite transaction by a callback scheduled after them (one COMMIT, not one per
-        request), which then folds them in order: a change, its commit and its
-        listeners keep one order without locks, as when each request committed alone.
-        A request screens against the spans of the forming group
-        (``_pending_owners``, ``_pending_seen``): it joins that group, so it commits
-        or fails with them.
-        """
-        group = self._forming
-        if group is None:
-            group = self._forming = []
-            asyncio.get_running_loop().call_soon(self._commit_group, group)
-        group.append(member)
-        self._pending_owners.update(member.owners)
-        self._pending_seen.update(member.seen)
-        return member.done
-
-    def _commit_group(self, group: list[_Member]) -> None:
-        self._forming = None
-        self._pending_owners.clear()  # from here on, the state (or the store) knows them
-        self._pending_seen.clear()
-        store = self.store
-        try:
-            if store is None:
-                raise StoreError("the sidecar is stopping: retry against another replica")
-            store.write(
-                [row for m in group for row in m.rows],
-                [beat for m in group for beat in m.heartbeats],
-                [owner for m in group for owner in m.owners.items()],
-            )
-        except StoreError as exc:
-            for m in group:
-                if not m.done.done():
-                    m.done.set_exception(exc)
-            return
-        for m in group:
-            try:
-                decoded = self._fold(
-                    m.decoded, m.transport, m.body, m.content_type, m.owners, m.now, m.resent
-                )
-            except Exception as exc:  # a bug: the spans are committed, say so in the log
-                log.exception("sidecar.fold.failed", spans=len(m.decoded.spans))
-                if not m.done.done():
-                    m.done.set_exception(exc)
-                continue
-            if not m.done.done():
-                m.done.set_result(decoded)
 
     def _known_keys(self, decoded: Decoded, every: bool = False) -> list[tuple[str, str]]:
         """(run_id, span_id) of saga spans of runs already owned (``every``: of all runs):
@@ -882,8 +818,7 @@ class Sidecar:
         transport: str,
         stored: dict[tuple[str, str], bytes],
         known: Screening | None = None,
-        pending_owners: dict[str, Owner] | None = None,
-        pending_seen: dict[tuple[str, str], bytes] | None = None,
+        pending: Pending | None = None,
     ) -> tuple[Decoded, dict[str, Owner], set[tuple[str, str]]]:
         """Apply the run id, ownership, fencing and duplicate rules (``_leases.py``) to each
         saga span; refused spans are left out, so nothing stored changes because of them.
@@ -896,13 +831,12 @@ class Sidecar:
         same bytes (a resend); other content is refused, so the first stored wins, live
         and after a restart alike.
 
-        ``pending_owners`` and ``pending_seen``: runs opened and spans taken by requests
-        screened before this one and not folded yet (SQLite group commit): they count
-        as if folded.
+        ``pending``: runs opened and spans taken by the members of its group screened
+        before this one (group commit, ``_groups.py``): they count as if committed.
         """
         state = self.state
-        pending_owners = pending_owners or {}
-        pending_seen = pending_seen or {}
+        pending_owners = pending.owners if pending is not None else {}
+        pending_seen = pending.seen if pending is not None else {}
         owners: dict[str, Owner] = {}
         seen: dict[tuple[str, str], bytes] = {}
         spans, raws = [], []
@@ -922,7 +856,7 @@ class Sidecar:
                 owner = owners.get(run_id) or pending_owners.get(run_id) or state.owner(run_id)
                 lease = state.lease(run_id)
             else:
-                owner = owners.get(run_id) or known.owners.get(run_id)
+                owner = owners.get(run_id) or pending_owners.get(run_id) or known.owners.get(run_id)
                 lease = known.leases.get(run_id)
             if problem is not None:
                 refusal = SpanRefusal("bad_run_id", f"{problem}; the span was not stored")
@@ -1241,25 +1175,6 @@ class Sidecar:
         return after
 
 
-class _Member(NamedTuple):
-    """One request in a SQLite group commit (``Sidecar._commit_inline``)."""
-
-    decoded: Decoded
-    transport: str
-    body: bytes | None
-    content_type: str
-    owners: dict[str, Owner]
-    now: float
-    resent: set[tuple[str, str]]
-    rows: list[SpanRow]
-    heartbeats: list[HeartbeatRow]
-    done: asyncio.Future[Decoded]
-
-    @property
-    def seen(self) -> dict[tuple[str, str], bytes]:
-        return {(row[0], row[1]): row[5] for row in self.rows}
-
-
 def _grant(
     run_id: str, owner: Liveness, req: LeaseRequest, now: float, current: Lease | None
 ) -> Lease | LeaseRefusal:
@@ -1278,10 +1193,12 @@ def _release(
     return release(run_id, current, req, now)
 
 
-def _fail(group: list[_Waiting], exc: Exception) -> None:
-    for waiting in group:
-        if not waiting.answer.done():
-            waiting.answer.set_exception(exc)
+def _answer(request: _Request, outcome: Decoded | Exception) -> None:
+    deliver(request.answer, outcome)
+
+
+def _never(request: _Request, taken: _Taken) -> Decoded:  # noqa: ARG001 (settle's fold)
+    raise AssertionError("a failed group is never folded")
 
 
 def _nothing() -> None:

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, NamedTuple, Protocol, TypeVar
+from typing import Any, Literal, NamedTuple, Protocol, TypeVar
 from urllib.parse import urlsplit
 
 from ._errors import ConfigError
@@ -462,30 +462,42 @@ LEASE_ROW = (
     "forced_by, forced_at FROM run_leases"
 )
 """A lease's columns in the order ``lease_from_row`` reads them (both backends)."""
+SPAN_ROW = "SELECT run_id, span_id, service, instance, data FROM spans"
+"""A stored span's columns in :class:`StoredSpan`'s order (``span_from_row``)."""
+OWNER_ROW = "SELECT run_id, trace_id, instance, service FROM run_owners"
+"""A run owner's columns in the order ``owners_from_rows`` reads them."""
+MARK_ROW = "SELECT run_id, orphaned_at, resolution_note, resolution_at FROM run_marks"
+"""A run mark's columns in :class:`RunMark`'s order."""
+
+
+def span_from_row(row: tuple[Any, ...]) -> StoredSpan:
+    """A ``SPAN_ROW`` row (the data as bytes: PostgreSQL gives a memoryview)."""
+    return StoredSpan(row[0], row[1], row[2], row[3], bytes(row[4]))
+
+
+def owners_from_rows(rows: Iterable[tuple[Any, ...]]) -> list[tuple[str, Owner]]:
+    return [(str(r), Owner(str(t), str(i), str(s))) for r, t, i, s in rows]
 
 
 def put_away_page_sql(query: RunQuery, limit: int, mark: str) -> tuple[str, list[object]]:
     """The index query of :meth:`Store.put_away_page` (``mark``: the driver's placeholder)."""
-    where: list[str] = []
-    args: list[object] = []
-    if query.status is not None:
-        where.append(f"(status = {mark} OR status IS NULL)")
-        args.append(query.status)
-    if query.saga is not None:
-        where.append(f"saga = {mark}")
-        args.append(query.saga)
-    if query.since is not None:
-        where.append(f"started_at >= {mark}")
-        args.append(query.since)
-    if query.until is not None:
-        where.append(f"started_at <= {mark}")
-        args.append(query.until)
-    if query.id_prefix is not None:
-        where.append(f"substr(run_id, 1, {mark}) = {mark}")
-        args += [len(query.id_prefix), query.id_prefix]
-    if query.before is not None:
-        where.append(f"(started_at < {mark} OR (started_at = {mark} AND run_id < {mark}))")
-        args += [query.before[0], query.before[0], query.before[1]]
+    before = query.before or (0.0, "")
+    prefix = query.id_prefix or ""
+    # (the filter is set, its condition with {m} for each placeholder, its arguments)
+    filters: list[tuple[bool, str, list[object]]] = [
+        (query.status is not None, "(status = {m} OR status IS NULL)", [query.status]),
+        (query.saga is not None, "saga = {m}", [query.saga]),
+        (query.since is not None, "started_at >= {m}", [query.since]),
+        (query.until is not None, "started_at <= {m}", [query.until]),
+        (query.id_prefix is not None, "substr(run_id, 1, {m}) = {m}", [len(prefix), prefix]),
+        (
+            query.before is not None,
+            "(started_at < {m} OR (started_at = {m} AND run_id < {m}))",
+            [before[0], before[0], before[1]],
+        ),
+    ]
+    where = [cond.format(m=mark) for used, cond, _ in filters if used]
+    args = [arg for used, _, given in filters if used for arg in given]
     sql = "SELECT run_id, started_at FROM run_index"
     if where:
         sql += " WHERE " + " AND ".join(where)

@@ -24,9 +24,12 @@ from ._log import get_logger
 from ._outbox_sql import ROW, OutboxReads
 from ._storage import (
     LEASE_ROW,
+    MARK_ROW,
     NO_CHANGES,
     NOT_PUT_AWAY,
+    OWNER_ROW,
     SCHEMA_VERSION,
+    SPAN_ROW,
     AlertTx,
     Changes,
     DbTarget,
@@ -43,6 +46,7 @@ from ._storage import (
     SpanRow,
     StoredSpan,
     T,
+    owners_from_rows,
     put_away_page_sql,
 )
 
@@ -361,47 +365,42 @@ class SqliteStore:
         )
 
     def _marks(self, sql: str, rows: list[tuple[object, ...]]) -> None:
-        if not rows:
-            return
-        try:
-            self._db.execute("BEGIN")
-            self._db.executemany(sql, rows)
-            self._db.execute("COMMIT")
-        except sqlite3.Error as exc:
-            self._rollback()
-            raise StoreError(f"could not update {str(self.path)!r}: {exc}") from exc
+        if rows:
+            with self._tx("update the run marks") as db:
+                db.executemany(sql, rows)
 
     def delete_runs(self, run_ids: list[str]) -> None:
-        if not run_ids:
-            return
-        try:
-            self._db.execute("BEGIN")
+        if run_ids:
             rows = [(r,) for r in run_ids]
-            self._db.executemany("DELETE FROM spans WHERE run_id = ?", rows)
-            self._db.executemany("DELETE FROM run_marks WHERE run_id = ?", rows)
-            self._db.executemany("DELETE FROM run_owners WHERE run_id = ?", rows)
-            self._db.executemany("DELETE FROM run_leases WHERE run_id = ?", rows)
-            self._db.executemany("DELETE FROM run_index WHERE run_id = ?", rows)
-            self._db.execute("COMMIT")
-        except sqlite3.Error as exc:
-            self._rollback()
-            raise StoreError(f"could not prune runs from {str(self.path)!r}: {exc}") from exc
+            with self._tx("prune runs") as db:
+                for table in ("spans", "run_marks", "run_owners", "run_leases", "run_index"):
+                    db.executemany(f"DELETE FROM {table} WHERE run_id = ?", rows)
 
     def delete_instances(self, instances: list[str]) -> None:
-        if not instances:
-            return
-        try:
-            self._db.execute("BEGIN")
-            self._db.executemany(
-                "DELETE FROM instances WHERE instance = ?", [(i,) for i in instances]
-            )
-            self._db.execute("COMMIT")
-        except sqlite3.Error as exc:
-            self._rollback()
-            raise StoreError(f"could not prune instances from {str(self.path)!r}: {exc}") from exc
+        if instances:
+            with self._tx("prune instances") as db:
+                db.executemany(
+                    "DELETE FROM instances WHERE instance = ?", [(i,) for i in instances]
+                )
 
     def instance_count(self) -> int:
         return int(self._db.execute("SELECT count(*) FROM instances").fetchone()[0])
+
+    @contextlib.contextmanager
+    def _tx(self, what: str) -> Iterator[sqlite3.Connection]:
+        """One write transaction: committed at the end of the block, or rolled back (on
+        any error) and a database error raised as StoreError naming ``what`` failed."""
+        db = self._db
+        try:
+            db.execute("BEGIN")
+            yield db
+            db.execute("COMMIT")
+        except sqlite3.Error as exc:
+            self._rollback()
+            raise StoreError(f"could not {what} in {str(self.path)!r}: {exc}") from exc
+        except BaseException:
+            self._rollback()
+            raise
 
     def _rollback(self) -> None:
         with contextlib.suppress(sqlite3.Error):  # no transaction was open
@@ -412,17 +411,14 @@ class SqliteStore:
     def spans(self) -> Iterator[StoredSpan]:
         """Every stored span of the runs not put away, grouped by run."""
         cur = self._db.execute(
-            "SELECT run_id, span_id, service, instance, data FROM spans WHERE "
-            + NOT_PUT_AWAY.format(table="spans")
-            + " ORDER BY run_id"
+            f"{SPAN_ROW} WHERE {NOT_PUT_AWAY.format(table='spans')} ORDER BY run_id"
         )
         for row in cur:
             yield StoredSpan(*row)
 
     def marks(self) -> list[RunMark]:
         rows = self._db.execute(
-            "SELECT run_id, orphaned_at, resolution_note, resolution_at FROM run_marks WHERE "
-            + NOT_PUT_AWAY.format(table="run_marks")
+            MARK_ROW + " WHERE " + NOT_PUT_AWAY.format(table="run_marks")
         ).fetchall()
         return [RunMark(*row) for row in rows]
 
@@ -445,10 +441,9 @@ class SqliteStore:
 
     def owners(self) -> list[tuple[str, Owner]]:
         rows = self._db.execute(
-            "SELECT run_id, trace_id, instance, service FROM run_owners WHERE "
-            + NOT_PUT_AWAY.format(table="run_owners")
+            OWNER_ROW + " WHERE " + NOT_PUT_AWAY.format(table="run_owners")
         ).fetchall()
-        return [(str(r), Owner(str(t), str(i), str(s))) for r, t, i, s in rows]
+        return owners_from_rows(rows)
 
     def leases(self) -> list[Lease]:
         rows = self._db.execute(
@@ -459,21 +454,15 @@ class SqliteStore:
     # --- finished runs put away from memory -----------------------------------------
 
     def put_away(self, rows: Sequence[PutAway]) -> None:
-        if not rows:
-            return
-        try:
-            self._db.execute("BEGIN")
-            self._db.executemany(
-                "INSERT INTO run_index(run_id, started_at, status, saga, last_seen) "
-                "VALUES (?, ?, ?, ?, ?) ON CONFLICT(run_id) DO UPDATE SET "
-                "started_at=excluded.started_at, status=excluded.status, saga=excluded.saga, "
-                "last_seen=excluded.last_seen",
-                rows,
-            )
-            self._db.execute("COMMIT")
-        except sqlite3.Error as exc:
-            self._rollback()
-            raise StoreError(f"could not index finished runs in {str(self.path)!r}: {exc}") from exc
+        if rows:
+            with self._tx("index finished runs") as db:
+                db.executemany(
+                    "INSERT INTO run_index(run_id, started_at, status, saga, last_seen) "
+                    "VALUES (?, ?, ?, ?, ?) ON CONFLICT(run_id) DO UPDATE SET "
+                    "started_at=excluded.started_at, status=excluded.status, "
+                    "saga=excluded.saga, last_seen=excluded.last_seen",
+                    rows,
+                )
 
     def put_away_of(self, run_ids: Sequence[str]) -> set[str]:
         found: set[str] = set()
@@ -492,51 +481,19 @@ class SqliteStore:
         owners: list[tuple[str, Owner]] = []
         marks: list[RunMark] = []
         leases: list[Lease] = []
-        db = self._db
-        try:
-            db.execute("BEGIN")
+        with self._tx("read runs") as db:
             for start in range(0, len(ids), _IN_BATCH):
                 chunk = ids[start : start + _IN_BATCH]
                 ins = ",".join("?" * len(chunk))
+                where = f" WHERE run_id IN ({ins})"
                 spans += [
-                    StoredSpan(*row)
-                    for row in db.execute(
-                        "SELECT run_id, span_id, service, instance, data FROM spans "
-                        f"WHERE run_id IN ({ins}) ORDER BY run_id",
-                        chunk,
-                    )
+                    StoredSpan(*r) for r in db.execute(SPAN_ROW + where + " ORDER BY run_id", chunk)
                 ]
-                owners += [
-                    (str(r), Owner(str(t), str(i), str(s)))
-                    for r, t, i, s in db.execute(
-                        "SELECT run_id, trace_id, instance, service FROM run_owners "
-                        f"WHERE run_id IN ({ins})",
-                        chunk,
-                    )
-                ]
-                marks += [
-                    RunMark(*row)
-                    for row in db.execute(
-                        "SELECT run_id, orphaned_at, resolution_note, resolution_at "
-                        f"FROM run_marks WHERE run_id IN ({ins})",
-                        chunk,
-                    )
-                ]
-                leases += [
-                    lease_from_row(row)
-                    for row in db.execute(
-                        "SELECT run_id, holder, token, granted_at, expires_at, released, "
-                        "forced_reason, forced_by, forced_at FROM run_leases "
-                        f"WHERE run_id IN ({ins})",
-                        chunk,
-                    )
-                ]
+                owners += owners_from_rows(db.execute(OWNER_ROW + where, chunk))
+                marks += [RunMark(*row) for row in db.execute(MARK_ROW + where, chunk)]
+                leases += [lease_from_row(row) for row in db.execute(LEASE_ROW + where, chunk)]
                 if reopen:
                     db.execute(f"UPDATE run_index SET status = NULL WHERE run_id IN ({ins})", chunk)
-            db.execute("COMMIT")
-        except sqlite3.Error as exc:
-            self._rollback()
-            raise StoreError(f"could not read runs from {str(self.path)!r}: {exc}") from exc
         return Changes(spans, owners, [], marks, leases)
 
     def put_away_page(self, query: RunQuery, limit: int) -> list[tuple[str, float]]:

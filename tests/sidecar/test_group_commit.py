@@ -1,9 +1,10 @@
 """SQLite group commit: concurrent requests share one transaction and keep every rule.
 
-Requests screened in one loop iteration commit together (``Sidecar._commit_inline``);
-each must still be answered only once committed, screened as if the ones before it
-were folded, and fail together when their transaction fails. PostgreSQL intake takes
-one request at a time (its own lock): these are SQLite's.
+Requests that join a group in one loop iteration commit together (``Sidecar._commit_inline``,
+the SQLite driver of ``sidecar/_groups.py``); each must still be answered only once
+committed, screened as if the ones before it were folded, and fail together when their
+transaction fails. The policy on its own: test_groups.py; PostgreSQL's driver:
+test_replicas.py.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import sqlite3
 from pathlib import Path
 from typing import Any
 
+import pytest
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from sidecar_testkit import FakeClock, RunScript, open_run, settings_for
@@ -20,7 +22,9 @@ from sidecar_testkit import FakeClock, RunScript, open_run, settings_for
 from saga_otel import semconv as sc
 from sidecar import Sidecar
 from sidecar._errors import StoreError
+from sidecar._groups import MAX_GROUP
 from sidecar._otlp import Decoded, extract
+from sidecar._store import SqliteStore
 
 
 def _decoded(spans: Any) -> Decoded:
@@ -33,28 +37,45 @@ def _stored(db: Path) -> int:
         return int(conn.execute("SELECT count(*) FROM spans").fetchone()[0])
 
 
-async def test_concurrent_requests_share_one_commit_and_all_fold(
-    tmp_path: Path, clock: FakeClock
-) -> None:
+def _store(sidecar: Sidecar) -> SqliteStore:
+    store = sidecar.store
+    assert isinstance(store, SqliteStore)
+    return store
+
+
+def _count_writes(sidecar: Sidecar) -> list[int]:
+    """The spans of each transaction the sidecar's store writes from here on."""
+    store = _store(sidecar)
+    writes: list[int] = []
+    real_write = store.write
+
+    def counting_write(*args: Any) -> None:
+        writes.append(len(args[0]))
+        real_write(*args)
+
+    store.write = counting_write  # type: ignore[method-assign,assignment]
+    return writes
+
+
+async def test_concurrent_requests_share_one_commit_and_all_fold(sidecar: Sidecar) -> None:
     runs = [open_run() for _ in range(6)]
-    async with Sidecar(settings_for(tmp_path), clock=clock) as sidecar:
-        store = sidecar.store
-        assert store is not None
-        writes: list[int] = []
-        real_write = store.write
+    writes = _count_writes(sidecar)
+    results = await asyncio.gather(*(sidecar.ingest(_decoded(r.spans()), "http") for r in runs))
+    assert [d.rejected for d in results] == [0] * 6
+    assert writes == [12]  # six requests of two spans: one transaction
+    assert _stored(sidecar.db_path) == 12
+    for r in runs:
+        view = sidecar.state.view(r.run_id)
+        assert view is not None and len(view["steps"]) == 2
 
-        def counting_write(*args: Any) -> None:
-            writes.append(len(args[0]))
-            real_write(*args)
 
-        store.write = counting_write  # type: ignore[method-assign]
-        results = await asyncio.gather(*(sidecar.ingest(_decoded(r.spans()), "http") for r in runs))
-        assert [d.rejected for d in results] == [0] * 6
-        assert writes == [12]  # six requests of two spans: one transaction
-        assert _stored(sidecar.db_path) == 12
-        for r in runs:
-            view = sidecar.state.view(r.run_id)
-            assert view is not None and len(view["steps"]) == 2
+async def test_a_group_holds_at_most_max_group_requests(sidecar: Sidecar) -> None:
+    runs = [open_run() for _ in range(MAX_GROUP + 1)]
+    writes = _count_writes(sidecar)
+    results = await asyncio.gather(*(sidecar.ingest(_decoded(r.spans()), "http") for r in runs))
+    assert [d.rejected for d in results] == [0] * len(runs)
+    assert writes == [2 * MAX_GROUP, 2]  # the next arrival started the next group
+    assert _stored(sidecar.db_path) == 2 * len(runs)
 
 
 async def test_a_run_opened_in_the_forming_group_belongs_to_its_first_request(
@@ -68,7 +89,9 @@ async def test_a_run_opened_in_the_forming_group_belongs_to_its_first_request(
         async with Sidecar(settings_for(tmp_path / str(concurrent)), clock=clock) as sidecar:
             a, b = _decoded(first.spans()), _decoded(stranger.spans())
             if concurrent:
-                got = await asyncio.gather(sidecar.ingest(a, "http"), sidecar.ingest(b, "http"))
+                got = list(
+                    await asyncio.gather(sidecar.ingest(a, "http"), sidecar.ingest(b, "http"))
+                )
             else:
                 got = [await sidecar.ingest(a, "http"), await sidecar.ingest(b, "http")]
             outcomes.append([(d.rejected, d.errors) for d in got])
@@ -79,9 +102,7 @@ async def test_a_run_opened_in_the_forming_group_belongs_to_its_first_request(
     assert outcomes[0][1][0] == len(stranger.spans())  # the stranger's spans: refused
 
 
-async def test_a_conflicting_duplicate_in_the_same_group_is_refused(
-    tmp_path: Path, clock: FakeClock
-) -> None:
+async def test_a_conflicting_duplicate_in_the_same_group_is_refused(sidecar: Sidecar) -> None:
     run = open_run()
     body = encode_spans(list(run.spans())).SerializeToString()
     other = ExportTraceServiceRequest.FromString(body)
@@ -89,44 +110,56 @@ async def test_a_conflicting_duplicate_in_the_same_group_is_refused(
         if kv.key == sc.SAGA_STEP_NAME:
             kv.value.string_value = "something_else"  # same span id, other content
     changed = other.SerializeToString()
-    async with Sidecar(settings_for(tmp_path), clock=clock) as sidecar:
-        first, resend, conflict = await asyncio.gather(
-            sidecar.ingest(extract(ExportTraceServiceRequest.FromString(body), body), "http"),
-            sidecar.ingest(extract(ExportTraceServiceRequest.FromString(body), body), "http"),
-            sidecar.ingest(extract(ExportTraceServiceRequest.FromString(changed), changed), "http"),
-        )
-        assert first.rejected == 0 and resend.rejected == 0  # a resend: the same bytes
-        assert conflict.rejected == 1
-        assert "already received with other content" in conflict.errors[0]
-        assert _stored(sidecar.db_path) == 2
-        view = sidecar.state.view(run.run_id)
-        assert view is not None
-        assert [s["name"] for s in view["steps"]] == ["lookup_order", "issue_credit"]
+    first, resend, conflict = await asyncio.gather(
+        sidecar.ingest(extract(ExportTraceServiceRequest.FromString(body), body), "http"),
+        sidecar.ingest(extract(ExportTraceServiceRequest.FromString(body), body), "http"),
+        sidecar.ingest(extract(ExportTraceServiceRequest.FromString(changed), changed), "http"),
+    )
+    assert first.rejected == 0 and resend.rejected == 0  # a resend: the same bytes
+    assert conflict.rejected == 1
+    assert "already received with other content" in conflict.errors[0]
+    assert _stored(sidecar.db_path) == 2
+    view = sidecar.state.view(run.run_id)
+    assert view is not None
+    assert [s["name"] for s in view["steps"]] == ["lookup_order", "issue_credit"]
 
 
-async def test_a_failed_group_commit_fails_every_request_and_folds_none(
-    tmp_path: Path, clock: FakeClock
-) -> None:
+async def test_a_failed_group_commit_fails_every_request_and_folds_none(sidecar: Sidecar) -> None:
     runs = [open_run() for _ in range(3)]
-    async with Sidecar(settings_for(tmp_path), clock=clock) as sidecar:
-        store = sidecar.store
-        assert store is not None
-        store._db.execute("PRAGMA busy_timeout=50")  # type: ignore[attr-defined]
-        # Another process holds the write lock: the group's transaction cannot commit.
-        blocker = sqlite3.connect(sidecar.db_path, isolation_level=None)
-        blocker.execute("BEGIN IMMEDIATE")
-        try:
-            got = await asyncio.gather(
-                *(sidecar.ingest(_decoded(r.spans()), "http") for r in runs),
-                return_exceptions=True,
-            )
-        finally:
-            blocker.execute("ROLLBACK")
-            blocker.close()
-        assert all(isinstance(g, StoreError) for g in got), got
-        assert all(sidecar.state.view(r.run_id) is None for r in runs)
-        assert sidecar._pending_owners == {} and sidecar._pending_seen == {}
-        # The agents retry (a 503 asks them to): now everything is taken.
-        again = await asyncio.gather(*(sidecar.ingest(_decoded(r.spans()), "http") for r in runs))
-        assert [d.rejected for d in again] == [0, 0, 0]
-        assert _stored(sidecar.db_path) == 6
+    _store(sidecar)._db.execute("PRAGMA busy_timeout=50")
+    # Another process holds the write lock: the group's transaction cannot commit.
+    blocker = sqlite3.connect(sidecar.db_path, isolation_level=None)
+    blocker.execute("BEGIN IMMEDIATE")
+    try:
+        got = await asyncio.gather(
+            *(sidecar.ingest(_decoded(r.spans()), "http") for r in runs),
+            return_exceptions=True,
+        )
+    finally:
+        blocker.execute("ROLLBACK")
+        blocker.close()
+    assert all(isinstance(g, StoreError) for g in got), got
+    assert all(sidecar.state.view(r.run_id) is None for r in runs)
+    assert not sidecar._groups  # nothing left waiting
+    # The agents retry (a 503 asks them to): now everything is taken.
+    again = await asyncio.gather(*(sidecar.ingest(_decoded(r.spans()), "http") for r in runs))
+    assert [d.rejected for d in again] == [0, 0, 0]
+    assert _stored(sidecar.db_path) == 6
+
+
+def test_a_write_transaction_failing_mid_way_is_rolled_back_whatever_failed(
+    tmp_path: Path,
+) -> None:
+    """SQLite's one transaction helper (``SqliteStore._tx``): an error that is not the
+    database's still rolls back, so the next write (a group's COMMIT) is not caught
+    inside a transaction left open."""
+    store = SqliteStore(tmp_path / "s.db")
+    try:
+        with pytest.raises(RuntimeError, match="not the database"), store._tx("mark") as db:
+            db.execute("INSERT INTO run_marks(run_id, orphaned_at) VALUES ('r1', 1.0)")
+            raise RuntimeError("not the database")
+        assert store.marks() == []
+        store.mark_orphaned([("r2", 2.0)])
+        assert [m.run_id for m in store.marks()] == ["r2"]
+    finally:
+        store.close()

@@ -34,6 +34,7 @@ from sidecar._alert_service import install_alerting
 from sidecar._alert_settings import AlertSettings
 from sidecar._alerting import Action, AlertEvent, evaluate
 from sidecar._errors import StoreError
+from sidecar._groups import Groups
 from sidecar._leases import Lease
 from sidecar._otlp import Decoded, extract, parse_protobuf
 from sidecar._outbox import Backoff, Outbox
@@ -445,3 +446,33 @@ async def test_a_failed_commit_answers_503_to_every_member_and_folds_none(
             for run in good:
                 assert sidecar.state.view(run.run_id) is not None
             conn.execute("DROP TRIGGER poison ON spans")
+
+
+async def test_a_group_holds_at_most_its_bound_and_groups_commit_in_arrival_order(
+    tmp_path: Path,
+) -> None:
+    """The group bound (``_groups.Groups``) on PostgreSQL's driver: five requests with a
+    bound of two are three transactions, in arrival order; the views are what one
+    request at a time gives (a stranger's span to a run opened two groups earlier is
+    refused as it would be then)."""
+    first = open_run(instance="agent-1")
+    stranger = RunScript(instance="agent-2", run_id=first.run_id, t0=1_700_000_001.0)
+    stranger.do(2, "send_reply", "read")
+    others = [completed_run(), compensated_run(), stuck_run()]
+    requests = [first.spans(), *(r.spans() for r in others), stranger.spans()]
+    async with Sidecar(settings_for(tmp_path, tick_interval=3600.0), clock=FakeClock()) as sc_:
+        commits = _Commits(sc_)
+        sc_._groups = Groups(2)
+        answers = await asyncio.gather(*(sc_.ingest(_request(r), "http") for r in requests))
+        assert commits.count == 3
+        assert [a.rejected for a in answers] == [0, 0, 0, 0, len(stranger.spans())]
+        owner = sc_.state.owner(first.run_id)
+        assert owner is not None and owner.instance == "agent-1"
+        views = {r.run_id: sc_.state.view(r.run_id) for r in [first, *others]}
+    reference = Settings(
+        otlp_http_port=0, otlp_grpc_port=0, api_port=0, db_path=tmp_path / "one.db"
+    )
+    async with Sidecar(reference, clock=FakeClock()) as one:
+        for spans in requests:
+            await one.ingest(_request(spans), "http")
+        assert views == {r.run_id: one.state.view(r.run_id) for r in [first, *others]}

@@ -1,0 +1,166 @@
+"""Group commit across concurrent intake requests: the one policy both stores' drivers run.
+
+The rule, written once here and run by two small drivers in ``_server.py`` (SQLite: a
+loop callback per group, its transaction inline; PostgreSQL: a task taking the groups
+under the intake lock, each transaction on the database thread while the group before
+it is folded):
+
+1. Requests join groups in arrival order; a group holds at most ``MAX_GROUP`` of them
+   (the next arrival starts the next group). Groups are taken oldest first.
+2. A taken group's requests are screened in arrival order, each against the store plus
+   what the members before it are storing (``Pending``: the runs they open, the bytes
+   of the spans they take), as if each had committed before the next
+   (:func:`screen_in_order`). A member whose screening fails gets its error; the others
+   go on.
+3. One COMMIT for the whole group.
+4. :func:`settle`: if the COMMIT failed, every member gets its error and none is folded
+   (503, retry: nothing of theirs was stored); otherwise each member is folded in
+   arrival order, then answered (a screening or fold error answers that member alone).
+   A 200 follows the COMMIT, never precedes it. A member whose sender went away is
+   folded all the same (:func:`deliver` leaves its cancelled answer alone).
+
+A request with no saga spans joins no group: the drivers answer it at once. Pure but
+for :func:`deliver`, which sets an asyncio future.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Generic, NamedTuple, TypeVar
+
+from ._leases import Owner
+from ._storage import HeartbeatRow, IntakeRows, SpanRow
+
+M = TypeVar("M")
+R = TypeVar("R")
+T = TypeVar("T")
+
+MAX_GROUP = 256
+"""Requests per group commit (the next arrival starts the next group). Above the default
+in-flight bound (64): a bound for a sidecar configured with more, not a batching delay."""
+GROUPS_IN_A_ROW = 4
+"""PostgreSQL: groups taken per hold of the intake lock (eviction, sync and leases
+get their turn between)."""
+
+
+class Groups(Generic[M]):
+    """Requests in arrival order, cut into groups of at most ``limit``, taken oldest first.
+
+    Only the newest group takes new members; a group is closed once taken.
+    """
+
+    __slots__ = ("_queue", "limit")
+
+    def __init__(self, limit: int = MAX_GROUP) -> None:
+        if limit < 1:
+            raise ValueError(f"group limit {limit!r}: give at least 1 request per group")
+        self.limit = limit
+        self._queue: deque[list[M]] = deque()
+
+    def join(self, member: M) -> bool:
+        """Add ``member`` to the newest group; True when it starts a new group (the
+        driver then schedules that group's commit)."""
+        queue = self._queue
+        if queue and len(queue[-1]) < self.limit:
+            queue[-1].append(member)
+            return False
+        queue.append([member])
+        return True
+
+    def take(self) -> list[M] | None:
+        """The oldest group not taken yet (closed from here on), or None."""
+        return self._queue.popleft() if self._queue else None
+
+    def __bool__(self) -> bool:
+        """Whether some group waits to be taken."""
+        return bool(self._queue)
+
+
+@dataclass(slots=True)
+class Pending:
+    """What the members screened so far in a group store: as if they had committed."""
+
+    owners: dict[str, Owner] = field(default_factory=dict)
+    seen: dict[tuple[str, str], bytes] = field(default_factory=dict)
+
+    def add(self, rows: IntakeRows) -> None:
+        # The first stands: a later member cannot open a run or retake a span id that
+        # an earlier one holds (screening refuses it, or finds the same bytes).
+        for run_id, owner in rows.owners:
+            self.owners.setdefault(run_id, owner)
+        for row in rows.spans:
+            self.seen.setdefault((row[0], row[1]), row[5])
+
+
+class Screened(NamedTuple, Generic[R]):
+    """One member screened: what it stores, and what its driver keeps for the fold."""
+
+    rows: IntakeRows
+    result: R
+
+
+def screen_in_order(
+    group: Sequence[M], screen: Callable[[M, Pending], Screened[R]]
+) -> tuple[IntakeRows, list[R | Exception]]:
+    """Screen each member in arrival order against the store (``screen`` reads it) plus
+    ``Pending``: the members before it. The rows of the whole group (one COMMIT), and each
+    member's result or the error its screening raised (that member alone fails)."""
+    pending = Pending()
+    spans: list[SpanRow] = []
+    heartbeats: list[HeartbeatRow] = []
+    owners: list[tuple[str, Owner]] = []
+    outcomes: list[R | Exception] = []
+    for member in group:
+        try:
+            screened = screen(member, pending)
+        except Exception as exc:
+            outcomes.append(exc)
+            continue
+        rows = screened.rows
+        pending.add(rows)
+        spans += rows.spans
+        heartbeats += rows.heartbeats
+        owners += rows.owners
+        outcomes.append(screened.result)
+    return IntakeRows(spans, heartbeats, owners), outcomes
+
+
+def settle(
+    group: Sequence[M],
+    outcomes: Sequence[R | Exception] | Exception,
+    fold: Callable[[M, R], T],
+    answer: Callable[[M, T | Exception], None],
+) -> None:
+    """After the group's COMMIT. ``outcomes`` an error: the COMMIT (or what came before it)
+    failed; every member gets that error and none is folded. Else each member's screening
+    outcome, in arrival order: a member whose screening failed gets its error; the others
+    are folded in arrival order, each answered with what its fold returned or the error
+    it raised (that member alone)."""
+    if isinstance(outcomes, Exception):
+        for member in group:
+            answer(member, outcomes)
+        return
+    if len(outcomes) != len(group):
+        raise ValueError(f"{len(outcomes)} outcomes for a group of {len(group)}: give one each")
+    for member, screened in zip(group, outcomes, strict=True):
+        if isinstance(screened, Exception):
+            answer(member, screened)
+            continue
+        try:
+            folded: T | Exception = fold(member, screened)
+        except Exception as exc:
+            folded = exc
+        answer(member, folded)
+
+
+def deliver(future: asyncio.Future[T], outcome: T | Exception) -> None:
+    """Answer a request's future; one whose sender went away (cancelled) stays so."""
+    if future.done():
+        return
+    if isinstance(outcome, Exception):
+        future.set_exception(outcome)
+    else:
+        future.set_result(outcome)
