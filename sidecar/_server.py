@@ -1047,7 +1047,7 @@ class Sidecar:
                 named = [str(r) for r in json.loads(open_runs)]
             except (ValueError, TypeError):
                 named = []
-            state.heard(instance, at, interval, named)
+            state.heard(instance, at, interval, named, now, self.settings.retention)
         for mark in changes.marks:
             view = state.view(mark.run_id)
             if view is None:

@@ -1127,8 +1127,20 @@ class RunState:
     def restore_instance(self, instance: str, at: float, interval: float) -> None:
         self._instances[_intern(instance)] = _Watch(at, interval)
 
-    def heard(self, instance: str, at: float, interval: float, open_runs: Iterable[str]) -> None:
-        """A heartbeat another replica received at ``at`` (ignored when ours is newer)."""
+    def heard(
+        self,
+        instance: str,
+        at: float,
+        interval: float,
+        open_runs: Iterable[str],
+        now: float,
+        retention: float,
+    ) -> None:
+        """A heartbeat another replica received at ``at`` (ignored when ours is newer, or
+        when it is already past the retention: a sync that read it before a prune forgot
+        the instance must not bring it back)."""
+        if _stale(now, at, retention):
+            return
         watch = self._instances.get(instance)
         if watch is None or at > watch.at:
             self._beat(_intern(instance), at, interval, open_runs)
@@ -1201,7 +1213,7 @@ class RunState:
 
     def stale_instances(self, now: float, retention: float) -> list[str]:
         """Instances whose last heartbeat is older than ``retention`` (dead ones, surely)."""
-        return [i for i, watch in self._instances.items() if now - watch.at > retention]
+        return [i for i, watch in self._instances.items() if _stale(now, watch.at, retention)]
 
     def forget_instances(self, instances: Iterable[str]) -> None:
         # A run of a forgotten instance falls back to the idle-timeout rule, which has
@@ -1307,3 +1319,8 @@ def _span_end(span: SpanRecord) -> float:
 
 def _finite(value: float) -> float | None:
     return None if value == float("inf") else value
+
+
+def _stale(now: float, at: float, retention: float) -> bool:
+    """The retention rule for agent instances: last heard longer than ``retention`` ago."""
+    return now - at > retention

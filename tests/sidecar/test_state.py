@@ -462,3 +462,18 @@ def test_a_reconnect_cancels_a_lost_connection() -> None:
     assert state.tick(T + 2.0) == []
     state.presence_lost("unknown-instance", T + 1.2)  # no heartbeats known: nothing to do
     assert state.tick(T + 3.9) == []
+
+
+def test_a_heartbeat_read_before_a_prune_does_not_bring_its_instance_back() -> None:
+    # A replica's sync reads other replicas' heartbeats, then folds them; a prune may
+    # forget those instances in between. Past the retention, the old heartbeat is ignored.
+    state = RunState(idle_timeout=60.0)
+    t0 = 1_700_000_000.0
+    state.heard("pid-1", t0, 1.0, [], now=t0 + 10.0, retention=3600.0)
+    assert state.instance_count() == 1
+    assert state.stale_instances(t0 + 3601.0, 3600.0) == ["pid-1"]
+    state.forget_instances(["pid-1"])
+    state.heard("pid-1", t0, 1.0, [], now=t0 + 3601.0, retention=3600.0)  # the racing sync
+    assert state.instance_count() == 0
+    state.heard("pid-1", t0 + 3600.5, 1.0, [], now=t0 + 3601.0, retention=3600.0)  # alive
+    assert state.instance_count() == 1
