@@ -48,7 +48,21 @@ NOTES_STEP = (
     "Measured alone: the log line about 2.7 us, the metrics about 1.3 us, the attribute dict "
     "and scope about 1 us, against a bare span of about 17 us on an idle core: at 1.3 the "
     "whole budget above the span is about 5 us, so the log line and the metrics the bare "
-    "span does not have are most of what is left."
+    "span does not have are most of what is left. "
+    "Second pass: the start attributes of the common attempt (no tool call id, no "
+    "compensation) are one copy of a per-step-kind template rebuilt when the run's identity "
+    "changes (same keys, same order), span and trace ids hexed by int.to_bytes().hex() "
+    "instead of format() (half the cost), the timestamp by % formatting; measured while other "
+    "helpers ran (thread CPU time, 15 alternating batch pairs per process, 4 processes each "
+    "way interleaved): step ratio median 1.42 -> 1.37, quiet 1.20 -> 1.18. Remaining cost "
+    "centres above the bare span (cProfile, 20,000 steps): the SDK span itself about 70% of "
+    "the step (shared with the reference), the JSON finish line about 11% (dict, ids, "
+    "timestamp, orjson, the locked write: each a few tenths of a microsecond), metrics about "
+    "5% (a counter inc and a histogram observe, each under prometheus-client's lock; the "
+    "histogram's bucket walk stops at the first bucket for a fast step), the scope's own "
+    "calls about 5%. Not tried: skipping the SDK's attribute cleaning (private SDK "
+    "internals) or writing the log line from a pre-rendered prefix (the float and escaping "
+    "rules would have to match orjson byte for byte)."
 )
 NOTES_PUSH = (
     "Tried: one JSON encode per compensation (the record keeps its sorted JSON for the "
@@ -57,7 +71,14 @@ NOTES_PUSH = (
     "Profile after: the SDK cleaning the three compensation attributes set on the live "
     "span about 10% (the reference span has 11 attributes, the push span 14), building the "
     "Compensation record about 5% (the copy of its arguments and their sorted JSON), on top "
-    "of the plain step's costs above."
+    "of the plain step's costs above. Second pass measured (same run as the step): push "
+    "ratio median 1.79 -> 1.76. Remaining above the step, measured alone while other helpers "
+    "ran: span.set_attributes of the three compensation attributes about 3 us (the SDK's "
+    "lock, its generic Mapping cleaning with two abc isinstance checks, then one locked "
+    "insert per key; three set_attribute calls cost the same), the Compensation record about "
+    "2-3 us (the C encoder's sorted JSON about 0.7 us, the copy and type check of the "
+    "arguments, six slot writes). At a bare span of about 17-25 us the 1.3 budget is 5-7 us, "
+    "so the push's two SDK and record costs alone use most of it beside the step's own."
 )
 
 

@@ -100,7 +100,7 @@ class _Clock:
             self._cached = cached
         micros = rest // 1000
         # isoformat() leaves out a zero fraction; keep the same shape.
-        return f"{cached[1]}.{micros:06d}Z" if micros else f"{cached[1]}Z"
+        return "%s.%06dZ" % (cached[1], micros) if micros else cached[1] + "Z"  # noqa: UP031
 
 
 class LineWriter:

@@ -433,3 +433,37 @@ async def test_tool_call_id_marks_the_do_spans_inside_it_only(cap: Captured) -> 
     assert first[sc.GEN_AI_TOOL_CALL_ID] == "call_7"
     assert sc.GEN_AI_TOOL_CALL_ID not in second
     assert contract_violations(cap.spans()) == []
+
+
+def test_repeated_attempts_keep_their_attributes_and_order(cap: Captured) -> None:
+    """The common attempt's start attributes come from a per-step-kind template: they must
+    be what the first attempt had (same keys, same order), follow the run's identity when
+    it grows (recovery adds its token) and step aside for a tool call id."""
+    from saga_otel import StepClass, tool_call_id
+    from saga_otel._telemetry import Instrumentation
+
+    instr = Instrumentation(
+        "tmpl", tracer_provider=cap.provider, registry=cap.registry, logger=cap.logger
+    )
+    run = instr.start_run()
+
+    def do(index: int, attempt: int) -> list[tuple[str, Any]]:
+        with instr.attempt(
+            run, "do", "s", index=index, attempt=attempt, tool="t", step_class=StepClass.COMPENSABLE
+        ):
+            pass
+        return list((cap.exporter.get_finished_spans()[-1].attributes or {}).items())
+
+    first = do(1, 1)
+    again = do(2, 3)
+    assert [k for k, _ in again] == [k for k, _ in first]
+    assert dict(again)[sc.SAGA_STEP_INDEX] == 2 and dict(again)[sc.SAGA_STEP_ATTEMPT] == 3
+    with tool_call_id("call_9"):
+        marked = dict(do(1, 1))
+    assert marked[sc.GEN_AI_TOOL_CALL_ID] == "call_9"
+    assert sc.GEN_AI_TOOL_CALL_ID not in dict(do(1, 1))
+    run.identity[sc.SAGA_RECOVERY_TOKEN] = 7
+    assert dict(do(1, 1))[sc.SAGA_RECOVERY_TOKEN] == 7
+    other = instr.start_run()
+    run = other
+    assert dict(do(1, 1))[sc.SAGA_RUN_ID] == other.run_id
