@@ -368,12 +368,10 @@ def _entry(data: bytes) -> tuple[str, Any]:
 
 
 # Attributes whose KeyValue bytes repeat across spans (names, phases, attempts, the
-# contract version, a run's id on each of its spans): their (key, value) is read once
-# and shared, so a run's step names, tools and descriptions are one string each across
-# runs, and its id one string across its spans. Bounded: cleared when full.
+# contract version): their (key, value) is read once and shared, so a run's step names,
+# tools and descriptions are one string each across runs. Bounded: cleared when full.
 _SHARED_KEYS = frozenset(
     {
-        sc.SAGA_RUN_ID,
         sc.SAGA_PHASE,
         sc.SAGA_NAME,
         sc.SAGA_CONTRACT_VERSION,
