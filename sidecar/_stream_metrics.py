@@ -152,10 +152,10 @@ class StreamMetrics:
         known = self._groups
         for key, durations in groups.items():
             n = len(durations)
-            found = known.get(key)
-            if found is None:
-                found = known[key] = self._group_children(key)
-            counted, histogram, retried, extra_counted = found
+            children = known.get(key)
+            if children is None:
+                children = known[key] = self._group_children(key)
+            counted, histogram, retried, extra_counted = children
             counted.inc(n)
             if histogram is not None:
                 for duration in durations:
