@@ -249,7 +249,7 @@ def _attributes(kvs: Iterable[Any]) -> dict[str, Any]:
 _F = descriptor_pb2.FieldDescriptorProto
 
 
-def _lean_types() -> tuple[Any, Any]:
+def _lean_types() -> tuple[Any, Any, Any]:
     fdp = descriptor_pb2.FileDescriptorProto(
         name="saga_sidecar_lean.proto", package="saga_sidecar_lean", syntax="proto3"
     )
@@ -313,11 +313,14 @@ def _lean_types() -> tuple[Any, Any]:
     pool.Add(fdp)
     return tuple(  # type: ignore[return-value]
         message_factory.GetMessageClass(pool.FindMessageTypeByName(f"saga_sidecar_lean.{n}"))
-        for n in ("Request", "RawRequest")
+        for n in ("Span", "Resource", "RawRequest")
     )
 
 
-_LeanRequest, _RawRequest = _lean_types()
+# A request is read as RawRequest (each Resource and Span as its bytes); a saga span's
+# bytes, and a resource not seen before, are then read through the lean types: no
+# wrapper is built for a non-saga span, a scope, or a resource already known.
+_LeanSpan, _LeanResource, _RawRequest = _lean_types()
 _DOUBLE = struct.Struct("<d")
 
 
@@ -514,10 +517,10 @@ def extract(request: ExportTraceServiceRequest, body: bytes | None = None) -> De
     if body is None:
         body = request.SerializeToString()
     try:
-        lean = _LeanRequest.FromString(body)
         raw = _RawRequest.FromString(body)
     except (ProtobufDecodeError, ValueError, RuntimeError):
         return _extract_exact(request)  # cannot happen for a body that parsed; never guess
+    parse_span = _LeanSpan.FromString
     spans: list[SpanRecord] = []
     raws: list[bytes] = []
     errors: list[str] = []
@@ -526,15 +529,19 @@ def extract(request: ExportTraceServiceRequest, body: bytes | None = None) -> De
     phase_key = sc.SAGA_PHASE
     phase_bytes = phase_key.encode()
     known = _entries.get
-    for rs, raw_rs in zip(lean.resource_spans, raw.resource_spans, strict=True):
+    for raw_rs in raw.resource_spans:
         resource: dict[str, Any] | None = None
         derived: DerivedInstance | None = None
-        for ss, raw_ss in zip(rs.scope_spans, raw_rs.scope_spans, strict=True):
-            for span, data in zip(ss.spans, raw_ss.spans, strict=True):
+        for raw_ss in raw_rs.scope_spans:
+            for data in raw_ss.spans:
                 total += 1
                 if phase_bytes not in data:
                     ignored += 1  # not a saga span: counted, never decoded or stored
                     continue
+                try:
+                    span = parse_span(data)
+                except (ProtobufDecodeError, ValueError, RuntimeError):
+                    return _extract_exact(request)  # as above: cannot happen; never guess
                 try:
                     # Wire order, the last of a key wins: as _attributes (the exact path).
                     attrs = dict([known(kv) or _read_entry(kv) for kv in span.attributes])
@@ -563,7 +570,7 @@ def extract(request: ExportTraceServiceRequest, body: bytes | None = None) -> De
                         errors.append(problem)
                     continue
                 if resource is None:
-                    resource, derived = _resource(rs, raw_rs.resource, warnings)
+                    resource, derived = _resource(raw_rs.resource, warnings)
                 events = span.events
                 spans.append(
                     _record(
@@ -589,13 +596,11 @@ _RESOURCE_CACHE_MAX = 1024
 _resources: dict[bytes, tuple[dict[str, Any], DerivedInstance | None]] = {}
 
 
-def _resource(
-    rs: Any, data: bytes, warnings: list[str]
-) -> tuple[dict[str, Any], DerivedInstance | None]:
-    """A lean ResourceSpans' resource attributes (``data``: the Resource's bytes)."""
+def _resource(data: bytes, warnings: list[str]) -> tuple[dict[str, Any], DerivedInstance | None]:
+    """A Resource's attributes from its bytes (``data``; parsed when not seen before)."""
     found = _resources.get(data)
     if found is None:
-        wire = rs.resource.attributes
+        wire = _LeanResource.FromString(data).attributes
         resource = {k: _value(wire[k]) for k in wire}
         found = (resource, _identify(resource, []))
         if len(_resources) >= _RESOURCE_CACHE_MAX:

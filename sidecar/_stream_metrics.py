@@ -10,7 +10,7 @@ is not counted again.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -36,10 +36,22 @@ _STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60
 _UNWIND_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 1800, 3600)
 
 
+class _GroupChildren(NamedTuple):
+    """What one group of spans counts into: attempts, durations, retries, and the
+    compensations (compensate) or pivots (a pivot do) counter."""
+
+    counted: Any
+    histogram: Any
+    retried: Any
+    extra_counted: Any
+
+
 class StreamMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self._seen: set[tuple[str, str]] = set()
         self._children: dict[tuple[Any, ...], Any] = {}
+        # A group key of spans() -> its children, bounded as the children are.
+        self._groups: dict[tuple[Any, ...], _GroupChildren] = {}
 
         def counter(name: str, doc: str, *labels: str) -> Counter:
             return Counter(name, doc, ["saga", "service", *labels], registry=registry)
@@ -137,25 +149,41 @@ class StreamMetrics:
             if found_group is None:
                 found_group = groups[key] = []
             found_group.append(span.end - span.start)
-        child = self._child
+        known = self._groups
         for key, durations in groups.items():
             n = len(durations)
-            saga, service, phase = key[:3]
-            if phase == sc.PHASE_UNWIND:
-                child(self.unwinds, saga, service).inc(n)
-                continue
-            step, ok, retry, extra = key[3:]
-            child(self.steps, saga, service, step, phase, "ok" if ok else "error").inc(n)
-            histogram = child(self.step_duration, saga, service, step, phase)
-            for duration in durations:
-                histogram.observe(max(0.0, duration))
-            if retry:
-                child(self.step_retries, saga, service, step, phase).inc(n)
-            if phase == sc.PHASE_COMPENSATE:
-                outcome = "ok" if ok else "failed"
-                child(self.compensations, saga, service, step, str(extra), outcome).inc(n)
-            elif extra:
-                child(self.pivots, saga, service, step).inc(n)
+            children = known.get(key)
+            if children is None:
+                children = known[key] = self._group_children(key)
+            counted, histogram, retried, extra_counted = children
+            counted.inc(n)
+            if histogram is not None:
+                for duration in durations:
+                    histogram.observe(max(0.0, duration))
+            if retried is not None:
+                retried.inc(n)
+            if extra_counted is not None:
+                extra_counted.inc(n)
+
+    def _group_children(self, key: tuple[Any, ...]) -> _GroupChildren:
+        """The children a group of :meth:`spans` counts into, in the order it counts."""
+        child = self._child
+        saga, service, phase = key[:3]
+        if phase == sc.PHASE_UNWIND:
+            return _GroupChildren(child(self.unwinds, saga, service), None, None, None)
+        step, ok, retry, extra = key[3:]
+        extra_counted = None
+        if phase == sc.PHASE_COMPENSATE:
+            outcome = "ok" if ok else "failed"
+            extra_counted = child(self.compensations, saga, service, step, str(extra), outcome)
+        elif extra:
+            extra_counted = child(self.pivots, saga, service, step)
+        return _GroupChildren(
+            child(self.steps, saga, service, step, phase, "ok" if ok else "error"),
+            child(self.step_duration, saga, service, step, phase),
+            child(self.step_retries, saga, service, step, phase) if retry else None,
+            extra_counted,
+        )
 
     def _child(self, metric: Any, *labels: str) -> Any:
         # labels() costs more than the increment, per span on the intake path: keep the
