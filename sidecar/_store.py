@@ -387,12 +387,12 @@ class SqliteStore:
         return int(self._db.execute("SELECT count(*) FROM instances").fetchone()[0])
 
     @contextlib.contextmanager
-    def _tx(self, what: str) -> Iterator[sqlite3.Connection]:
+    def _tx(self, what: str, begin: str = "BEGIN") -> Iterator[sqlite3.Connection]:
         """One write transaction: committed at the end of the block, or rolled back (on
         any error) and a database error raised as StoreError naming ``what`` failed."""
         db = self._db
         try:
-            db.execute("BEGIN")
+            db.execute(begin)
             yield db
             db.execute("COMMIT")
         except sqlite3.Error as exc:
@@ -516,13 +516,8 @@ class SqliteStore:
         One BEGIN IMMEDIATE transaction: the write lock is taken before the read, so
         no other writer of this file can grant in between.
         """
-        db = self._db
-        try:
-            db.execute("BEGIN IMMEDIATE")
-            row = db.execute(
-                LEASE_ROW + " WHERE run_id = ?",
-                (run_id,),
-            ).fetchone()
+        with self._tx("update the lease", "BEGIN IMMEDIATE") as db:
+            row = db.execute(LEASE_ROW + " WHERE run_id = ?", (run_id,)).fetchone()
             outcome = decide(None if row is None else lease_from_row(row))
             if isinstance(outcome, Lease):
                 o = outcome.override
@@ -542,14 +537,7 @@ class SqliteStore:
                         o.at if o else None,
                     ),
                 )
-            db.execute("COMMIT")
-            return outcome
-        except sqlite3.Error as exc:
-            self._rollback()
-            raise StoreError(f"could not update the lease in {str(self.path)!r}: {exc}") from exc
-        except BaseException:
-            self._rollback()
-            raise
+        return outcome
 
     def span_count(self) -> int:
         return int(self._db.execute("SELECT count(*) FROM spans").fetchone()[0])
