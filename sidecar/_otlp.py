@@ -644,23 +644,18 @@ def _record(
     """One SpanRecord from a decoded Span (the fast and the exact path alike)."""
     status = span.status
     code = status.code
-    return _new_record(
-        SpanRecord,
-        (
-            (span.trace_id if trace_id is None else trace_id).hex(),
-            (span.span_id if span_id is None else span_id).hex(),
-            span.parent_span_id.hex(),
-            span.name,
-            span.start_time_unix_nano / 1e9,
-            span.end_time_unix_nano / 1e9,
-            "error" if code == _STATUS_CODE_ERROR else ("ok" if code == 1 else "unset"),
-            status.message,
-            attrs,
-            resource,
-            events,
-            str(resource.get(sc.SERVICE_INSTANCE_ID, "")),
-            str(resource.get(sc.SERVICE_NAME, "")),
-        ),
+    return SpanRecord(
+        (span.trace_id if trace_id is None else trace_id).hex(),
+        (span.span_id if span_id is None else span_id).hex(),
+        span.parent_span_id.hex(),
+        span.name,
+        span.start_time_unix_nano / 1e9,
+        span.end_time_unix_nano / 1e9,
+        "error" if code == _STATUS_CODE_ERROR else ("ok" if code == 1 else "unset"),
+        status.message,
+        attrs,
+        resource,
+        events,
     )
 
 

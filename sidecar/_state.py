@@ -973,7 +973,7 @@ class RunState:
             if saved is not None and id(step) not in saved:
                 saved[id(step)] = step.copy() if len(run.steps) == count else None
             attempt = int(attrs.get(sc.SAGA_STEP_ATTEMPT, 1))
-            ok = span.status != "error"  # span.ok, without the call (per span)
+            ok = span.ok
             error = None if ok else _error_text(span)
             if phase == sc.PHASE_DO:
                 dos = step.dos

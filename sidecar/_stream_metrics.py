@@ -134,7 +134,7 @@ class StreamMetrics:
             if phase == sc.PHASE_UNWIND:
                 key: tuple[Any, ...] = (saga, service, phase)
             else:
-                ok = span.status != "error"
+                ok = span.ok
                 retry = int(attrs.get(sc.SAGA_STEP_ATTEMPT, 1)) > 1
                 extra: str | bool
                 if phase == sc.PHASE_COMPENSATE:
