@@ -6,7 +6,13 @@ under the intake lock, each transaction on the database thread while the group b
 it is folded):
 
 1. Requests join groups in arrival order; a group holds at most ``MAX_GROUP`` of them
-   (the next arrival starts the next group). Groups are taken oldest first.
+   (the next arrival starts the next group). Groups are taken oldest first. The
+   SQLite driver takes the oldest group when it is :meth:`Groups.due`: it did not grow
+   since the driver last looked (a lone request is taken at the first look), a newer
+   group has started, or it has been passed over ``GROWING_LOOKS`` times. Requests
+   that arrive together thus share one COMMIT instead of a COMMIT per loop turn; the
+   PostgreSQL driver needs no such wait (its transaction on the database thread is
+   the time in which the next group gathers).
 2. A taken group's requests are screened in arrival order, each against the store plus
    what the members before it are storing (``Pending``: the runs they open, the bytes
    of the spans they take), as if each had committed before the next
@@ -41,6 +47,9 @@ T = TypeVar("T")
 MAX_GROUP = 256
 """Requests per group commit (the next arrival starts the next group). Above the default
 in-flight bound (64): a bound for a sidecar configured with more, not a batching delay."""
+GROWING_LOOKS = 8
+"""Looks for which a growing group may wait for more members (:meth:`Groups.due`): one
+loop turn each on SQLite, bounding the wait of the group's first request."""
 GROUPS_IN_A_ROW = 4
 """PostgreSQL: groups taken per hold of the intake lock (eviction, sync and leases
 get their turn between)."""
@@ -52,13 +61,15 @@ class Groups(Generic[M]):
     Only the newest group takes new members; a group is closed once taken.
     """
 
-    __slots__ = ("_queue", "limit")
+    __slots__ = ("_looks", "_queue", "_seen", "limit")
 
     def __init__(self, limit: int = MAX_GROUP) -> None:
         if limit < 1:
             raise ValueError(f"group limit {limit!r}: give at least 1 request per group")
         self.limit = limit
         self._queue: deque[list[M]] = deque()
+        self._seen = 1  # the oldest group's size at the last look (1: as it started)
+        self._looks = 0  # looks that passed the oldest group over
 
     def join(self, member: M) -> bool:
         """Add ``member`` to the newest group; True when it starts a new group (the
@@ -70,9 +81,33 @@ class Groups(Generic[M]):
         queue.append([member])
         return True
 
+    def due(self) -> bool:
+        """Whether the oldest group should be taken now (False: look again after the
+        next loop turn). It is due when it did not grow since the last look (or since
+        it started, at the first), when it is full or a newer group has started (it
+        cannot grow), or after ``GROWING_LOOKS`` looks. A member that has just joined
+        may have siblings whose bytes have arrived but whose handlers run a turn later:
+        a group that grew waits one more turn for them. Raises IndexError when no
+        group waits."""
+        queue = self._queue
+        size = len(queue[0])
+        if (
+            size > self._seen
+            and len(queue) == 1
+            and size < self.limit
+            and self._looks < GROWING_LOOKS
+        ):
+            self._seen = size
+            self._looks += 1
+            return False
+        return True
+
     def take(self) -> list[M] | None:
         """The oldest group not taken yet (closed from here on), or None."""
-        return self._queue.popleft() if self._queue else None
+        if not self._queue:
+            return None
+        self._seen, self._looks = 1, 0
+        return self._queue.popleft()
 
     def __bool__(self) -> bool:
         """Whether some group waits to be taken."""

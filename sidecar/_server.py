@@ -515,7 +515,11 @@ class Sidecar:
         order against memory and the store, written in one transaction on the loop, then
         folded in order (a change, its commit and its listeners keep one order without
         locks). Runs as a loop callback after the requests that joined the group."""
-        group = self._groups.take()
+        groups = self._groups
+        if groups and not groups.due():  # still growing: look again after a loop turn
+            asyncio.get_running_loop().call_soon(self._commit_inline)
+            return
+        group = groups.take()
         if group is None:
             return
         outcomes: list[_Taken | Exception] | Exception

@@ -1,6 +1,6 @@
 """SQLite group commit: concurrent requests share one transaction and keep every rule.
 
-Requests that join a group in one loop iteration commit together (``Sidecar._commit_inline``,
+Requests that join a group while it grows commit together (``Sidecar._commit_inline``,
 the SQLite driver of ``sidecar/_groups.py``); each must still be answered only once
 committed, screened as if the ones before it were folded, and fail together when their
 transaction fails. The policy on its own: test_groups.py; PostgreSQL's driver:
@@ -22,7 +22,7 @@ from sidecar_testkit import FakeClock, RunScript, open_run, settings_for
 from saga_otel import semconv as sc
 from sidecar import Sidecar
 from sidecar._errors import StoreError
-from sidecar._groups import MAX_GROUP
+from sidecar._groups import GROWING_LOOKS, MAX_GROUP
 from sidecar._otlp import Decoded, extract
 from sidecar._store import SqliteStore
 
@@ -67,6 +67,47 @@ async def test_concurrent_requests_share_one_commit_and_all_fold(sidecar: Sideca
     for r in runs:
         view = sidecar.state.view(r.run_id)
         assert view is not None and len(view["steps"]) == 2
+
+
+async def test_a_request_a_loop_turn_behind_joins_a_growing_group(sidecar: Sidecar) -> None:
+    """Arrivals spread over loop turns (handlers start a turn after their bytes): while
+    the group grows it waits a turn more, so the late one shares the COMMIT."""
+    runs = [open_run() for _ in range(3)]
+    writes = _count_writes(sidecar)
+
+    async def late(decoded: Decoded) -> Decoded:
+        await asyncio.sleep(0)  # one loop turn behind the first two
+        return await sidecar.ingest(decoded, "http")
+
+    results = await asyncio.gather(
+        sidecar.ingest(_decoded(runs[0].spans()), "http"),
+        sidecar.ingest(_decoded(runs[1].spans()), "http"),
+        late(_decoded(runs[2].spans())),
+    )
+    assert [d.rejected for d in results] == [0, 0, 0]
+    assert writes == [6]
+    # Alone, a request commits at the first look: it never waits for company.
+    lone = open_run()
+    await sidecar.ingest(_decoded(lone.spans()), "http")
+    assert writes == [6, 2]
+    assert _stored(sidecar.db_path) == 8
+
+
+async def test_a_stream_of_arrivals_cannot_hold_a_group_open(sidecar: Sidecar) -> None:
+    """One arrival every loop turn, for longer than GROWING_LOOKS: the first group is
+    taken after GROWING_LOOKS looks, and every request is answered."""
+    runs = [open_run() for _ in range(3 * GROWING_LOOKS)]
+    writes = _count_writes(sidecar)
+
+    async def after(turns: int, decoded: Decoded) -> Decoded:
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        return await sidecar.ingest(decoded, "http")
+
+    results = await asyncio.gather(*(after(i, _decoded(r.spans())) for i, r in enumerate(runs)))
+    assert [d.rejected for d in results] == [0] * len(runs)
+    assert len(writes) > 1 and writes[0] <= 2 * (GROWING_LOOKS + 2)
+    assert sum(writes) == 2 * len(runs) == _stored(sidecar.db_path)
 
 
 async def test_a_group_holds_at_most_max_group_requests(sidecar: Sidecar) -> None:

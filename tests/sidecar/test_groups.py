@@ -17,7 +17,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sidecar._groups import Groups, Pending, Screened, screen_in_order, settle
+from sidecar._groups import (
+    GROWING_LOOKS,
+    Groups,
+    Pending,
+    Screened,
+    screen_in_order,
+    settle,
+)
 from sidecar._leases import Owner
 from sidecar._storage import IntakeRows
 
@@ -185,3 +192,49 @@ def test_a_fold_error_answers_that_member_alone_and_the_rest_fold_on() -> None:
     assert [m for m, _ in got] == [0, 1, 2]
     assert got[0] == (0, 0) and got[2] == (2, 20)
     assert isinstance(got[1][1], RuntimeError)
+
+
+def test_a_lone_request_is_due_at_the_first_look() -> None:
+    groups: Groups[int] = Groups()
+    groups.join(0)
+    assert groups.due()  # no wait for a request alone: the durable path's latency
+    assert groups.take() == [0]
+
+
+def test_a_growing_group_waits_until_a_look_finds_it_the_same_size() -> None:
+    groups: Groups[int] = Groups()
+    groups.join(0)
+    groups.join(1)  # joined after the group started: more may be on the way
+    assert not groups.due()
+    groups.join(2)
+    assert not groups.due()
+    assert groups.due()  # a look with no arrival: take it
+    assert groups.take() == [0, 1, 2]
+    groups.join(3)
+    assert groups.due()  # the next group starts counting afresh
+
+
+def test_a_group_that_keeps_growing_waits_at_most_growing_looks() -> None:
+    groups: Groups[int] = Groups()
+    groups.join(0)
+    passed = 0
+    for n in range(1, 100):
+        groups.join(n)
+        if groups.due():
+            break
+        passed += 1
+    assert passed == GROWING_LOOKS
+    assert groups.take() == list(range(GROWING_LOOKS + 2))
+
+
+def test_a_full_group_or_one_with_a_newer_group_behind_it_is_due() -> None:
+    full: Groups[int] = Groups(3)
+    for n in range(3):
+        full.join(n)
+    assert full.due()  # full: it cannot grow
+    behind: Groups[int] = Groups(2)
+    for n in range(3):
+        behind.join(n)
+    assert behind.due()  # [0, 1] is closed by [2]
+    assert behind.take() == [0, 1]
+    assert behind.due()  # [2] alone
