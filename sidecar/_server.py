@@ -503,7 +503,7 @@ class Sidecar:
             return self._fold(decoded, transport, body, content_type, {}, self.clock(), set())
         loop = asyncio.get_running_loop()
         request = _Request(decoded, transport, body, content_type, loop.create_future())
-        if self._groups.join(request):
+        if self._groups.join(request, len(decoded.spans)):
             if store.inline:
                 loop.call_soon(self._commit_inline)
             elif self._taking is None:

@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sidecar._groups import (
+    ENOUGH_SPANS,
     GROWING_LOOKS,
     Groups,
     Pending,
@@ -238,3 +239,14 @@ def test_a_full_group_or_one_with_a_newer_group_behind_it_is_due() -> None:
     assert behind.due()  # [0, 1] is closed by [2]
     assert behind.take() == [0, 1]
     assert behind.due()  # [2] alone
+
+
+def test_a_group_with_enough_spans_waits_for_no_one() -> None:
+    groups: Groups[int] = Groups()
+    groups.join(0, ENOUGH_SPANS - 1)
+    groups.join(1, 1)  # grew, but now holds enough spans to share its COMMIT
+    assert groups.due()
+    assert groups.take() == [0, 1]
+    groups.join(2, 1)
+    groups.join(3, 1)  # the next group's weight starts afresh: small, growing
+    assert not groups.due()
