@@ -170,10 +170,12 @@ def run(progress: Callable[[str], None]) -> list[Figure]:
         f"saga_otel's own Poster on a kept-alive connection); the same POST to the sidecar: "
         f"p50/p99 {_pct(side_trips, 0.5):.3f} / {_pct(side_trips, 0.99):.3f} ms, which is "
         "the sidecar's answer time (decode, screen, SQLite commit) the step waits for. "
-        f"Shares of the step's median: the sidecar's answer ~{post_p50 / step_p50:.0%}, "
-        f"the library's own step (the run without a sidecar, per step) "
-        f"~{own / step_p50:.0%}, the hand-off to the sender thread and back and the "
-        f"encode ~{rest / step_p50:.0%}. " + NOTES_STEP
+        f"Shares of the step's median: the sidecar's answer to that POST "
+        f"~{post_p50 / step_p50:.0%}, the library's own step (the run without a sidecar, "
+        f"per step) ~{own / step_p50:.0%}, the rest ~{rest / step_p50:.0%}: the hand-off "
+        "to the sender thread and back, the encode, and what the sidecar does beyond that "
+        "POST for a run's own requests (a new run's put-away lookup, two views and the "
+        "alert rules when its facts change). " + NOTES_STEP
     )
     figures = [
         Figure(
