@@ -21,6 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, Histogram
 from . import _jsontext as jsontext
 from ._errors import DecodeError, StoreError
 from ._leases import Lease, LeaseAction, lease_view
+from ._log import get_logger
 from ._otlp import extract, parse_json, parse_protobuf, response
 from ._pages import browser_auth, page_routes, run_page, wants_html
 from ._service import SERVICE, Service
@@ -28,6 +29,8 @@ from ._settings import BODY_RATE_GRACE
 from ._state import ALL_STATES
 from ._storage import RunQuery
 from ._views import RunView
+
+log = get_logger("sidecar")
 
 PROTOBUF = "application/x-protobuf"
 JSON = "application/json"
@@ -266,6 +269,13 @@ def build_otlp_app(service: Service) -> web.Application:
                 )
             except _TooLarge:
                 return _too_large(as_json, limit)
+            except ConnectionError:
+                # The sender went away mid-body (a killed agent's socket is reset): a
+                # peer's fault, not ours. Nothing was stored; its exporter resends.
+                log.debug("sidecar.intake.client_gone", transport="http")
+                resp = error(400, "the connection closed before the request body ended")
+                resp.force_close()
+                return resp  # aiohttp drops it: there is no one left to answer
             return await _decode_and_ingest(sidecar, body, encoding, ctype, as_json)
         finally:
             receiving.active -= 1

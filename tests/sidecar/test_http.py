@@ -5,11 +5,15 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import logging
 import random
+import socket
+import struct
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
@@ -443,3 +447,28 @@ async def test_presence_hello_must_name_the_instance(sidecar: Sidecar) -> None:
     answer = await reader.read(200)
     writer.close()
     assert answer.startswith(b"HTTP/1.1 400") and sidecar._presence == {}
+
+
+async def test_a_client_gone_mid_body_is_no_server_error(
+    sidecar: Sidecar, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An agent killed while its request body was on the wire: the connection resets
+    under the body read. That is a peer going away, not a sidecar fault: no error
+    traceback in the log, and the next agent is served as before."""
+    port = sidecar.otlp_http_port
+    caplog.set_level(logging.DEBUG)
+    for _ in range(3):
+        sock = socket.create_connection(("127.0.0.1", port))
+        sock.sendall(
+            b"POST /v1/traces HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Content-Type: application/x-protobuf\r\nContent-Length: 1000\r\n\r\n" + b"\n" * 10
+        )
+        await asyncio.sleep(0.05)  # the handler is waiting for the rest of the body
+        # SO_LINGER 0: close sends a reset, as the kernel does for a killed process's socket
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.close()
+    await asyncio.sleep(0.1)
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == [], [r.getMessage() for r in errors]
+    run = completed_run()
+    assert await export_http(sidecar, run.spans()) is SpanExportResult.SUCCESS
