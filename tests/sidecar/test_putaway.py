@@ -175,3 +175,37 @@ async def test_replicas_put_away_and_reopen_through_each_other(
         assert await a.evict_async() == [run.run_id]
         got = (await a.lookup(run.run_id)).view(run.run_id)
         assert got == views[0]
+
+
+class _BusyGroups:
+    """Groups that look busy (a group waiting for its commit) for the first ``turns``
+    looks, as under steady intake, then idle."""
+
+    def __init__(self, turns: int) -> None:
+        self.turns = turns
+        self.looks = 0
+
+    def __bool__(self) -> bool:
+        self.looks += 1
+        return self.looks <= self.turns
+
+
+async def test_eviction_waits_turns_not_an_interval_for_a_waiting_group(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    """A group waiting for its commit holds eviction off; the periodic eviction looks
+    again on the next loop turns instead of skipping a whole interval (under steady
+    intake a third of moments have a group waiting)."""
+    run = completed_run(t0=clock.now - 50)
+    async with Sidecar(settings_for(tmp_path), clock=clock) as sc_:
+        await export_http(sc_, run.spans())
+        real = sc_._groups
+        busy = _BusyGroups(5)
+        sc_._groups = busy  # type: ignore[assignment]
+        try:
+            assert sc_.evict() == []  # the plain call is held off by the waiting group
+            assert await sc_.evict_soon() == [run.run_id]
+            assert busy.looks > 5  # it looked again until the group had committed
+        finally:
+            sc_._groups = real
+        assert run.run_id not in sc_.state
