@@ -1037,8 +1037,10 @@ class Sidecar:
         if store is None or store.inline:
             return 0
         async with self._intake:  # between two intakes: the state moves in commit order
+            changes = await self._call(store.changes, self.clock())
+            # The fold's own moment: a prune may have run while the read was in flight,
+            # and what it forgot must be judged stale against now, not the read's start.
             now = self.clock()
-            changes = await self._call(store.changes, now)
             # Late spans of runs put away here: fold them onto the whole run.
             await self._reopen(s.run_id for s in changes.spans)
             self._fold_changes(changes, now)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -476,3 +477,42 @@ async def test_a_group_holds_at_most_its_bound_and_groups_commit_in_arrival_orde
         for spans in requests:
             await one.ingest(_request(spans), "http")
         assert views == {r.run_id: one.state.view(r.run_id) for r in [first, *others]}
+
+
+async def test_a_sync_read_before_a_prune_does_not_bring_instances_back(
+    tmp_path: Path,
+) -> None:
+    """A sync reads the heartbeats, a prune forgets their instance while that read is
+    still in flight, then the sync folds what it read: the instance stays forgotten
+    (its heartbeat is judged against the fold's moment, not the read's start). It came
+    back as a flaky test_bounded_state run on PostgreSQL."""
+    clock = FakeClock()
+    settings = settings_for(tmp_path, retention=3600.0, tick_interval=3600.0)
+    async with Sidecar(settings, clock=clock) as sidecar:
+        await export_http(sidecar, heartbeat_spans("agent-gone", [], clock.now))
+        assert sidecar.state.instance_count() == 1
+        store = sidecar.store
+        assert store is not None
+        real_changes = store.changes
+        read, release = threading.Event(), threading.Event()
+
+        def slow_changes(now: float) -> Any:
+            got = real_changes(now)  # read before the prune's delete
+            read.set()
+            release.wait(10)
+            return got
+
+        store.changes = slow_changes  # type: ignore[method-assign]
+        try:
+            syncing = asyncio.create_task(sidecar.sync())
+            assert await asyncio.to_thread(read.wait, 10)
+            clock.now += 3600.0 + 60.0  # the heartbeat is now past the retention
+            sidecar.prune()
+            assert sidecar.state.instance_count() == 0
+            release.set()
+            await syncing
+        finally:
+            release.set()
+            store.changes = real_changes  # type: ignore[method-assign]
+        await sidecar.flush()
+        assert sidecar.state.instance_count() == 0
