@@ -94,10 +94,9 @@ class Groups(Generic[M]):
         next loop turn). It is due when it did not grow since the last look (or since
         it started, at the first), when it holds ``ENOUGH_SPANS`` spans, when it is
         full or a newer group has started (it cannot grow), or after ``GROWING_LOOKS``
-        looks. A member that has just joined
-        may have siblings whose bytes have arrived but whose handlers run a turn later:
-        a group that grew waits one more turn for them. Raises IndexError when no
-        group waits."""
+        looks. A member that has just joined may have siblings whose bytes have arrived
+        but whose handlers run a turn later: a group that grew waits one more turn for
+        them. Raises IndexError when no group waits."""
         queue = self._queue
         size = len(queue[0])
         if (

@@ -78,9 +78,6 @@ T = TypeVar("T")
 
 log = get_logger("sidecar")
 
-EVICT_TURNS = 1000
-"""Loop turns an eviction waits for no group to be waiting for its commit (SQLite)."""
-
 Listener = Callable[[RunView | None, RunView, float], None]
 """``fn(before, after, now)``: called after each committed change to a run view."""
 BackgroundFactory = Callable[[], Awaitable[None]]
@@ -352,9 +349,14 @@ class Sidecar:
 
     def evict(self) -> list[str]:
         """Put the settled runs (ended, needing no person) away: index them in the store,
-        then forget them here. Synchronous: SQLite's path and the tests'."""
-        if self.store is None or self._groups:
-            return []  # a group waits for its commit: its spans may reopen a settled run
+        then forget them here. Synchronous: SQLite's path and the tests'.
+
+        A group waiting for its commit does not hold this off: nothing of it has been
+        screened yet, and its commit finds a span of a run put away here through the
+        store (``_commit_inline``: ``put_away_of``, then the run read back whole), as it
+        finds any late span."""
+        if self.store is None:
+            return []
         rows = self._index_rows()
         if rows:
             self.store.put_away(rows)
@@ -382,24 +384,11 @@ class Sidecar:
                 rows.append(PutAway(run_id, *row))
         return rows
 
-    async def evict_soon(self) -> list[str]:
-        """:meth:`evict_async` once no group waits for its commit on SQLite (a waiting
-        group holds eviction off: its spans may reopen a settled run), looking again on
-        each loop turn, at most ``EVICT_TURNS``: under steady intake some group is
-        waiting at about a third of moments, and a skipped tick kept finished runs in
-        memory an interval longer."""
-        for _ in range(EVICT_TURNS):
-            store = self.store
-            if not (self._groups and store is not None and store.inline):
-                break
-            await asyncio.sleep(0)
-        return await self.evict_async()
-
     async def _evict_loop(self) -> None:
         while True:
             await asyncio.sleep(self.settings.evict_interval)
             try:
-                gone = await self.evict_soon()
+                gone = await self.evict_async()
             except StoreError as exc:
                 log.warning("sidecar.evict.failed", error=str(exc), fix="retried next interval")
                 continue
