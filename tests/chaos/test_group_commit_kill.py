@@ -28,7 +28,7 @@ from sidecar_testkit import open_run
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(300)]
 
 SENDERS = 8
-ROUNDS = 3
+MOMENTS = (0.3, 0.8, 1.3)  # seconds into the load, each with a random jitter
 
 
 def _send_until_gone(port: int, acked: list[tuple[str, str]], stop: threading.Event) -> None:
@@ -52,9 +52,9 @@ def _send_until_gone(port: int, acked: list[tuple[str, str]], stop: threading.Ev
         conn.close()
 
 
-@pytest.mark.parametrize("round_", range(ROUNDS))
+@pytest.mark.parametrize("moment", MOMENTS)
 def test_concurrent_requests_acknowledged_before_a_kill_are_all_stored(
-    tmp_path: Path, round_: int
+    tmp_path: Path, moment: float
 ) -> None:
     side = start_sidecar(tmp_path)
     port = int(side.otlp.rsplit(":", 1)[1])
@@ -67,7 +67,7 @@ def test_concurrent_requests_acknowledged_before_a_kill_are_all_stored(
     try:
         for t in senders:
             t.start()
-        time.sleep(random.uniform(0.3, 1.5))  # a random moment under concurrent load
+        time.sleep(moment + random.uniform(0.0, 0.4))  # a random moment under load
         side.proc.send_signal(signal.SIGKILL)
         side.proc.wait()
     finally:
