@@ -42,6 +42,7 @@ from ._alerting import Action, AlertEvent
 from ._backends import alert_rows, open_alert_store
 from ._errors import ConfigError, StoreError
 from ._log import get_logger
+from ._outbox_sql import DELIVERED, FAILED, HELD, PENDING
 from ._sinks import SINK_KINDS, DeliveryRejected, DeliveryRetry, Sink
 from ._storage import (
     AlertStore,
@@ -58,10 +59,6 @@ T = TypeVar("T")
 # Operational logs go with the sidecar's own (stdlib, stderr); alerts use the log sink.
 log = get_logger("sidecar.alerts")
 
-PENDING: Final = "pending"
-DELIVERED: Final = "delivered"
-FAILED: Final = "failed"
-HELD: Final = "held"
 POLL_S: Final = 1.0  # shared stores: how often an idle worker looks for others' rows
 # The sink column of an alert no configured sink takes (no sink, or routed nowhere): the
 # row is kept in state HELD and handed to the sinks of a later start that route it.
@@ -306,6 +303,8 @@ class Outbox:
         ]
 
     def _insert(self, tx: AlertTx, sink_name: str, event: AlertEvent, now: float) -> bool:
+        if event.action is Action.RESOLVE:  # the fire stops firing (and being re-sent)
+            tx.resolve_fire(event.dedup_key, sink_name, now)
         return tx.insert(
             NewAlert(
                 event.dedup_key,

@@ -8,20 +8,54 @@ inherits these methods. Claims and writes stay with each store: they differ
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Final, Protocol
 
 from ._storage import OutboxRecord
 
+# A row's delivery state: waiting for its sink (pending), kept for a sink no configured
+# one is (held), or done: delivered, or refused by the sink for good (failed).
+PENDING: Final = "pending"
+DELIVERED: Final = "delivered"
+FAILED: Final = "failed"
+HELD: Final = "held"
+
 ROW = "SELECT id, dedup_key, action, sink, state, attempts, last_error, event FROM alert_outbox"
+# Outbox depth: served by the index on state (schema 4), so it costs what is pending,
+# not what the outbox ever held (it runs after every write and every delivery).
+COUNT_IN_STATE = "SELECT COUNT(*) FROM alert_outbox WHERE state = ?"
+# Fires still firing (a resolve row exists for none of them), delivered to a sink that
+# re-sends them (Alertmanager): read after every delivery, so served by the partial index
+# alert_outbox_firing (schema 4) and as cheap as what is firing, however many fires were
+# resolved since. A fire row is marked resolved when its resolve row is written.
+FIRING = (
+    "SELECT id, last_sent_at, event FROM alert_outbox WHERE sink = ? AND action = 'fire' "
+    "AND resolved_at IS NULL AND state = ?"
+)
+RESOLVE_FIRE = (
+    "UPDATE alert_outbox SET resolved_at = ? WHERE dedup_key = ? AND sink = ? "
+    "AND action = 'fire' AND resolved_at IS NULL"
+)
+# Pruning a run takes its alert rows along once nothing is left to do for them: none of
+# them waits for a sink and every fire has its resolve. A run with an alert still waiting
+# or still firing keeps them all (the outbox never drops an alert, and Alertmanager keeps
+# getting a firing one). Arguments: the run id, twice.
+PRUNE_RUN_ALERTS = (
+    "DELETE FROM alert_outbox WHERE run_id = ? AND NOT EXISTS (SELECT 1 FROM alert_outbox o "
+    f"WHERE o.run_id = ? AND (o.state IN ('{PENDING}', '{HELD}') OR (o.action = 'fire' AND "
+    "NOT EXISTS (SELECT 1 FROM alert_outbox r WHERE r.dedup_key = o.dedup_key AND "
+    "r.sink = o.sink AND r.action = 'resolve'))))"
+)
 
 
-class _Reads(Protocol):
+class _Driver(Protocol):
     placeholder: ClassVar[str]
 
+
+class _Reads(_Driver, Protocol):
     def _all(self, sql: str, args: tuple[object, ...] = ()) -> list[tuple[Any, ...]]: ...
 
 
-def sql(store: _Reads, text: str) -> str:
+def sql(store: _Driver, text: str) -> str:
     """``text`` (written with ``?``) in the store's driver's placeholder."""
     return text if store.placeholder == "?" else text.replace("?", store.placeholder)
 
@@ -51,19 +85,9 @@ class OutboxReads:
         return [OutboxRecord(*r) for r in self._all(query, (sink,) if sink else ())]
 
     def count(self: _Reads, state: str) -> int:
-        query = sql(self, "SELECT COUNT(*) FROM alert_outbox WHERE state = ?")
-        ((n,),) = self._all(query, (state,))
+        ((n,),) = self._all(sql(self, COUNT_IN_STATE), (state,))
         return int(n)
 
     def firing(self: _Reads, sink: str, delivered: str) -> list[tuple[int, float, str]]:
-        rows = self._all(
-            sql(
-                self,
-                "SELECT f.id, f.last_sent_at, f.event FROM alert_outbox f WHERE f.sink = ? "
-                "AND f.action = 'fire' AND f.state = ? AND NOT EXISTS (SELECT 1 FROM "
-                "alert_outbox r WHERE r.dedup_key = f.dedup_key AND r.sink = f.sink AND "
-                "r.action = 'resolve')",
-            ),
-            (sink, delivered),
-        )
+        rows = self._all(sql(self, FIRING), (sink, delivered))
         return [(int(a), float(b or 0.0), str(c)) for a, b, c in rows]

@@ -19,13 +19,13 @@ import hashlib
 import os
 import socket
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
 from ._errors import StoreError
 from ._leases import Lease, LeaseRefusal, Owner
 from ._log import get_logger
-from ._outbox_sql import OutboxReads
+from ._outbox_sql import PRUNE_RUN_ALERTS, RESOLVE_FIRE, OutboxReads, sql
 from ._storage import (
     LEASE_ROW,
     MARK_ROW,
@@ -142,6 +142,19 @@ CREATE TABLE IF NOT EXISTS run_index (
 );
 CREATE INDEX IF NOT EXISTS run_index_started ON run_index (started_at, run_id);
 CREATE INDEX IF NOT EXISTS run_index_seen ON run_index (last_seen);
+""",
+    # 4: the outbox's per-alert reads cost what is pending or firing, not every row the
+    # outbox ever held: its depth by state, and the fires still firing (a fire row is
+    # marked resolved_at when its resolve row is written; rows written before are marked
+    # here).
+    4: """
+ALTER TABLE alert_outbox ADD COLUMN IF NOT EXISTS resolved_at DOUBLE PRECISION;
+UPDATE alert_outbox SET resolved_at = (SELECT MIN(r.created_at) FROM alert_outbox r
+    WHERE r.dedup_key = alert_outbox.dedup_key AND r.sink = alert_outbox.sink
+    AND r.action = 'resolve') WHERE action = 'fire';
+CREATE INDEX IF NOT EXISTS alert_outbox_state ON alert_outbox (state);
+CREATE INDEX IF NOT EXISTS alert_outbox_firing ON alert_outbox (sink, state)
+    WHERE action = 'fire' AND resolved_at IS NULL;
 """,
 }
 _MIGRATION_LOCK = 0x5A6A_0001  # pg_advisory_xact_lock key: one schema upgrade at a time
@@ -297,6 +310,7 @@ class _Pooled:
     """A pool and the errors of its users, shown without the password."""
 
     inline = False
+    placeholder: ClassVar[str] = "%s"
 
     def __init__(self, target: DbTarget, max_size: int, name: str) -> None:
         self.target = target
@@ -540,6 +554,7 @@ class PgStore(_Pooled):
             with self._tx("prune runs") as conn:
                 for table in ("spans", "run_marks", "run_owners", "run_leases", "run_index"):
                     conn.execute(f"DELETE FROM {table} WHERE run_id = ANY(%s)", (run_ids,))
+                self._prune_alerts(conn, run_ids)
 
     def delete_instances(self, instances: list[str]) -> None:
         if instances:
@@ -707,7 +722,13 @@ class PgStore(_Pooled):
             run_ids = [str(r) for (r,) in rows]
             for table in ("spans", "run_marks", "run_owners", "run_leases"):
                 conn.execute(f"DELETE FROM {table} WHERE run_id = ANY(%s)", (run_ids,))
+            self._prune_alerts(conn, run_ids)
         return len(run_ids)
+
+    def _prune_alerts(self, conn: Any, run_ids: list[str]) -> None:
+        if run_ids:
+            with conn.cursor() as cur:
+                cur.executemany(sql(self, PRUNE_RUN_ALERTS), [(r, r) for r in run_ids])
 
     def span_count(self) -> int:
         ((n,),) = self._all("SELECT count(*) FROM spans")
@@ -719,6 +740,8 @@ class PgStore(_Pooled):
 
 
 class _PgAlertTx:
+    placeholder: ClassVar[str] = "%s"
+
     def __init__(self, conn: Any) -> None:
         self._conn = conn
 
@@ -745,11 +768,12 @@ class _PgAlertTx:
             (state, at, row_id),
         )
 
+    def resolve_fire(self, dedup_key: str, sink: str, at: float) -> None:
+        self._conn.execute(sql(self, RESOLVE_FIRE), (at, dedup_key, sink))
+
 
 class PgAlertStore(OutboxReads, _Pooled):
     """The alert outbox's rows on PostgreSQL (see :class:`sidecar._storage.AlertStore`)."""
-
-    placeholder = "%s"
 
     def __init__(self, target: DbTarget) -> None:
         super().__init__(target, max_size=2, name="saga-sidecar-outbox")

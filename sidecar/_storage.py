@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 from ._errors import ConfigError
 from ._leases import Lease, LeaseRefusal, Owner
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 """The schema this sidecar writes. 1: the first (no outbox claims); 2: outbox claims;
 3: the index of finished runs put away from memory (``run_index``).
 
@@ -394,6 +394,10 @@ class AlertTx(Protocol):
         ...
 
     def set_state(self, row_id: int, state: str, at: float) -> None: ...
+
+    def resolve_fire(self, dedup_key: str, sink: str, at: float) -> None:
+        """Mark the fire row of (``dedup_key``, ``sink``) resolved: no longer firing."""
+        ...
 
 
 class AlertStore(Protocol):

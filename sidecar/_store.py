@@ -21,7 +21,7 @@ from typing import Any
 from ._errors import StoreError
 from ._leases import Lease, LeaseRefusal, Override, Owner
 from ._log import get_logger
-from ._outbox_sql import ROW, OutboxReads
+from ._outbox_sql import PRUNE_RUN_ALERTS, RESOLVE_FIRE, ROW, OutboxReads
 from ._storage import (
     LEASE_ROW,
     MARK_ROW,
@@ -143,6 +143,19 @@ CREATE TABLE IF NOT EXISTS run_index (
 );
 CREATE INDEX IF NOT EXISTS run_index_started ON run_index (started_at, run_id);
 CREATE INDEX IF NOT EXISTS run_index_seen ON run_index (last_seen);
+""",
+    # 4: the outbox's per-alert reads cost what is pending or firing, not every row the
+    # outbox ever held: its depth by state, and the fires still firing (a fire row is
+    # marked resolved_at when its resolve row is written; rows written before are marked
+    # here).
+    4: """
+ALTER TABLE alert_outbox ADD COLUMN resolved_at REAL;
+UPDATE alert_outbox SET resolved_at = (SELECT MIN(r.created_at) FROM alert_outbox r
+    WHERE r.dedup_key = alert_outbox.dedup_key AND r.sink = alert_outbox.sink
+    AND r.action = 'resolve') WHERE action = 'fire';
+CREATE INDEX IF NOT EXISTS alert_outbox_state ON alert_outbox (state);
+CREATE INDEX IF NOT EXISTS alert_outbox_firing ON alert_outbox (sink, state)
+    WHERE action = 'fire' AND resolved_at IS NULL;
 """,
 }
 
@@ -375,6 +388,7 @@ class SqliteStore:
             with self._tx("prune runs") as db:
                 for table in ("spans", "run_marks", "run_owners", "run_leases", "run_index"):
                     db.executemany(f"DELETE FROM {table} WHERE run_id = ?", rows)
+                db.executemany(PRUNE_RUN_ALERTS, [(r, r) for r in run_ids])
 
     def delete_instances(self, instances: list[str]) -> None:
         if instances:
@@ -605,6 +619,9 @@ class _SqliteAlertTx:
         self._db.execute(
             "UPDATE alert_outbox SET state = ?, delivered_at = ? WHERE id = ?", (state, at, row_id)
         )
+
+    def resolve_fire(self, dedup_key: str, sink: str, at: float) -> None:
+        self._db.execute(RESOLVE_FIRE, (at, dedup_key, sink))
 
 
 class SqliteAlertStore(OutboxReads):

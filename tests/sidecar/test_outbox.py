@@ -6,10 +6,13 @@ import asyncio
 import logging
 import random
 import socket
-from collections.abc import AsyncIterator, Iterator
+import sqlite3
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 from aiohttp import web
 from prometheus_client import CollectorRegistry
@@ -19,9 +22,12 @@ from saga_otel import semconv as sc
 from sidecar._alert_service import AlertService
 from sidecar._alert_settings import AlertSettings
 from sidecar._alerting import Action, AlertEvent, evaluate
+from sidecar._backends import open_store
 from sidecar._errors import ConfigError
 from sidecar._outbox import DELIVERED, FAILED, PENDING, AlertMetrics, Backoff, Outbox, Routing
+from sidecar._outbox_sql import COUNT_IN_STATE, FIRING, PRUNE_RUN_ALERTS
 from sidecar._sinks import DeliveryRetry, PagerDutySink, WebhookSink
+from sidecar._storage import DbTarget, PutAway
 
 pytestmark = BOTH_BACKENDS
 
@@ -493,3 +499,143 @@ async def test_a_delivery_is_recorded_even_when_the_outbox_stops_right_after_it(
         assert [r.state for r in again.rows()] == [DELIVERED]
     finally:
         again.close()
+
+
+# --- bounded by what is pending, not by what was ever held -----------------------------
+
+
+def _old_rows(box: Outbox, n: int) -> None:
+    """``n`` delivered fire/resolve pairs of other runs: a week of alerts, all done."""
+    template_fire, template_resolve = fire("old"), resolve("old")
+    events = []
+    for i in range(n // 2):
+        for e in (template_fire, template_resolve):
+            events.append(replace(e, run_id=f"old-{i}"))  # the dedup key names the run
+    box.add(events)
+    _sql(box.target, "UPDATE alert_outbox SET state = ?", (DELIVERED,))
+
+
+def _sql(target: DbTarget, query: str, args: tuple[object, ...] = ()) -> list[Any]:
+    if target.url is not None:
+        with psycopg.connect(target.url, autocommit=True) as conn:
+            cur = conn.execute(query.replace("?", "%s"), args)
+            return cur.fetchall() if cur.description else []
+    db = sqlite3.connect(str(target.path))
+    try:
+        rows = db.execute(query, args).fetchall()
+        db.commit()
+        return rows
+    finally:
+        db.close()
+
+
+@pytest.mark.parametrize("prune", ["delete_runs", "prune_put_away"])
+async def test_pruning_a_run_takes_its_done_alerts_along_and_keeps_what_is_left_to_do(
+    tmp_path: Path, prune: str
+) -> None:
+    """Retention prunes a run's alert rows with its spans once every alert of the run was
+    resolved and every row sent; a run with an alert still waiting for its sink or still
+    firing keeps them all (nothing of an alert is dropped)."""
+    sink = FakeSink()
+    box = Outbox(db_for(tmp_path / "db"), [sink])
+    box.add([fire("done"), fire("firing")])
+    await box.start()
+    try:
+        assert await box.wait_idle()
+        box.add([resolve("done")])
+        assert await box.wait_idle()
+    finally:
+        await box.stop()
+    box.add([fire("waiting"), resolve("waiting")])  # not delivered: the worker stopped
+    runs = ["done", "firing", "waiting"]
+    store = open_store(box.target)
+    try:
+        if prune == "delete_runs":
+            store.delete_runs(runs)
+        else:
+            store.put_away([PutAway(r, 1.0, sc.STATUS_COMPENSATED, "refund", 1.0) for r in runs])
+            assert store.prune_put_away(before=2.0) == len(runs)
+    finally:
+        store.close()
+    left = {(r.event.run_id, r.action, r.state) for r in box.rows()}
+    assert left == {
+        ("firing", "fire", DELIVERED),
+        ("waiting", "fire", PENDING),
+        ("waiting", "resolve", PENDING),
+    }
+
+
+async def test_an_alerts_outbox_work_does_not_grow_with_the_rows_it_holds(
+    tmp_path: Path, backend: str
+) -> None:
+    """Each alert's write, depth count and firing read (both after every write and
+    delivery) and its run's prune touch what they need, not every row the outbox holds:
+    a week of delivered alerts stays in the table until retention prunes it. Work is
+    counted by the database itself (SQLite virtual machine steps; PostgreSQL buffers),
+    never by a clock."""
+    work = {n: _outbox_work(tmp_path / f"db{n}", n, backend) for n in (200, 20_000)}
+    assert work[20_000] <= 2 * work[200] + 10, work
+
+
+def _outbox_work(path: Path, old: int, backend: str) -> int:
+    """The work of one alert's path through an outbox holding ``old`` done rows."""
+    box = Outbox(db_for(path), [FakeSink()], metrics=AlertMetrics.create(CollectorRegistry()))
+    try:
+        _old_rows(box, old)
+        if backend == "postgresql":
+            _sql(box.target, "VACUUM ANALYZE alert_outbox")  # the mass UPDATE's dead rows
+            return sum(_pg_buffers(box.target, q, a) for q, a in _PG_HOT)
+        store = open_store(box.target)
+        try:
+            return _vm_steps(
+                [box._store._db, store._db],  # type: ignore[attr-defined]
+                lambda: (
+                    box.add([fire("new")]),
+                    box.depth(),
+                    box._store.firing("fake", DELIVERED),  # type: ignore[attr-defined]
+                    box.add([resolve("new")]),
+                    store.delete_runs(["new"]),
+                ),
+            )
+        finally:
+            store.close()
+    finally:
+        box.close()
+
+
+# The outbox's statements whose cost could grow with the table, as the stores run them.
+_PG_HOT = [
+    (COUNT_IN_STATE, (PENDING,)),
+    (FIRING, ("fake", DELIVERED)),
+    (PRUNE_RUN_ALERTS, ("old-7", "old-7")),
+]
+
+
+def _pg_buffers(target: DbTarget, query: str, args: tuple[object, ...]) -> int:
+    """Shared buffers the statement touched (EXPLAIN ANALYZE, rolled back)."""
+    assert target.url is not None
+    with psycopg.connect(target.url) as conn:
+        ((plan,),) = conn.execute(
+            "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + query.replace("?", "%s"), args
+        ).fetchall()
+        conn.rollback()
+    top = plan[0]["Plan"]
+    return int(top["Shared Hit Blocks"]) + int(top["Shared Read Blocks"])
+
+
+def _vm_steps(dbs: list[sqlite3.Connection], fn: Callable[[], object]) -> int:
+    """Hundreds of SQLite virtual machine steps ``fn`` ran on these connections."""
+    steps = [0]
+
+    def tick() -> int:
+        steps[0] += 1
+        return 0  # go on
+
+    for db in dbs:
+        db.set_progress_handler(tick, 100)
+    try:
+        fn()
+    finally:
+        for db in dbs:
+            db.set_progress_handler(None, 0)
+    return steps[0]

@@ -17,8 +17,11 @@ from saga_otel import semconv as sc
 from sidecar import Sidecar, StoreError
 from sidecar._backends import open_store
 from sidecar._otlp import extract, parse_protobuf
-from sidecar._outbox import PENDING, Outbox
+from sidecar._outbox import DELIVERED, PENDING, Outbox, _load
+from sidecar._pgstore import _STEPS as pg_steps
 from sidecar._storage import SCHEMA_VERSION
+from sidecar._store import _STEPS as sqlite_steps
+from sidecar._store import _statements as statements
 
 pytestmark = BOTH_BACKENDS
 
@@ -143,6 +146,17 @@ def _execute(where: str, script: str, rows: list[tuple[str, tuple[object, ...]]]
         db.close()
 
 
+def _rows(where: str, query: str) -> list[tuple[object, ...]]:
+    if where.startswith("postgresql://"):
+        with psycopg.connect(where) as conn:
+            return [tuple(r) for r in conn.execute(query).fetchall()]
+    db = sqlite3.connect(where)
+    try:
+        return db.execute(query).fetchall()
+    finally:
+        db.close()
+
+
 def _make_v1(where: str, backend: str) -> str:
     """A version-1 database holding one failed run's spans and owner and a pending alert."""
     run = compensation_failed_run(run_id="r-v1")
@@ -190,7 +204,7 @@ async def test_a_version_1_database_is_upgraded_in_place(tmp_path: Path, backend
     async with Sidecar(settings, clock=FakeClock()) as sc_:
         view = sc_.state.view(run_id)
         assert view is not None and view["status"] == sc.STATUS_COMPENSATION_FAILED
-        assert sc_.store is not None and sc_.store.schema_version() == SCHEMA_VERSION == 3
+        assert sc_.store is not None and sc_.store.schema_version() == SCHEMA_VERSION == 4
     # The outbox row written by version 1 is still there, pending, in the new shape.
     box = Outbox(where, [])
     try:
@@ -198,6 +212,10 @@ async def test_a_version_1_database_is_upgraded_in_place(tmp_path: Path, backend
     finally:
         box.close()
     _execute(where, "", [("UPDATE alert_outbox SET claimed_by = ?, claimed_until = ?", ("x", 1.0))])
+    # Version 4's index on the outbox's state (its depth count) is there too.
+    pg = backend == "postgresql"
+    catalog = "pg_indexes WHERE indexname" if pg else "sqlite_master WHERE name"
+    assert _rows(where, f"SELECT 1 FROM {catalog} = 'alert_outbox_state'") == [(1,)]
     # Opening it again changes nothing (the steps ran once).
     store = open_store(settings.database)
     try:
@@ -229,3 +247,42 @@ def test_a_newer_database_is_refused_with_what_to_do(tmp_path: Path, backend: st
     assert "newer than this sidecar's" in line
     with pytest.raises(StoreError):
         open_store(settings.database)
+
+
+async def test_a_version_3_outbox_keeps_resending_only_what_still_fires(
+    tmp_path: Path, backend: str
+) -> None:
+    """Version 4 marks fire rows resolved when their resolve is written; rows written by
+    version 3 are marked by the upgrade, so Alertmanager is re-sent what still fires
+    and not what was resolved before it."""
+    where = db_for(tmp_path / "sidecar.db")
+    steps = pg_steps if backend == "postgresql" else sqlite_steps
+    script = ";".join(
+        ["CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)"]
+        + [s for version in (1, 2, 3) for s in statements(steps[version])]
+    )
+    insert = (
+        "INSERT INTO alert_outbox (dedup_key, action, sink, alertname, run_id, event, state, "
+        "created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+    )
+
+    def row(key: str, action: str) -> tuple[str, tuple[object, ...]]:
+        event = json.dumps({**EVENT, "action": action, "run_id": key}, sort_keys=True)
+        return insert, (key, action, "am", EVENT["alertname"], key, event, DELIVERED, 1.0)
+
+    _execute(
+        where,
+        script,
+        [
+            ("INSERT INTO meta(key, value) VALUES ('schema', '3')", ()),
+            row("resolved", "fire"),
+            row("resolved", "resolve"),
+            row("firing", "fire"),
+        ],
+    )
+    box = Outbox(where, [])
+    try:
+        firing = box._store.firing("am", DELIVERED)  # type: ignore[attr-defined]
+        assert [_load(text).run_id for _, _, text in firing] == ["firing"]
+    finally:
+        box.close()
