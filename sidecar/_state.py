@@ -13,6 +13,7 @@ compact named tuples, interned strings and raw JSON text, and builds its view
 from __future__ import annotations
 
 import bisect
+import heapq
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -505,6 +506,10 @@ class RunState:
         # heartbeat rule orphans them when that process dies.
         self._watched: dict[str, None] = {}
         self._instances: dict[str, _Watch] = {}
+        # (due, instance) of the live watches, soonest first: a tick looks only at those
+        # past due, not at every instance (retention keeps many; most died long ago).
+        # Stale entries (the watch moved on since) are dropped when they come up.
+        self._dues: list[tuple[float, str]] = []
 
     # --- queries ---------------------------------------------------------------
 
@@ -886,6 +891,7 @@ class RunState:
         if last > first:  # beats that waited together: the batch spans this much
             watch.learn(last - first + interval)
         watch.beat = last if watch.beat is None else max(watch.beat, last)
+        self._schedule(instance, watch)
         named: dict[str, None] = {}
         for span in beats:
             for run_id in span.attributes.get(sc.SAGA_HEARTBEAT_OPEN_RUNS, ()):
@@ -907,9 +913,10 @@ class RunState:
         learned of the instance's cadence stays."""
         watch = self._instances.get(instance)
         if watch is None:
-            self._instances[instance] = _Watch(now, interval)
+            watch = self._instances[instance] = _Watch(now, interval)
         else:
             watch.at, watch.interval, watch.dead = now, interval, False
+        self._schedule(instance, watch)
         for run_id in open_runs:
             run = self._runs.get(run_id)
             # Only the owner's heartbeat keeps a run alive: a stranger naming it must not
@@ -1074,13 +1081,17 @@ class RunState:
         """Orphan the runs whose process went quiet. Call it often; cost is per change."""
         transitions: list[Transition] = []
         dead: set[str] = set()
-        for instance, hb in self._instances.items():
-            if hb.dead:
-                continue
-            lost = hb.lost_at is not None and now - hb.lost_at > PRESENCE_GRACE
-            if lost or now - hb.at > hb.window():
+        dues = self._dues
+        while dues and dues[0][0] < now:
+            _, instance = heapq.heappop(dues)
+            hb = self._instances.get(instance)
+            if hb is None or hb.dead or hb.scheduled >= now:
+                continue  # forgotten, already dead, or moved on (its newer due is queued)
+            if hb.dead_at(now):
                 hb.dead = True
                 dead.add(instance)
+            else:  # a change no _schedule saw: queue what is due now (never lose a watch)
+                self._schedule(instance, hb)
         if dead:  # rare: one scan of the open runs per process death
             runs = self._runs
             open_runs = [*self._idle, *self._watched]
@@ -1126,6 +1137,7 @@ class RunState:
         watch = self._instances.get(instance)
         if watch is not None:
             watch.lost_at = None
+            self._schedule(instance, watch)
 
     def presence_lost(self, instance: str, now: float) -> None:
         """The instance's last live connection closed without a goodbye: its process has
@@ -1133,9 +1145,19 @@ class RunState:
         watch = self._instances.get(instance)
         if watch is not None and not watch.dead:
             watch.lost_at = now
+            self._schedule(instance, watch)
 
     def restore_instance(self, instance: str, at: float, interval: float) -> None:
-        self._instances[_intern(instance)] = _Watch(at, interval)
+        instance = _intern(instance)
+        watch = self._instances[instance] = _Watch(at, interval)
+        self._schedule(instance, watch)
+
+    def _schedule(self, instance: str, watch: _Watch) -> None:
+        """Queue the moment ``watch`` falls due, after any change to it (once per due)."""
+        due = watch.due()
+        if due != watch.scheduled:
+            watch.scheduled = due
+            heapq.heappush(self._dues, (due, instance))
 
     def heard(
         self,
@@ -1307,6 +1329,7 @@ class _Watch:
     # span-time spread of one delivery's heartbeats + 1 interval.
     gaps: tuple[float, ...] = ()
     lost_at: float | None = None  # its live connection closed uncleanly, not yet confirmed
+    scheduled: float = float("inf")  # the due last queued for it (RunState._dues)
 
     def learn(self, gap: float) -> None:
         self.gaps = (*self.gaps, gap)[-_GAP_SAMPLES:]
@@ -1321,6 +1344,16 @@ class _Watch:
     def window(self) -> float:
         """Silence past this many seconds since the last delivery means the process died."""
         return max(3 * self.interval, self.delivery_gap() + 2 * self.interval)
+
+    def due(self) -> float:
+        """The moment past which the process counts as dead, unless it is heard from: its
+        silence outlasts the window, or its live connection stays lost past the grace."""
+        silent = self.at + self.window()
+        return silent if self.lost_at is None else min(silent, self.lost_at + PRESENCE_GRACE)
+
+    def dead_at(self, now: float) -> bool:
+        """Whether the process counts as dead at ``now`` (the one rule: past :meth:`due`)."""
+        return now > self.due()
 
 
 def _span_end(span: SpanRecord) -> float:

@@ -22,6 +22,7 @@ from saga_otel import semconv as sc
 from saga_otel.records import Compensation
 from sidecar import RunState, SpanRecord
 from sidecar._otlp import extract
+from sidecar._state import _Watch
 
 T = 1_700_000_100.0
 
@@ -477,3 +478,72 @@ def test_a_heartbeat_read_before_a_prune_does_not_bring_its_instance_back() -> N
     assert state.instance_count() == 0
     state.heard("pid-1", t0 + 3600.5, 1.0, [], now=t0 + 3601.0, retention=3600.0)  # alive
     assert state.instance_count() == 1
+
+
+# --- the tick looks only at watches past due ---------------------------------------------
+
+_INSTANCES = [f"agent-{i}" for i in range(4)]
+_WATCH_OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["beat", "lost", "opened", "restore", "heard", "forget", "tick"]),
+        st.sampled_from(_INSTANCES),
+        st.sampled_from([0.5, 1.0, 2.0]),  # a heartbeat interval
+        st.integers(min_value=1, max_value=3),  # heartbeats in one delivery
+        st.floats(min_value=0.0, max_value=2.5),  # seconds the clock moves first
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(_WATCH_OPS)
+def test_a_tick_finds_the_same_dead_processes_as_a_scan_of_every_watch(ops: Any) -> None:
+    """``tick`` pops watches from a queue of due moments instead of scanning every
+    instance; whatever happens to the watches in between (deliveries at other cadences,
+    lost and reopened connections, restores, other replicas' heartbeats, forgetting),
+    each tick marks dead exactly the live watches a scan finds past due."""
+    state = RunState(idle_timeout=3600.0)
+    now = T
+    for op, instance, interval, count, dt in ops:
+        now += round(dt, 2)
+        if op == "beat":
+            times = [now - interval * k for k in range(count)][::-1]
+            spans = beats([], times, instance=instance)
+            for span in spans:
+                span.attributes[sc.SAGA_HEARTBEAT_INTERVAL_S] = interval  # type: ignore[index]
+            state.apply(spans, now)
+        elif op == "lost":
+            state.presence_lost(instance, now)
+        elif op == "opened":
+            state.presence_opened(instance)
+        elif op == "restore":
+            state.restore_instance(instance, now - interval, interval)
+        elif op == "heard":
+            state.heard(instance, now - interval, interval, [], now, retention=3600.0)
+        elif op == "forget":
+            state.forget_instances([instance])
+        else:
+            watches = state._instances
+            expected = {i for i, w in watches.items() if not w.dead and now > w.due()}
+            before = {i for i, w in watches.items() if w.dead}
+            state.tick(now)
+            after = {i for i, w in watches.items() if w.dead}
+            assert after - before == expected
+            assert before <= after
+
+
+def test_a_tick_looks_at_no_watch_before_one_falls_due(monkeypatch: Any) -> None:
+    """Retention keeps every instance heard from in a week (many thousands); a tick runs
+    five times a second and must not walk them all: it looks at a watch only when its
+    due moment has passed (then once)."""
+    state = RunState(idle_timeout=3600.0)
+    for i in range(5000):
+        state.restore_instance(f"agent-{i}", T, interval=100.0)  # due 300 s after T
+    looked: list[str] = []
+    window = _Watch.window
+    monkeypatch.setattr(_Watch, "window", lambda w: looked.append("") or window(w))
+    for k in range(50):
+        assert state.tick(T + 1 + k * 0.2) == []
+    assert looked == []
+    state.tick(T + 301)  # all fall due: each is looked at, and found dead
+    assert all(w.dead for w in state._instances.values()) and len(looked) == 5000
