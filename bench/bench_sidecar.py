@@ -56,7 +56,13 @@ TRIED = (
     "a turn after its bytes arrive), at most 8 turns and not at all past 512 spans: "
     "single-span requests per COMMIT at 8 connections ~2.4 -> ~7.5, server CPU per "
     "request ~250 -> ~185 us (per-function timers, same load); batches unchanged (a "
-    "wait for company cost 512-span batches ~10%, hence the span bound). "
+    "wait for company cost 512-span batches ~10%, hence the span bound). Fourth pass, "
+    "tried and dropped: sidecar/_state.py compiled with mypyc (its own mypy-strict types, "
+    "the exec-built snapshot copier written out): RunState.apply per batch span 12.2-12.9 "
+    "vs 13.0-14.7 us pure (in process, 100 batches of 512), within the machine's noise: "
+    "the fold's time goes to dicts, tuples and records mypyc does not make native; "
+    "decode (_otlp.py) would need its SpanRecord named tuple rewritten before mypyc "
+    "compiles it. "
 )
 BATCH_PROFILE = (
     "Profile after (per-function timers in `serve`, 512-span batches of 2-span runs, "
