@@ -143,6 +143,9 @@ MAX_DELIVERY_GAP = 30.0  # the OTLP exporters' default timeout: no cadence count
 _GAP_SAMPLES = 8  # the window follows the largest of the last few delivery gaps
 # A live connection (saga_otel's presence stream) that closes without a goodbye means
 # the process died, unless it reconnects or a heartbeat arrives within the grace.
+# The orphan tick's queue of due moments may hold this many stale entries beyond two
+# per instance before it is compacted (RunState._compact_dues).
+_DUES_SLACK = 1024
 PRESENCE_GRACE = 0.5
 PRESENCE_SETTLE = 0.1  # a heartbeat this soon after the close was sent before it
 
@@ -1158,6 +1161,17 @@ class RunState:
         if due != watch.scheduled:
             watch.scheduled = due
             heapq.heappush(self._dues, (due, instance))
+            if len(self._dues) > 2 * len(self._instances) + _DUES_SLACK:
+                self._compact_dues()
+
+    def _compact_dues(self) -> None:
+        """One entry per live watch: the stale ones dropped. Ticks pop stale entries as
+        they fall due; this bounds the queue by the instances kept even when ticks are
+        rare (a process's heartbeats push one entry each). Amortized: the queue doubled
+        since the last compaction."""
+        watches = self._instances
+        self._dues = [(w.scheduled, i) for i, w in watches.items() if not w.dead]
+        heapq.heapify(self._dues)
 
     def heard(
         self,

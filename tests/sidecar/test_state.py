@@ -547,3 +547,18 @@ def test_a_tick_looks_at_no_watch_before_one_falls_due(monkeypatch: Any) -> None
     assert looked == []
     state.tick(T + 301)  # all fall due: each is looked at, and found dead
     assert all(w.dead for w in state._instances.values()) and len(looked) == 5000
+
+
+def test_the_queue_of_due_moments_stays_bounded_by_the_instances_kept() -> None:
+    """Each delivery queues its watch's new due moment; ticks drop the stale ones as they
+    fall due, and when ticks are rare the queue is compacted to one entry per live
+    watch, so it never holds more than about twice the instances kept."""
+    state = RunState(idle_timeout=3600.0)
+    for beat in range(20):
+        for i in range(2000):
+            state.heard(f"agent-{i}", T + beat, 1.0, [], T + beat, retention=3600.0)
+    assert len(state._dues) <= 2 * state.instance_count() + 1024
+    assert {i for _, i in state._dues} == set(state._instances)
+    dead = state.tick(T + 100)
+    assert dead == [] and all(w.dead for w in state._instances.values())
+    assert state._dues == []
