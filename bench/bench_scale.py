@@ -41,6 +41,7 @@ OPEN_RUNS = (10_000, 100_000, 1_000_000)
 LOADS = (1000, 5000, 10000)
 LOAD_SPANS_PER_REQUEST = 20
 ALERT_SAMPLES = 100
+ALERT_REPEATS = 3  # interleaved over the loads; the p99 of 100 unwinds alone is its 2nd worst
 GOAL_PAUSE_MS = 10.0
 PAUSE_ROUNDS = 5  # the pause is the median of this many (one is noisy: 5-10 ms here)
 OUTBOX_ROWS = (1_000, 10_000, 100_000)
@@ -275,10 +276,10 @@ print(json.dumps({"spans": len(bodies) * LOAD_SPANS_PER_REQUEST, "seconds": take
 """
 
 
-def _alert_latency(progress: Callable[[str], None]) -> dict[int, tuple[float, float, float]]:
-    """Background load -> (alert p99 ms, export p99 ms, achieved spans/s)."""
-    out = {}
-    for rate in LOADS:
+def _alert_latency(progress: Callable[[str], None]) -> dict[int, list[tuple[float, float, float]]]:
+    """Background load -> per repetition (alert p99 ms, export p99 ms, achieved spans/s)."""
+    out: dict[int, list[tuple[float, float, float]]] = {rate: [] for rate in LOADS}
+    for rate in [r for _ in range(ALERT_REPEATS) for r in LOADS]:
         with tempfile.TemporaryDirectory() as tmp, alerts._Hook() as hook:
             sidecar = alerts._SidecarProc(Path(tmp) / "sidecar.db", hook.url)
             try:
@@ -307,10 +308,11 @@ def _alert_latency(progress: Callable[[str], None]) -> dict[int, tuple[float, fl
             finally:
                 sidecar.close()
         achieved = stats["spans"] / stats["seconds"]
-        out[rate] = (alerts._pct(alert_ms, 0.99), alerts._pct(export_ms, 0.99), achieved)
+        got = (alerts._pct(alert_ms, 0.99), alerts._pct(export_ms, 0.99), achieved)
+        out[rate].append(got)
         progress(
-            f"scale: alert p99 {out[rate][0]:.1f} ms at {achieved:,.0f} spans/s "
-            f"(target {rate:,}); export p99 {out[rate][1]:.1f} ms"
+            f"scale: alert p99 {got[0]:.1f} ms at {achieved:,.0f} spans/s "
+            f"(target {rate:,}); export p99 {got[1]:.1f} ms"
         )
     return out
 
@@ -406,7 +408,9 @@ def run(progress: Callable[[str], None]) -> list[Figure]:
                 ),
             )
         )  # fmt: skip
-    for rate, (alert_p99, export_p99, achieved) in _alert_latency(progress).items():
+    for rate, reps in _alert_latency(progress).items():
+        # The median repetition by alert p99 (its export p99 and rate beside it).
+        alert_p99, export_p99, achieved = sorted(reps)[len(reps) // 2]
         figures.append(
             Figure(
                 area=AREA,
@@ -421,7 +425,13 @@ def run(progress: Callable[[str], None]) -> list[Figure]:
                 notes=(
                     f"achieved {achieved:,.0f} spans/s ({LOAD_SPANS_PER_REQUEST} spans per "
                     "request, paced raw-socket load generator) into `saga-sidecar serve` "
-                    f"with a webhook sink; {ALERT_SAMPLES} unwinds"
+                    f"with a webhook sink; {ALERT_SAMPLES} unwinds per repetition, the "
+                    f"median of {ALERT_REPEATS} interleaved over the loads; alert p99 per "
+                    "repetition "
+                    + " / ".join(f"{r[0]:.1f}" for r in reps)
+                    + " ms, export p99 "
+                    + " / ".join(f"{r[1]:.1f}" for r in reps)
+                    + " ms"
                 ),
             )
         )
