@@ -444,8 +444,10 @@ class Outbox:
                 await sink.send(row.event)
             except DeliveryRejected as exc:
                 failures = 0
-                await self._settle(row.id, FAILED, str(exc), False)
+                # Counted before it is recorded: once the row is no longer pending, a
+                # waiter (wait_idle, then stop) may cancel this worker at its next await.
                 self._count(row.event.alertname, sink.kind, OUTCOME_FAILED)
+                await self._settle(row.id, FAILED, str(exc), False)
                 log.error(
                     "sidecar.alert.rejected",
                     sink=sink.name,
@@ -480,11 +482,11 @@ class Outbox:
                 if failures:
                     log.info("sidecar.sink.up", sink=sink.name, failed_attempts=failures)
                 failures = 0
-                await self._settle(row.id, DELIVERED, None, True)
-                self._count(row.event.alertname, sink.kind, OUTCOME_DELIVERED)
+                self._count(row.event.alertname, sink.kind, OUTCOME_DELIVERED)  # as above
                 if self.metrics is not None:
                     delay_s = max(0.0, self._clock() - row.event.at)
                     self.metrics.delay.labels(sink=sink.kind).observe(delay_s)
+                await self._settle(row.id, DELIVERED, None, True)
 
     async def _settle(
         self, row_id: int, state: str, error: str | None, sent: bool, hold: float = 0.0

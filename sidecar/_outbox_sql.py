@@ -47,6 +47,19 @@ PRUNE_RUN_ALERTS = (
 )
 
 
+# Schema step 4 of both stores (their _STEPS), in each one's words for adding a column:
+# marks the fires resolved so far, then the indexes the per-alert reads above go through.
+OUTBOX_V4 = """
+ALTER TABLE alert_outbox {add} resolved_at {real};
+UPDATE alert_outbox SET resolved_at = (SELECT MIN(r.created_at) FROM alert_outbox r
+    WHERE r.dedup_key = alert_outbox.dedup_key AND r.sink = alert_outbox.sink
+    AND r.action = 'resolve') WHERE action = 'fire';
+CREATE INDEX IF NOT EXISTS alert_outbox_state ON alert_outbox (state);
+CREATE INDEX IF NOT EXISTS alert_outbox_firing ON alert_outbox (sink, state)
+    WHERE action = 'fire' AND resolved_at IS NULL;
+"""
+
+
 class _Driver(Protocol):
     placeholder: ClassVar[str]
 

@@ -21,7 +21,7 @@ from typing import Any
 from ._errors import StoreError
 from ._leases import Lease, LeaseRefusal, Override, Owner
 from ._log import get_logger
-from ._outbox_sql import PRUNE_RUN_ALERTS, RESOLVE_FIRE, ROW, OutboxReads
+from ._outbox_sql import OUTBOX_V4, PRUNE_RUN_ALERTS, RESOLVE_FIRE, ROW, OutboxReads
 from ._storage import (
     LEASE_ROW,
     MARK_ROW,
@@ -148,15 +148,7 @@ CREATE INDEX IF NOT EXISTS run_index_seen ON run_index (last_seen);
     # outbox ever held: its depth by state, and the fires still firing (a fire row is
     # marked resolved_at when its resolve row is written; rows written before are marked
     # here).
-    4: """
-ALTER TABLE alert_outbox ADD COLUMN resolved_at REAL;
-UPDATE alert_outbox SET resolved_at = (SELECT MIN(r.created_at) FROM alert_outbox r
-    WHERE r.dedup_key = alert_outbox.dedup_key AND r.sink = alert_outbox.sink
-    AND r.action = 'resolve') WHERE action = 'fire';
-CREATE INDEX IF NOT EXISTS alert_outbox_state ON alert_outbox (state);
-CREATE INDEX IF NOT EXISTS alert_outbox_firing ON alert_outbox (sink, state)
-    WHERE action = 'fire' AND resolved_at IS NULL;
-""",
+    4: OUTBOX_V4.format(add="ADD COLUMN", real="REAL"),
 }
 
 

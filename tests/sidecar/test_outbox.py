@@ -639,3 +639,35 @@ def _vm_steps(dbs: list[sqlite3.Connection], fn: Callable[[], object]) -> int:
         for db in dbs:
             db.set_progress_handler(None, 0)
     return steps[0]
+
+
+@pytest.mark.parametrize("answer", [202, 400])
+async def test_a_send_is_counted_before_its_row_stops_being_pending(
+    tmp_path: Path, receiver: Receiver, answer: int
+) -> None:
+    """Once no row is pending, ``wait_idle`` returns and a caller may stop the outbox,
+    cancelling its worker at its next await: the delivery (or refusal) must already be
+    in ``saga_sidecar_alerts_total`` by the time its row is recorded."""
+    if answer != 202:
+        receiver.script.append((answer, '{"message": "Invalid routing key"}', {}))
+    registry = CollectorRegistry()
+    box = Outbox(
+        db_for(tmp_path / "db"), [WebhookSink(receiver.url)], metrics=AlertMetrics.create(registry)
+    )
+    outcome = "delivered" if answer == 202 else "failed"
+    labels = {"alertname": sc.ALERT_COMPENSATION_STARTED, "sink": "webhook", "outcome": outcome}
+    counted_when_recorded: list[float | None] = []
+    mark = box._store.mark  # type: ignore[attr-defined]
+
+    def recording(*args: Any) -> Any:
+        counted_when_recorded.append(registry.get_sample_value(sc.M_SIDECAR_ALERTS, labels))
+        return mark(*args)
+
+    box._store.mark = recording  # type: ignore[attr-defined]
+    box.add([fire("r1")])
+    await box.start()
+    try:
+        assert await box.wait_idle()
+    finally:
+        await box.stop()
+    assert counted_when_recorded == [1.0]
