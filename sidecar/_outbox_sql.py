@@ -36,14 +36,14 @@ RESOLVE_FIRE = (
     "AND action = 'fire' AND resolved_at IS NULL"
 )
 # Pruning a run takes its alert rows along once nothing is left to do for them: none of
-# them waits for a sink and every fire has its resolve. A run with an alert still waiting
-# or still firing keeps them all (the outbox never drops an alert, and Alertmanager keeps
-# getting a firing one). Arguments: the run id, twice.
+# them waits for a sink and every fire is resolved (its resolved_at mark, as FIRING reads
+# it). A run with an alert still waiting or still firing keeps them all (the outbox never
+# drops an alert, and Alertmanager keeps getting a firing one). Arguments: the run id,
+# twice.
 PRUNE_RUN_ALERTS = (
     "DELETE FROM alert_outbox WHERE run_id = ? AND NOT EXISTS (SELECT 1 FROM alert_outbox o "
     f"WHERE o.run_id = ? AND (o.state IN ('{PENDING}', '{HELD}') OR (o.action = 'fire' AND "
-    "NOT EXISTS (SELECT 1 FROM alert_outbox r WHERE r.dedup_key = o.dedup_key AND "
-    "r.sink = o.sink AND r.action = 'resolve'))))"
+    "o.resolved_at IS NULL)))"
 )
 
 

@@ -143,11 +143,11 @@ MAX_DELIVERY_GAP = 30.0  # the OTLP exporters' default timeout: no cadence count
 _GAP_SAMPLES = 8  # the window follows the largest of the last few delivery gaps
 # A live connection (saga_otel's presence stream) that closes without a goodbye means
 # the process died, unless it reconnects or a heartbeat arrives within the grace.
+PRESENCE_GRACE = 0.5
+PRESENCE_SETTLE = 0.1  # a heartbeat this soon after the close was sent before it
 # The orphan tick's queue of due moments may hold this many stale entries beyond two
 # per instance before it is compacted (RunState._compact_dues).
 _DUES_SLACK = 1024
-PRESENCE_GRACE = 0.5
-PRESENCE_SETTLE = 0.1  # a heartbeat this soon after the close was sent before it
 
 
 @dataclass(frozen=True, slots=True)

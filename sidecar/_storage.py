@@ -28,7 +28,8 @@ from ._leases import Lease, LeaseRefusal, Owner
 
 SCHEMA_VERSION = 4
 """The schema this sidecar writes. 1: the first (no outbox claims); 2: outbox claims;
-3: the index of finished runs put away from memory (``run_index``).
+3: the index of finished runs put away from memory (``run_index``); 4: the outbox's
+fires marked ``resolved_at`` and its indexes on state and on the fires still firing.
 
 Opening an older database upgrades it in place; a newer one is refused
 (``_store.py`` and ``_pgstore.py`` hold the steps, one per version).
