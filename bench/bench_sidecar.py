@@ -253,7 +253,7 @@ def run(progress: Callable[[str], None]) -> list[Figure]:
             + ("" if ratio >= 0.5 else f". {TRIED}{BATCH_PROFILE}"),
         )
     )
-    side, ref, ratio, spread = _spread(_interleaved(progress, "single-span requests", 1, 6000))
+    side, ref, ratio, spread = _spread(_interleaved(progress, "single-span requests", 1, 20000))
     figures.append(
         Figure(
             area="sidecar",

@@ -23,7 +23,14 @@ def loads(text: str | bytes, max_depth: int = MAX_DEPTH) -> Any:
         value = json.loads(text)
     except RecursionError:
         raise TooDeep(f"JSON nested deeper than {max_depth} levels: flatten it") from None
-    check_depth(value, max_depth)
+    if isinstance(text, str):
+        brackets = text.count("{") + text.count("[")
+    else:
+        brackets = text.count(b"{") + text.count(b"[")
+    # Each level opens a bracket: a text with no more than max_depth of them (the usual
+    # small document; a bracket inside a string only counts against it) needs no walk.
+    if brackets > max_depth:
+        check_depth(value, max_depth)
     return value
 
 

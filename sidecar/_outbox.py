@@ -219,6 +219,7 @@ class Outbox:
         self._tasks: list[asyncio.Task[None]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
+        self._deferred: list[AlertEvent] = []  # add_soon on SQLite: written two turns later
         target = db if isinstance(db, DbTarget) or str(db) == ":memory:" else parse_db(db)
         self._store: AlertStore = open_alert_store(
             target if isinstance(target, DbTarget) else DbTarget("sqlite", path=Path(target))
@@ -273,18 +274,48 @@ class Outbox:
 
     def add_soon(self, events: list[AlertEvent]) -> Future[int] | None:
         """:meth:`add` without waiting: on the database thread on PostgreSQL (in order with
-        every other write of this outbox), at once on SQLite. Errors are logged; an alert
-        lost to one is raised again by the next start's re-evaluation.
+        every other write of this outbox); on SQLite two loop turns later (at once when no
+        loop runs), so the intake answers its sender before the outbox's own COMMIT
+        (see :meth:`_add_deferred`). Errors are logged; an alert lost to one (or to a
+        crash meanwhile) is raised again by the next start's re-evaluation.
         """
-        if self._io_thread is None or self._closed:
-            self.add(events)  # closed: raises StoreError
+        if self._closed:
+            self.add(events)  # raises StoreError
+            return None
+        if self._io_thread is None:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # no loop: nothing to answer first
+                self.add(events)
+                return None
+            if not self._deferred:
+                # Two hops: the answers the current callback set wake their handlers in
+                # the next turn; the write follows them (they send without awaiting).
+                loop.call_soon(loop.call_soon, self._add_deferred)
+            self._deferred += events
             return None
         future = self._io_thread.submit(self.add, events)
         future.add_done_callback(_log_failure)
         return future
 
+    def _add_deferred(self) -> None:
+        """The events :meth:`add_soon` held on SQLite, in order, in one transaction."""
+        events, self._deferred = self._deferred, []
+        if not events:
+            return
+        try:
+            self.add(events)
+        except Exception as exc:  # a callback has no caller to tell: log it, loudly
+            log.error(
+                "sidecar.alerts.write_failed",
+                error=str(exc),
+                alerts=len(events),
+                raised_again_at_start=True,
+            )
+
     async def flush(self) -> None:
         """Wait until every :meth:`add_soon` so far is committed (tests, shutdown)."""
+        self._add_deferred()
         await self.call(_nothing)
 
     def _targets(self, tx: AlertTx, event: AlertEvent) -> list[tuple[str, AlertEvent]]:
@@ -391,9 +422,13 @@ class Outbox:
             await sink.close()
 
     def close(self) -> None:
-        self._closed = True
+        # What add_soon still holds commits before the store closes (and before the
+        # closed flag, which add checks: a write queued on PostgreSQL's thread failed
+        # as "closed" when the flag came first).
+        self._add_deferred()
         if self._io_thread is not None:
-            self._io_thread.shutdown(wait=True)  # pending add_soon calls commit first
+            self._io_thread.shutdown(wait=True)
+        self._closed = True
         self._store.close()
 
     async def wait_idle(self, limit: float = 10.0) -> bool:

@@ -63,7 +63,7 @@ class Redactor:
         """Text of every value held under a secret key inside ``args``, in ``objs``."""
         found: set[str] = set()
         for obj in objs:
-            self._walk(obj, in_args=False, found=found, mask=False)
+            self._gather(obj, False, found)
         return frozenset(s for s in found if len(s) >= _MIN_TEXT_SECRET)
 
     # --- masking ----------------------------------------------------------------
@@ -73,49 +73,47 @@ class Redactor:
         if not self.active:
             return obj
         found: set[str] = set(extra_secrets)
-        self._walk(obj, in_args=False, found=found, mask=False)
+        self._gather(obj, False, found)
         secrets = sorted((s for s in found if len(s) >= _MIN_TEXT_SECRET), key=len, reverse=True)
-        return self._walk(obj, in_args=False, found=set(), mask=True, secrets=secrets)
+        return self._masked(obj, False, secrets)
 
-    def _walk(
-        self,
-        obj: Any,
-        *,
-        in_args: bool,
-        found: set[str],
-        mask: bool,
-        secrets: list[str] | None = None,
-    ) -> Any:
+    def _gather(self, obj: Any, in_args: bool, found: set[str]) -> None:
+        """Collect into ``found`` what :meth:`_masked` masks under secret keys (no copies:
+        the alert path runs this over two whole run views per change)."""
+        if isinstance(obj, dict):
+            for key, value in obj.items():
+                key_text = str(key)
+                if in_args and self.secret_key(key_text):
+                    self._collect(value, found)
+                else:
+                    self._gather(value, in_args or key_text == ARGS_KEY, found)
+        elif isinstance(obj, list | tuple):
+            for value in obj:
+                self._gather(value, in_args, found)
+        elif isinstance(obj, str):
+            parsed = _json_container(obj)
+            if parsed is not None:
+                self._gather(parsed, in_args, found)
+
+    def _masked(self, obj: Any, in_args: bool, secrets: list[str]) -> Any:
+        """A copy of ``obj`` with values under secret keys and ``secrets`` in text masked."""
         if isinstance(obj, dict):
             out: dict[Any, Any] = {}
             for key, value in obj.items():
                 key_text = str(key)
                 if in_args and self.secret_key(key_text):
-                    self._collect(value, found)
                     out[key] = MASK
-                    continue
-                out[key] = self._walk(
-                    value,
-                    in_args=in_args or key_text == ARGS_KEY,
-                    found=found,
-                    mask=mask,
-                    secrets=secrets,
-                )
+                else:
+                    out[key] = self._masked(value, in_args or key_text == ARGS_KEY, secrets)
             return out
         if isinstance(obj, list | tuple):
-            return [
-                self._walk(v, in_args=in_args, found=found, mask=mask, secrets=secrets) for v in obj
-            ]
+            return [self._masked(v, in_args, secrets) for v in obj]
         if isinstance(obj, str):
             parsed = _json_container(obj)
             if parsed is not None:
-                walked = self._walk(
-                    parsed, in_args=in_args, found=found, mask=mask, secrets=secrets
-                )
-                return json.dumps(walked, sort_keys=True) if mask else obj
-            if mask and secrets:
-                for secret in secrets:
-                    obj = obj.replace(secret, MASK)
+                return json.dumps(self._masked(parsed, in_args, secrets), sort_keys=True)
+            for secret in secrets:
+                obj = obj.replace(secret, MASK)
             return obj
         return obj
 

@@ -23,7 +23,7 @@ from sidecar._alert_service import AlertService
 from sidecar._alert_settings import AlertSettings
 from sidecar._alerting import Action, AlertEvent, evaluate
 from sidecar._backends import open_store
-from sidecar._errors import ConfigError
+from sidecar._errors import ConfigError, StoreError
 from sidecar._outbox import DELIVERED, FAILED, PENDING, AlertMetrics, Backoff, Outbox, Routing
 from sidecar._outbox_sql import COUNT_IN_STATE, FIRING, PRUNE_RUN_ALERTS
 from sidecar._sinks import DeliveryRetry, PagerDutySink, WebhookSink
@@ -671,3 +671,60 @@ async def test_a_send_is_counted_before_its_row_stops_being_pending(
     finally:
         await box.stop()
     assert counted_when_recorded == [1.0]
+
+
+async def test_add_soon_writes_after_the_answers_set_beside_it(
+    tmp_path: Path, backend: str
+) -> None:
+    """Intake folds a request (the listener calls add_soon), then answers it, in one loop
+    callback. On SQLite the outbox's COMMIT waits until the answered handlers have run, so
+    the sender's ack never waits for it; the alert is in the outbox a turn later."""
+    box = Outbox(db_for(tmp_path / "db"), [FakeSink()])
+    loop = asyncio.get_running_loop()
+    answer: asyncio.Future[None] = loop.create_future()
+    rows_at_answer: list[int] = []
+
+    async def handler() -> None:
+        await answer
+        rows_at_answer.append(len(box.rows()))
+
+    task = asyncio.create_task(handler())
+    await asyncio.sleep(0)  # the handler waits for its answer
+
+    def commit_callback() -> None:
+        box.add_soon([fire("r1")])  # the fold's listener
+        answer.set_result(None)  # then the answer
+
+    loop.call_soon(commit_callback)
+    await task
+    if backend == "sqlite":  # PostgreSQL writes on its own thread, in a race with this
+        assert rows_at_answer == [0]
+    await box.flush()
+    assert [(r.dedup_key, r.action) for r in box.rows()] == [(fire("r1").dedup_key, "fire")]
+
+
+async def test_alerts_held_by_add_soon_are_written_in_order_by_close(tmp_path: Path) -> None:
+    box = Outbox(db_for(tmp_path / "db"), [FakeSink()])
+    box.add_soon([fire("r1")])
+    box.add_soon([resolve("r1")])  # needs its fire's row: same transaction, after it
+    box.close()  # before the loop turned: nothing held is lost
+    again = Outbox(db_for(tmp_path / "db"), [FakeSink()])
+    assert [r.action for r in again.rows()] == ["fire", "resolve"]
+
+
+async def test_a_failed_add_soon_is_logged_loudly(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    box = Outbox(db_for(tmp_path / "db"), [FakeSink()])
+
+    def broken(events: Any) -> int:
+        raise StoreError("disk full")
+
+    box.add = broken  # type: ignore[method-assign]
+    with caplog.at_level(logging.ERROR, logger="sidecar.alerts"):
+        box.add_soon([fire("r1")])
+        for _ in range(3):
+            await asyncio.sleep(0)
+        await box.flush()
+    failed = [r for r in caplog.records if r.getMessage() == "sidecar.alerts.write_failed"]
+    assert failed and "disk full" in failed[0].__dict__["error"]

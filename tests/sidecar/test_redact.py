@@ -8,6 +8,8 @@ import json
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from sidecar._alerting import evaluate
 from sidecar._errors import ConfigError
@@ -148,3 +150,58 @@ async def test_every_outgoing_payload_is_redacted(sink_kind: str) -> None:
             line = json.loads(stream.getvalue())
             assert line["event"] == "saga.alert"
             assert_clean(line)
+
+
+# Secrets and the rest are drawn apart: a secret is 4+ of "XYZ0-9", keys and other text
+# are lower case, so a secret can only be in the output if redaction missed it.
+_secret = st.text(alphabet="XYZ0123456789", min_size=4, max_size=8)
+_key = st.sampled_from(["args", "note", "credit_id", "stack"])
+_plain = st.none() | st.integers(0, 99) | st.text(alphabet="abc {}[]", max_size=6)
+
+
+@st.composite
+def _documents(draw: st.DrawFn) -> tuple[Any, set[str]]:
+    """A nested document with secrets under secret keys inside args (some as JSON text),
+    the same secrets quoted in free text elsewhere; and the secrets."""
+    secrets: set[str] = set()
+
+    def args_value() -> Any:
+        out: dict[str, Any] = {}
+        for _ in range(draw(st.integers(0, 3))):
+            if draw(st.booleans()):
+                out[draw(st.sampled_from(["password", "api_token"]))] = draw(_secret)
+            else:
+                out[draw(_key)] = draw(_plain | st.builds(dict))
+        secrets.update(v for k, v in out.items() if k in ("password", "api_token"))
+        return json.dumps(out) if draw(st.booleans()) else out
+
+    def node(depth: int) -> Any:
+        choice = draw(st.integers(0, 3 if depth < 3 else 1))
+        if choice == 0:
+            return draw(_plain)
+        if choice == 1:
+            quoted = sorted(secrets)[:1]
+            return "text quoting " + (quoted[0] if quoted else "nothing")
+        if choice == 2:
+            return [node(depth + 1) for _ in range(draw(st.integers(0, 3)))]
+        doc = {"args": args_value()}
+        # Distinct keys, args written once: no drawn secret is overwritten unseen.
+        others = st.lists(st.sampled_from(["note", "credit_id", "stack"]), unique=True, max_size=2)
+        doc.update({key: node(depth + 1) for key in draw(others)})
+        return doc
+
+    return node(0), secrets
+
+
+@given(_documents())
+def test_no_secret_under_args_is_left_anywhere_in_the_masked_copy(
+    doc: tuple[Any, set[str]],
+) -> None:
+    value, secrets = doc
+    redactor = Redactor.build(["password"], ["(?i)token"])
+    original = copy.deepcopy(value)
+    found = redactor.secrets_in(value)
+    assert secrets <= found
+    text = json.dumps(redactor.redact(value))
+    assert not [s for s in secrets if s in text]
+    assert value == original  # the stored view keeps the real values
