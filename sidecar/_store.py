@@ -640,6 +640,10 @@ class SqliteAlertStore(OutboxReads):
             self._db.execute("PRAGMA busy_timeout = 10000")
             self._db.execute("PRAGMA journal_mode = WAL")
             self._db.execute("PRAGMA synchronous = NORMAL")
+            # As the intake's connection: the store's thread checkpoints. At SQLite's
+            # default (1,000 pages) an alert's COMMIT checkpointed the busy WAL itself,
+            # 6-30 ms on the way of every alert under load.
+            self._db.execute(f"PRAGMA wal_autocheckpoint = {BACKSTOP_PAGES}")
             migrate(self._db, repr(str(path)))
         except (OSError, sqlite3.Error) as exc:
             raise StoreError(
