@@ -23,15 +23,18 @@ def loads(text: str | bytes, max_depth: int = MAX_DEPTH) -> Any:
         value = json.loads(text)
     except RecursionError:
         raise TooDeep(f"JSON nested deeper than {max_depth} levels: flatten it") from None
-    if isinstance(text, str):
-        brackets = text.count("{") + text.count("[")
-    else:
-        brackets = text.count(b"{") + text.count(b"[")
-    # Each level opens a bracket: a text with no more than max_depth of them (the usual
-    # small document; a bracket inside a string only counts against it) needs no walk.
-    if brackets > max_depth:
+    if may_nest_past(text, max_depth):
         check_depth(value, max_depth)
     return value
+
+
+def may_nest_past(text: str | bytes, max_depth: int = MAX_DEPTH) -> bool:
+    """Whether ``text`` has enough brackets to nest past ``max_depth``: each level opens
+    one, so a text with no more (the usual small document; a bracket inside a string
+    only counts against it) needs no depth walk."""
+    if isinstance(text, str):
+        return text.count("{") + text.count("[") > max_depth
+    return text.count(b"{") + text.count(b"[") > max_depth
 
 
 def check_depth(value: Any, max_depth: int = MAX_DEPTH) -> None:

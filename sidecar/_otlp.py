@@ -423,8 +423,8 @@ def validate(attrs: Mapping[str, Any]) -> str | None:
         text = attrs.get(key)
         if not isinstance(text, str):
             continue
-        if text.count("{") + text.count("[") <= jsontext.MAX_DEPTH:
-            continue  # cannot nest deeper than it has brackets: no second parse needed
+        if not jsontext.may_nest_past(text):
+            continue  # no second parse needed
         try:
             jsontext.loads(text)
         except jsontext.TooDeep:

@@ -306,12 +306,7 @@ class Outbox:
         try:
             self.add(events)
         except Exception as exc:  # a callback has no caller to tell: log it, loudly
-            log.error(
-                "sidecar.alerts.write_failed",
-                error=str(exc),
-                alerts=len(events),
-                raised_again_at_start=True,
-            )
+            _write_failed(exc)
 
     async def flush(self) -> None:
         """Wait until every :meth:`add_soon` so far is committed (tests, shutdown)."""
@@ -581,7 +576,12 @@ def _nothing() -> None:
 def _log_failure(future: Future[int]) -> None:
     exc = future.exception()
     if exc is not None:
-        log.error("sidecar.alerts.write_failed", error=str(exc), raised_again_at_start=True)
+        _write_failed(exc)
+
+
+def _write_failed(exc: BaseException) -> None:
+    """An add_soon that failed (no caller left to tell): loud, and what happens next."""
+    log.error("sidecar.alerts.write_failed", error=str(exc), raised_again_at_start=True)
 
 
 def _row(r: OutboxRecord) -> OutboxRow:

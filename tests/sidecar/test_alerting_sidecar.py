@@ -219,12 +219,19 @@ async def test_alert_metrics_are_on_the_sidecars_metrics_page(
     assert "saga_sidecar_outbox_depth 0.0" in text
 
 
+@pytest.mark.parametrize("first_alerts", [False, True], ids=["no-alerting", "write-lost"])
 async def test_an_unwind_acknowledged_just_before_a_crash_still_pages(
-    tmp_path: Path, clock: FakeClock, hook: Hook
+    tmp_path: Path, clock: FakeClock, hook: Hook, first_alerts: bool
 ) -> None:
     run = compensated_run()
-    # The first sidecar stores the unwind span and dies before any alert is written.
-    async with Sidecar(settings_for(tmp_path), clock=clock) as first:
+    # The first sidecar stores the unwind span and dies before any alert is written:
+    # with no alerting, or (write-lost) in the gap between the span's 200 and the
+    # outbox write that add_soon holds for after it.
+    first = Sidecar(settings_for(tmp_path), clock=clock)
+    if first_alerts:
+        held = install_alerting(first, alert_settings(hook)).outbox
+        held.add_soon = lambda events: None  # type: ignore[method-assign]
+    async with first:
         await export_http(first, split_at_unwind(run)[0])
     assert hook.got == []
     second = Sidecar(settings_for(tmp_path), clock=clock)
