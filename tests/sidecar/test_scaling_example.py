@@ -92,20 +92,34 @@ def test_the_three_replica_example_serves_every_run_from_every_replica(
         runs[1].run_id: sc.STATUS_COMPENSATED,
         runs[2].run_id: sc.STATE_RUNNING,
     }
-    views: list[dict[str, Any]] = []
-    for _, api in ports:
-        deadline = time.monotonic() + 30
-        while True:  # each replica folds in the others' spans every tick (200 ms)
-            listed = requests.get(f"http://127.0.0.1:{api}/runs", timeout=10).json()["runs"]
-            got = {r["run_id"]: r["status"] for r in listed}
-            if got == want or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
+
+    def read(api: int) -> tuple[dict[str, str], dict[str, Any]]:
+        listed = requests.get(f"http://127.0.0.1:{api}/runs", timeout=10).json()["runs"]
+        views = {
+            r.run_id: requests.get(f"http://127.0.0.1:{api}/runs/{r.run_id}", timeout=10).json()
+            for r in runs
+        }
+        return {r["run_id"]: r["status"] for r in listed}, views
+
+    # Each replica folds in the others' spans every tick (200 ms). A status alone can
+    # agree early (the open run is "running" from its first span), so wait until the
+    # three replicas agree on every run's whole view, then check what they agree on.
+    deadline = time.monotonic() + 30
+    while True:
+        seen = [read(api) for _, api in ports]
+        if all(s == seen[0] for s in seen) and seen[0][0] == want:
+            break
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    for (_, api), (got, _) in zip(ports, seen, strict=True):
         assert got == want, f"replica on API port {api} lists {got}"
-        views.append(
-            {
-                r.run_id: requests.get(f"http://127.0.0.1:{api}/runs/{r.run_id}", timeout=10).json()
-                for r in runs
-            }
-        )
+    views = [v for _, v in seen]
     assert views[0] == views[1] == views[2]
+    for r in runs:  # the agreed view holds every step that was sent, not an early subset
+        sent = {
+            s.attributes[sc.SAGA_STEP_INDEX]
+            for s in r.spans()
+            if s.attributes and sc.SAGA_STEP_INDEX in s.attributes
+        }
+        assert {step["index"] for step in views[0][r.run_id]["steps"]} == sent
