@@ -144,8 +144,15 @@ def test_three_replicas_one_killed_behave_as_one_sidecar(
                     timeout=30,
                     what=f"run {r['run_id']} {r['status']} at {rep.api}",
                 )
-        views = [[_view(rep.api, r) for r in run_ids] for rep in replicas]
-        assert views[0] == views[1] == views[2]
+
+        # A replica folds the others' spans on its next sync: a status can be final
+        # before every span of the run is folded there, so wait for whole agreement.
+        def agreed() -> list[list[dict[str, Any]]] | None:
+            views = [[_view(rep.api, r) for r in run_ids] for rep in replicas]
+            return views if views[0] == views[1] == views[2] else None
+
+        views = wait_until(agreed, timeout=30, what="the three replicas to show every run alike")
+        assert isinstance(views, list)
 
         # The SIGKILLed agent is paged orphaned (by whichever replica leads), once.
         wait_until(
