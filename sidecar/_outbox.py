@@ -295,7 +295,7 @@ class Outbox:
             self._deferred += events
             return None
         future = self._io_thread.submit(self.add, events)
-        future.add_done_callback(_log_failure)
+        future.add_done_callback(functools.partial(_log_failure, len(events)))
         return future
 
     def _add_deferred(self) -> None:
@@ -306,7 +306,7 @@ class Outbox:
         try:
             self.add(events)
         except Exception as exc:  # a callback has no caller to tell: log it, loudly
-            _write_failed(exc)
+            _write_failed(exc, len(events))
 
     async def flush(self) -> None:
         """Wait until every :meth:`add_soon` so far is committed (tests, shutdown)."""
@@ -573,15 +573,17 @@ def _nothing() -> None:
     return None
 
 
-def _log_failure(future: Future[int]) -> None:
+def _log_failure(alerts: int, future: Future[int]) -> None:
     exc = future.exception()
     if exc is not None:
-        _write_failed(exc)
+        _write_failed(exc, alerts)
 
 
-def _write_failed(exc: BaseException) -> None:
+def _write_failed(exc: BaseException, alerts: int) -> None:
     """An add_soon that failed (no caller left to tell): loud, and what happens next."""
-    log.error("sidecar.alerts.write_failed", error=str(exc), raised_again_at_start=True)
+    log.error(
+        "sidecar.alerts.write_failed", error=str(exc), alerts=alerts, raised_again_at_start=True
+    )
 
 
 def _row(r: OutboxRecord) -> OutboxRow:

@@ -728,3 +728,4 @@ async def test_a_failed_add_soon_is_logged_loudly(
         await box.flush()
     failed = [r for r in caplog.records if r.getMessage() == "sidecar.alerts.write_failed"]
     assert failed and "disk full" in failed[0].__dict__["error"]
+    assert failed[0].__dict__["alerts"] == 1  # how many alerts the restart must raise again

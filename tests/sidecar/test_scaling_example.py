@@ -7,6 +7,7 @@ runs the Procfile's commands), sends each run's spans spread over the three repl
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -22,6 +23,7 @@ from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExport
 from opentelemetry.sdk.trace.export import SpanExportResult
 from pg_server import PgServer
 from sidecar_testkit import compensated_run, completed_run, open_run
+from support import wait_until
 
 from saga_otel import semconv as sc
 
@@ -104,14 +106,14 @@ def test_the_three_replica_example_serves_every_run_from_every_replica(
     # Each replica folds in the others' spans every tick (200 ms). A status alone can
     # agree early (the open run is "running" from its first span), so wait until the
     # three replicas agree on every run's whole view, then check what they agree on.
-    deadline = time.monotonic() + 30
-    while True:
-        seen = [read(api) for _, api in ports]
-        if all(s == seen[0] for s in seen) and seen[0][0] == want:
-            break
-        if time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
+    seen: list[tuple[dict[str, str], dict[str, Any]]] = []
+
+    def agreed() -> bool:
+        seen[:] = [read(api) for _, api in ports]
+        return all(s == seen[0] for s in seen) and seen[0][0] == want
+
+    with contextlib.suppress(AssertionError):  # on timeout the asserts below say what differs
+        wait_until(agreed, timeout=30, what="the three replicas to show every run alike")
     for (_, api), (got, _) in zip(ports, seen, strict=True):
         assert got == want, f"replica on API port {api} lists {got}"
     views = [v for _, v in seen]
