@@ -95,6 +95,19 @@ def render(figures: list[Figure], elapsed: float) -> str:
 
 def main(argv: list[str]) -> int:
     names = sorted(p.stem for p in Path(__file__).parent.glob("bench_*.py"))
+    short = [n.removeprefix("bench_") for n in names]
+    if any(a in ("-h", "--help") for a in argv):
+        print(f"usage: python -m bench [NAME ...]\n  NAME: one of {', '.join(short)}")
+        print("  with no NAME, runs them all and rewrites docs/benchmarks.md")
+        return 0
+    unknown = [a for a in argv if a not in short]
+    if unknown:
+        print(
+            f"python -m bench: no benchmark named {', '.join(map(repr, unknown))}; "
+            f"choose from {', '.join(short)}",
+            file=sys.stderr,
+        )
+        return 2
     wanted = [n for n in names if not argv or n.removeprefix("bench_") in argv]
     figures: list[Figure] = []
     t0 = time.monotonic()
@@ -118,7 +131,7 @@ def main(argv: list[str]) -> int:
             )
         figures += got
         print(f"  ({time.monotonic() - started:.0f} s)", flush=True)
-    if argv and figures and OUT.exists():
+    if argv:  # a partial run (or one whose benches all failed) never rewrites the docs
         print("partial run: docs/benchmarks.md left as is (run `make bench` for all)")
     else:
         OUT.write_text(render(figures, time.monotonic() - t0))
