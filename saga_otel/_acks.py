@@ -29,6 +29,7 @@ from typing import Final, Protocol
 from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan
 
+from saga_otel._frozen import fast_init
 from saga_otel._state import MAX_FAILED_TICKETS, STATE
 
 __all__ = [
@@ -75,6 +76,7 @@ class TicketOwner(Protocol):
     def log_failure(self, reason: str, message: str, **kw: object) -> None: ...
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Ticket:
     """One durable span awaiting its acknowledgement.

@@ -30,6 +30,7 @@ from saga_otel import _heartbeat
 from saga_otel import _stack as st
 from saga_otel import semconv as sc
 from saga_otel._errors import ConfigurationError, StepRefusedError, ValidationRejectedError
+from saga_otel._frozen import fast_init
 from saga_otel._outcome import AsyncMode, Mode, Outcome, SyncMode, _immediate, _pending
 from saga_otel._registry import IDEMPOTENCY_PARAM, CallInfo, Tool, ToolRegistry
 from saga_otel._telemetry import Attempt, Instrumentation, RunTelemetry
@@ -55,6 +56,7 @@ MAX_UNDO_BYTES = 64 * 1024
 EscalationHandler = Callable[[EscalationCard, SagaReport], None]
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class CallContext:
     """What the running tool may ask about its own call (see :func:`current_call`)."""

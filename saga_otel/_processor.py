@@ -49,6 +49,7 @@ from saga_otel._acks import (
     resolve,
 )
 from saga_otel._errors import ConfigurationError
+from saga_otel._frozen import fast_init
 from saga_otel._logging import Logger, default_logger
 from saga_otel._transport import Poster, TransportSettings, partial_rejections, retry_after
 from saga_otel._wire import encode
@@ -90,6 +91,7 @@ def export_failures_counter(registry: CollectorRegistry | None = None) -> Counte
     return metrics_for(registry).export_failures
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class _Item:
     """A queued span: its ticket (durable mode), and whether it must travel alone."""

@@ -16,11 +16,13 @@ from dataclasses import dataclass, field
 from typing import Any, overload
 
 from saga_otel._errors import ConfigurationError, UnknownToolError
+from saga_otel._frozen import fast_init
 from saga_otel.records import Compensation, RetryPolicy, StepClass
 
 IDEMPOTENCY_PARAM = "idempotency_key"
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class CallInfo:
     """What a compensation recipe sees: the call's arguments, its result, its snapshot."""

@@ -14,6 +14,7 @@ from enum import StrEnum
 from typing import Any
 
 from saga_otel._errors import ConfigurationError
+from saga_otel._frozen import fast_init
 
 
 class StepClass(StrEnum):
@@ -264,6 +265,7 @@ class RetryPolicy:
         }
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class StepRecord:
     """One forward step as it ended."""
@@ -296,6 +298,7 @@ class StepRecord:
         }
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class CompensationOutcome:
     """One compensation as the unwind left it."""
@@ -396,6 +399,7 @@ class PendingCall:
         return {"index": self.index, "name": self.name, "tool": self.tool, "args": dict(self.args)}
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class SagaReport:
     """How a run ended. ``error`` is the original exception, unchanged."""
