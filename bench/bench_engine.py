@@ -50,8 +50,18 @@ NOTES_OK = (
     "start-attribute templates, cheaper id hexing and timestamps) apply here too; an A/B of "
     "the saga-otel harness alone (base vs after, interleaved with agent-saga) was within the "
     "machine's noise while other helpers ran (ok runs 0.41-0.69 ms either way), so no engine "
-    "gain is claimed. Remaining cost centres are those above; the outcome combinators' "
-    "closures (about 9%) are the largest one the library owns."
+    "gain is claimed. Third pass: the frozen records built on every step (the stack's "
+    "state, step records, call contexts and infos, ack tickets, queue items, the report) "
+    "get an __init__ that stores through the slots' descriptors (saga_otel/_frozen.py; the "
+    "dataclass's own cost object.__setattr__ per field, 13 for the stack's state: 1.34 -> "
+    "0.74 us), and the stack's evolve is a replace made once per set of changed fields "
+    "(2.19 -> 0.94 us); in process, 3 interleaved pairs of 3 s each, the ok run 0.261-0.279 "
+    "-> 0.244-0.249 ms. Profile after (py-spy at 1 kHz, 8 s of ok runs, self time): the "
+    "SDK's span start, attribute cleaning and end about 25%, the outcome combinators' "
+    "frames about 7%, the JSON log lines about 6% (the timestamp 2%), building and "
+    "encoding the three compensations about 4%, metrics about 2%; the rest under 1% a "
+    "function. Remaining cost centres are those; the largest the library owns is the "
+    "outcome combinators' frames."
 )
 NOTES_FAIL = (
     "Tried: cheap exception recording (the SDK's record_exception formatted the whole "
@@ -65,7 +75,14 @@ NOTES_FAIL = (
     "metrics about 3%, recording the exception about 3%. The shield (the unwind runs to its "
     "end even if the caller is cancelled) and every span, log line and metric stay. Not "
     "tried in the second pass (time box): a cheaper uncancellable unwind than asyncio.shield "
-    "of a task, and a single-attempt async path with fewer Pending objects."
+    "of a task, and a single-attempt async path with fewer Pending objects. Third pass "
+    "(measured): cyclic GC is about 7% of a failing run (gc callbacks: 2,068 collections, "
+    "312 ms in 4.3 s of failing runs, against 116 in the same time of ok runs). Each "
+    "failing run leaves about 174 objects in reference cycles (gc.DEBUG_SAVEALL): the "
+    "agent's exception -> its traceback -> the frames it passed -> the Run -> its report -> "
+    "report.error, the original exception, which SagaReport promises unchanged; so the "
+    "cycle is part of the contract, and gc.disable() moved a failing run only 0.514 -> "
+    "0.501 ms (noise). The per-step record work of the ok run applies here too."
 )
 
 
