@@ -54,9 +54,13 @@ def fast_init(cls: type[T]) -> type[T]:
     body = "".join(f"    _set_{n}(self, {n})\n" for n in names) or "    pass\n"
     exec(f"def __init__(self, {', '.join(signature)}):\n{body}", env)
     init = env["__init__"]
-    init.__qualname__ = f"{cls.__qualname__}.__init__"
+    generated = cls.__init__
+    # What introspection reads (inspect.signature, typing.get_type_hints) stays the same.
+    init.__qualname__ = generated.__qualname__
     init.__module__ = cls.__module__
-    DATACLASS_INITS[cls] = cls.__init__
+    init.__annotations__ = dict(generated.__annotations__)
+    init.__doc__ = generated.__doc__
+    DATACLASS_INITS[cls] = generated
     setattr(cls, "__init__", init)  # noqa: B010 (mypy refuses assigning to a method)
     return cls
 

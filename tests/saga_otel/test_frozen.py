@@ -3,7 +3,10 @@ dataclasses.replace build, for every record that uses them."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import inspect
+import pickle
 from typing import Any
 
 import pytest
@@ -21,6 +24,20 @@ def _by_dataclass(cls: type[Any], *args: Any, **kwargs: Any) -> Any:
     obj = object.__new__(cls)
     DATACLASS_INITS[cls](obj, *args, **kwargs)
     return obj
+
+
+@pytest.mark.parametrize("cls", RECORDS, ids=lambda c: c.__qualname__)
+def test_introspection_sees_the_dataclass_signature(cls: type[Any]) -> None:
+    assert inspect.signature(cls.__init__) == inspect.signature(DATACLASS_INITS[cls])
+    assert cls.__init__.__qualname__ == f"{cls.__qualname__}.__init__"
+
+
+@pytest.mark.parametrize("cls", RECORDS, ids=lambda c: c.__qualname__)
+def test_copies_and_pickles_as_before(cls: type[Any]) -> None:
+    built = cls(*(f"value {i}" for i, _ in enumerate(dataclasses.fields(cls))))
+    assert pickle.loads(pickle.dumps(built)) == built
+    assert copy.copy(built) == built
+    assert copy.deepcopy(built) == built
 
 
 def test_the_hot_records_are_decorated() -> None:
