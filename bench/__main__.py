@@ -131,8 +131,13 @@ def main(argv: list[str]) -> int:
             )
         figures += got
         print(f"  ({time.monotonic() - started:.0f} s)", flush=True)
-    if argv:  # a partial run (or one whose benches all failed) never rewrites the docs
+    if argv:  # a partial run never rewrites the docs
         print("partial run: docs/benchmarks.md left as is (run `make bench` for all)")
+    elif failed:  # the docs would lose the failed benches' rows: keep the last full run's
+        print(
+            f"docs/benchmarks.md left as is: {', '.join(failed)} failed (see above); "
+            "fix it and run `make bench` again"
+        )
     else:
         OUT.write_text(render(figures, time.monotonic() - t0))
         print(f"wrote {OUT.relative_to(ROOT)}")

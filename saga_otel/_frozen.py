@@ -23,6 +23,11 @@ T = TypeVar("T")
 DATACLASS_INITS: dict[type[Any], Callable[..., None]] = {}
 
 
+def _setters(cls: type[Any], names: list[str]) -> dict[str, Any]:
+    """``_set_<name>``: each field's slot descriptor's ``__set__``, for generated code."""
+    return {f"_set_{n}": getattr(cls, n).__set__ for n in names}
+
+
 def fast_init(cls: type[T]) -> type[T]:
     """Decorate a ``@dataclass(frozen=True, slots=True)`` class (applied above it).
 
@@ -44,13 +49,18 @@ def fast_init(cls: type[T]) -> type[T]:
                 f"fast_init cannot build {cls.__name__}.{f.name} (init=False, kw_only or a "
                 "default factory): leave the dataclass's __init__ on this class"
             )
+        if f.name == "self" or f.name.startswith(("_set_", "_default_")):
+            raise TypeError(
+                f"fast_init cannot build {cls.__name__}.{f.name}: the name clashes with the "
+                "generated __init__'s own; rename the field or leave the dataclass's __init__"
+            )
         names.append(f.name)
-        env[f"_set_{f.name}"] = getattr(cls, f.name).__set__
         if f.default is dataclasses.MISSING:
             signature.append(f.name)
         else:
             env[f"_default_{f.name}"] = f.default
             signature.append(f"{f.name}=_default_{f.name}")
+    env.update(_setters(cls, names))
     body = "".join(f"    _set_{n}(self, {n})\n" for n in names) or "    pass\n"
     exec(f"def __init__(self, {', '.join(signature)}):\n{body}", env)
     init = env["__init__"]
@@ -76,9 +86,7 @@ def replacer(cls: type[T]) -> Callable[..., T]:
         raise TypeError(f"replacer needs a fast_init class, got {cls!r}")
     names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
     known = frozenset(names)
-    env: dict[str, Any] = {"_new": object.__new__, "_cls": cls}
-    for n in names:
-        env[f"_set_{n}"] = getattr(cls, n).__set__
+    env: dict[str, Any] = {"_new": object.__new__, "_cls": cls, **_setters(cls, names)}
     made: dict[frozenset[str], Callable[[T, dict[str, Any]], T]] = {}
 
     def make(key: frozenset[str]) -> Callable[[T, dict[str, Any]], T]:

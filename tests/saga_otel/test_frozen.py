@@ -103,11 +103,17 @@ def test_what_it_cannot_build_is_refused_at_decoration() -> None:
     class Mutable:
         a: int
 
+    @dataclasses.dataclass(frozen=True, slots=True)
+    class Clash:
+        a: int
+        _set_a: int
+
     for cls, said in (
         (NoSlots, "frozen=True, slots=True"),
         (Mutable, "frozen=True, slots=True"),
         (Factory, "default factory"),
         (Post, "__post_init__"),
+        (Clash, "clashes"),
     ):
         with pytest.raises(TypeError, match=said):
             fast_init(cls)
