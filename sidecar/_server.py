@@ -39,7 +39,7 @@ from ._errors import SidecarError, StoreError
 from ._forward import Forwarder, cancel
 from ._groups import GROUPS_IN_A_ROW, Groups, Pending, Screened, deliver, screen_in_order, settle
 from ._grpc import start_grpc
-from ._http import build_api_app, build_otlp_app
+from ._http import OtlpHandler, build_api_app, build_otlp_handler
 from ._leases import (
     Lease,
     LeaseAction,
@@ -128,7 +128,7 @@ class Sidecar:
         self._background: list[BackgroundFactory] = []
         self._api_routes: list[web.AbstractRouteDef] = []
         self._tasks: list[asyncio.Task[None]] = []
-        self._runners: list[web.AppRunner] = []
+        self._runners: list[web.BaseRunner] = []
         self._grpc: aio.Server | None = None
         self._started = False
         self._span_counters: dict[tuple[str, str], Counter] = {}
@@ -223,7 +223,7 @@ class Sidecar:
         try:
             host = self.settings.host
             self.otlp_http_port = await self._serve_app(
-                build_otlp_app(self), host, self.settings.otlp_http_port
+                build_otlp_handler(self), host, self.settings.otlp_http_port
             )
             self.api_port = await self._serve_app(build_api_app(self), host, self.settings.api_port)
             self._grpc, self.otlp_grpc_port = await start_grpc(
@@ -246,14 +246,23 @@ class Sidecar:
             raise
         log.info("sidecar.started", **{k: v for k, v in self.listening().items() if k != "event"})
 
-    async def _serve_app(self, app: web.Application, host: str, port: int) -> int:
+    async def _serve_app(self, app: web.Application | OtlpHandler, host: str, port: int) -> int:
         # auto_decompress=False: the OTLP handler inflates gzip itself, with a bound
         # (a gzip bomb must cost a 413, not memory).
         # lingering_time: after an answer to a request whose body was not read (401, 408,
         # 413, 429), drain and drop the rest for at most this long before closing (aiohttp's
         # default, 10 s, keeps a stalled client's connection that much longer).
-        runner = web.AppRunner(
-            app, access_log=None, auto_decompress=False, lingering_time=LINGERING_TIME
+        # The OTLP port is a bare handler on aiohttp's low-level server (no router).
+        runner: web.BaseRunner = (
+            web.AppRunner(
+                app, access_log=None, auto_decompress=False, lingering_time=LINGERING_TIME
+            )
+            if isinstance(app, web.Application)
+            else web.ServerRunner(
+                web.Server(
+                    app, access_log=None, auto_decompress=False, lingering_time=LINGERING_TIME
+                )
+            )
         )
         await runner.setup()
         self._runners.append(runner)

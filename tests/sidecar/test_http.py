@@ -391,6 +391,84 @@ async def test_metrics_endpoint(sidecar: Sidecar) -> None:
     assert json.dumps("x")
 
 
+# --- the OTLP port's own routing (aiohttp's low-level server, no router) -----------------
+
+
+async def _raw(port: int, request: bytes, *, until: bytes = b"") -> bytes:
+    """Send ``request`` as is and read the answer (until ``until`` is in it, or EOF)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(request)
+        await writer.drain()
+        got = b""
+        while not (until and until in got):
+            chunk = await asyncio.wait_for(reader.read(65536), 10)
+            if not chunk:
+                break
+            got += chunk
+        return got
+    finally:
+        writer.close()
+
+
+async def test_otlp_port_answers_unknown_paths_and_methods_in_json(sidecar: Sidecar) -> None:
+    base = f"http://127.0.0.1:{sidecar.otlp_http_port}"
+    proto = {"Content-Type": "application/x-protobuf"}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(base + "/v1/trace", data=b"", headers=proto) as resp:
+            assert resp.status == 404
+            assert (await resp.json()) == {"error": "Not Found: POST /v1/trace"}
+        async with s.get(base + "/v1/traces") as resp:
+            assert resp.status == 405 and resp.headers["Allow"] == "POST"
+            assert (await resp.json()) == {"error": "Method Not Allowed: GET /v1/traces"}
+        async with s.put(base + "/v1/saga/presence", data=b"x") as resp:
+            assert resp.status == 405 and resp.headers["Allow"] == "POST"
+        # A query string is not part of the path; the route still answers.
+        body = ExportTraceServiceRequest().SerializeToString()
+        async with s.post(base + "/v1/traces?x=1", data=body, headers=proto) as resp:
+            assert resp.status == 200
+    _, text = await get_text(sidecar, "/metrics")
+    assert 'saga_sidecar_request_duration_seconds_count{route="other",transport="http"} 3.0' in text
+    assert (
+        'saga_sidecar_request_duration_seconds_count{route="/v1/traces",transport="http"} 1.0'
+        in text
+    )
+
+
+async def test_otlp_port_answers_expect_100_continue(sidecar: Sidecar) -> None:
+    """curl (and other clients) send ``Expect: 100-continue`` before a larger body: the
+    interim answer comes first, the body after it is taken as usual."""
+    port = sidecar.otlp_http_port
+    assert port is not None
+    run = open_run()
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+
+    body = encode_spans(run.spans()).SerializeToString()
+    head = (
+        b"POST /v1/traces HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-protobuf\r\n"
+        b"Expect: 100-continue\r\nContent-Length: %d\r\n\r\n" % len(body)
+    )
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(head)
+        await writer.drain()
+        interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
+        writer.write(body)
+        await writer.drain()
+        final = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        assert final.startswith(b"HTTP/1.1 200 ")
+    finally:
+        writer.close()
+    assert sidecar.state.status(run.run_id) is not None
+    answer = await _raw(
+        port,
+        b"POST /v1/traces HTTP/1.1\r\nHost: x\r\nExpect: teapot\r\nContent-Length: 0\r\n"
+        b"Connection: close\r\n\r\n",
+    )
+    assert answer.startswith(b"HTTP/1.1 417 ") and b"100-continue" in answer
+
+
 # --- the presence stream (POST /v1/saga/presence) ------------------------------------------
 
 

@@ -154,6 +154,16 @@ async def test_token_guards_every_endpoint(tmp_path: Path, clock: FakeClock) -> 
                 assert resp.status == 200
             async with s.post(otlp, data=body, headers=proto) as resp:
                 assert resp.status == 401
+            # The token comes before routing: no path or method is told apart without it.
+            port = sc_.otlp_http_port
+            for method, path in (
+                ("POST", "/nope"),
+                ("GET", "/v1/traces"),
+                ("POST", "/v1/saga/presence"),
+            ):
+                async with s.request(method, f"http://127.0.0.1:{port}{path}") as resp:
+                    assert resp.status == 401, (method, path)
+                    assert resp.headers["WWW-Authenticate"] == "Bearer"
             async with s.post(otlp, data=body, headers={**proto, **good}) as resp:
                 assert resp.status == 200
         async with grpc.aio.insecure_channel(f"127.0.0.1:{sc_.otlp_grpc_port}") as ch:
