@@ -66,7 +66,14 @@ NOTES_STEP = (
     "lookup of a new run ~36 us; the stored-span lookup of a known run's span ~26 us; "
     "screening ~13 us). Every stage runs two to three times slower than the same code in "
     "a loop: a lone request on an idle core is mostly cold caches, so the sidecar's share "
-    "shrinks only with less code run per request, not at one hot spot."
+    "shrinks only with less code run per request, not at one hot spot. Sixth pass: the "
+    "OTLP/HTTP port answers from one handler on aiohttp's low-level web.Server (no "
+    "application, router or middleware; see the sidecar rows). Tried and dropped: "
+    "encoding a durable span on the agent's thread at on_end (the sender posting those "
+    "bytes): 3 interleaved pairs of this bench, step p99 1.51/1.71/1.55 -> 1.73/1.65/1.72 "
+    "ms, failing run 5.08/5.35/5.31 -> 5.71/5.64/5.59 ms; the sender's encode overlaps "
+    "the agent's own work after span.end() (the stack, the log line) before it awaits the "
+    "ack, and on the agent's thread it is serial."
 )
 NOTES_FAILING = (
     " Fifth pass (issue 16): the alert rows a commit raises are written after its "

@@ -6,8 +6,9 @@ with a known plan passes a list of :class:`Step` to :meth:`Saga.execute`. Both
 go through :class:`_Core`, which holds the run's state and telemetry and
 writes each step's policy once (attempts and their spans, retries with the
 policy's backoff, the push and its durable ack, the shielded unwind) as
-outcomes (``_outcome.py``). :class:`Run` and :class:`SyncRun` are the two
-drivers: the async one awaits the outcome, the sync one calls it.
+scripts: generators that yield the calls, sleeps and ack waits they need
+(``_outcome.py``). :class:`Run` and :class:`SyncRun` are the two drivers: the
+async one awaits each yielded outcome, the sync one calls it.
 """
 
 from __future__ import annotations
@@ -31,7 +32,16 @@ from saga_otel import _stack as st
 from saga_otel import semconv as sc
 from saga_otel._errors import ConfigurationError, StepRefusedError, ValidationRejectedError
 from saga_otel._frozen import fast_init
-from saga_otel._outcome import AsyncMode, Mode, Outcome, SyncMode, _immediate, _pending
+from saga_otel._outcome import (
+    AsyncMode,
+    Mode,
+    Outcome,
+    Script,
+    SyncMode,
+    _immediate,
+    _pending,
+    retrying,
+)
 from saga_otel._registry import IDEMPOTENCY_PARAM, CallInfo, Tool, ToolRegistry
 from saga_otel._telemetry import Attempt, Instrumentation, RunTelemetry
 from saga_otel.records import (
@@ -267,12 +277,10 @@ class Saga:
         )
         return core, forwards
 
-    def _plan_body(self, core: _Core, mode: Mode, forwards: list[Tool]) -> Outcome[None]:
-        def step(i: int) -> Outcome[Any]:
+    def _plan_body(self, core: _Core, mode: Mode, forwards: list[Tool]) -> Script[None]:
+        for i, forward in enumerate(forwards):
             core.remaining = [PendingCall(-1, f.name, f.name) for f in forwards[i + 1 :]]
-            return core.call(mode, forwards[i].name, {})
-
-        return mode.each(range(len(forwards)), step)
+            yield core.call(mode, forward.name, {})
 
     async def execute(self, steps: Sequence[Step], ctx: Any = None) -> SagaReport:
         """Run a fixed plan; the report carries any error instead of raising it."""
@@ -314,11 +322,9 @@ class Saga:
         return core
 
     @staticmethod
-    def _resume_body(core: _Core, mode: Mode, report: SagaReport) -> Outcome[None]:
-        return mode.each(
-            report.pending,
-            lambda p: core.call(mode, p.tool, dict(p.args), p.index if p.index >= 0 else None),
-        )
+    def _resume_body(core: _Core, mode: Mode, report: SagaReport) -> Script[None]:
+        for p in report.pending:
+            yield core.call(mode, p.tool, dict(p.args), p.index if p.index >= 0 else None)
 
     async def resume(
         self, report: SagaReport, steps: Sequence[Step] = (), ctx: Any = None
@@ -405,10 +411,10 @@ class _Core:
         return out if mode.is_async else out.map(lambda value: _no_await(value, name))
 
     def retrying(
-        self, mode: Mode, policy: RetryPolicy, body: Callable[[int], Outcome[T]]
-    ) -> Outcome[T]:
+        self, mode: Mode, policy: RetryPolicy, body: Callable[[int], Script[T]]
+    ) -> Script[T]:
         """The one retry loop: the policy's backoff (RetryPolicy.delay), slept through the mode."""
-        return mode.retry(policy.attempts, lambda n: policy.delay(n, self.saga.rng), body)
+        return retrying(mode, policy.attempts, lambda n: policy.delay(n, self.saga.rng), body)
 
     def kwargs_for(self, t: Tool, args: Mapping[str, Any], key: str) -> dict[str, Any]:
         kwargs = dict(args)
@@ -460,27 +466,24 @@ class _Core:
 
     def enter(self, mode: Mode) -> Outcome[None]:
         """Open the run and run the pre-flight validations; a rejection closes it."""
+        return mode.script(lambda: self._enter(mode))
 
-        def check(item: tuple[str, Mapping[str, Any]]) -> Outcome[Any]:
-            name, args = item
+    def _enter(self, mode: Mode) -> Script[None]:
+        self.open()
+        for name, args in self.validations:
             t = self.tool(name)
             if t.validate is None:
-                return mode.pure(None)
-
-            def rejected(exc: BaseException) -> None:
+                continue
+            try:
+                with self.instr.attempt(self.telemetry, "validate", name, index=-1):
+                    yield self.invoke(mode, t.validate, name, **dict(args))
+            except Exception as exc:
                 self.reject(name, exc)
                 self.close()
                 raise ValidationRejectedError(
                     f"pre-flight validation of {name!r} rejected run {self.run_id}: "
                     f"{describe_error(exc)}; fix the input, nothing was changed"
                 ) from exc
-
-            dry_run = self.invoke(mode, t.validate, name, **dict(args))
-            return dry_run.also(
-                lambda: self.instr.attempt(self.telemetry, "validate", name, index=-1)
-            ).intercept(rejected, Exception)
-
-        return mode.run(self.open).then(lambda _: mode.each(self.validations, check))
 
     # -- forward -----------------------------------------------------------------
     def call(
@@ -497,38 +500,38 @@ class _Core:
         self.state, idx = st.begin_step(
             self.state, t.name, t.step_class, pivot=t.pivot, index=index
         )
-        tries = [1]
+        return mode.script(lambda: self._forward(mode, t, name, args, idx))
 
-        def attempt(n: int, snapshot: Any) -> Outcome[_Done]:
-            tries[0] = n
+    def _forward(
+        self, mode: Mode, t: Tool, name: str, args: Mapping[str, Any], idx: int
+    ) -> Script[Any]:
+        tries = 1
 
-            def body(obs: Attempt) -> Outcome[_Done]:
+        def attempt(n: int, snapshot: Any) -> Script[_Done]:
+            nonlocal tries
+            tries = n
+            with self.do_attempt(t, idx, n) as obs:
                 kwargs = self.kwargs_for(t, args, idempotency_key(self.run_id, idx))
-                return self.invoke(mode, t.fn, name, **kwargs).map(
-                    lambda result: self.succeeded(t, idx, args, result, snapshot, n, obs)
-                )
+                result = yield self.invoke(mode, t.fn, name, **kwargs)
+                return self.succeeded(t, idx, args, result, snapshot, n, obs)
 
-            return mode.within(lambda: self.do_attempt(t, idx, n), body)
-
-        def failed(exc: BaseException) -> None:
-            self.failed(t, idx, args, exc, tries[0])  # then the error propagates unchanged
-
-        def settled(done: _Done) -> Outcome[Any]:
-            if not done.pushed and done.unstorable is None:
-                return mode.pure(done.result)
-            # Durable mode: the sidecar holds this undo (or knows it has none) before we go on.
-            acked = mode.ack(done.span)
-            if done.unstorable is None:
-                return acked.map(lambda _: done.result)
-            return acked.map(lambda _: _raise(ConfigurationError(done.unstorable)))
-
-        if t.snapshot is None:
-            tried = self.retrying(mode, self.forward_policy, lambda n: attempt(n, None))
-        else:
-            tried = self.invoke(mode, t.snapshot, name, **dict(args)).then(
-                lambda snap: self.retrying(mode, self.forward_policy, lambda n: attempt(n, snap))
+        try:
+            snapshot = None
+            if t.snapshot is not None:
+                snapshot = yield self.invoke(mode, t.snapshot, name, **dict(args))
+            done = yield from self.retrying(
+                mode, self.forward_policy, lambda n: attempt(n, snapshot)
             )
-        return tried.intercept(failed).then(settled)
+        except BaseException as exc:
+            self.failed(t, idx, args, exc, tries)
+            raise  # the step's error, unchanged
+        if not done.pushed and done.unstorable is None:
+            return done.result
+        # Durable mode: the sidecar holds this undo (or knows it has none) before we go on.
+        yield mode.ack(done.span)
+        if done.unstorable is not None:
+            raise ConfigurationError(done.unstorable)
+        return done.result
 
     def succeeded(
         self,
@@ -600,9 +603,9 @@ class _Core:
             return mode.pure(None)
         if exc is None:
             return mode.run(self.close).map(lambda _: None)
-        return mode.shield(mode.lazy(lambda: self.abort(mode, exc)))
+        return mode.shield(mode.script(lambda: self._abort(mode, exc)))
 
-    def abort(self, mode: Mode, exc: BaseException) -> Outcome[None]:
+    def _abort(self, mode: Mode, exc: BaseException) -> Script[None]:
         assert self.state is not None and self.tel is not None
         self.error = exc
         failed_step = self.state.failed_step or "(agent)"  # "(agent)": the agent's own code
@@ -610,84 +613,62 @@ class _Core:
         if isinstance(decision, st.Escalate):
             later = [replace(p, index=-1) for p in self.remaining]
             self.state = replace(self.state, pending=(*self.state.pending, *later))
-            return mode.run(self.close).map(lambda _: None)
+            self.close()
+            return
         span = self.instr.unwind(
             self.tel, self.state.failure or "", self.state.failed_step, decision.compensations
         )
+        yield mode.ack(span)
         escaped: list[BaseException] = []
-
-        def reraise(_: Any) -> None:
-            if escaped:
-                first = escaped[0]
-                if first.__cause__ is None and first is not exc:
-                    first.__cause__ = exc  # the agent's error stays in the chain
-                raise first
-
-        return (
-            mode.ack(span)
-            .then(
-                lambda _: mode.each(decision.compensations, lambda c: self.fenced(mode, c, escaped))
-            )
-            .map(lambda _: self.close())
-            .map(reraise)
-        )
-
-    def fenced(self, mode: Mode, comp: Compensation, escaped: list[BaseException]) -> Outcome[None]:
-        """One undo inside the recovery's fence, when there is one (see :class:`UndoFence`)."""
-        fence = self.fence
-        if fence is None:
-            return self.compensate(mode, comp, escaped)
-
-        def after(_: None) -> None:
-            assert self.state is not None
+        for comp in decision.compensations:
+            fence = self.fence
+            if fence is None:
+                yield from self._undo(mode, comp, escaped)
+                continue
+            # One undo inside the recovery's fence (see :class:`UndoFence`).
+            fence.before()
+            yield from self._undo(mode, comp, escaped)
             last = self.state.outcomes[-1] if self.state.outcomes else None
             fence.after(comp, last is not None and last.compensation == comp and last.ok)
+        self.close()
+        if escaped:
+            first = escaped[0]
+            if first.__cause__ is None and first is not exc:
+                first.__cause__ = exc  # the agent's error stays in the chain
+            raise first
 
-        return (
-            mode.run(fence.before).then(lambda _: self.compensate(mode, comp, escaped)).map(after)
-        )
+    def _undo(self, mode: Mode, comp: Compensation, escaped: list[BaseException]) -> Script[None]:
+        """One undo, retried by its tool's policy; a failure is recorded (and a
+        BaseException kept in ``escaped``), never raised here."""
+        tries = 1
 
-    def compensate(
-        self, mode: Mode, comp: Compensation, escaped: list[BaseException]
-    ) -> Outcome[None]:
-        """One undo, retried by its tool's policy; a failure is recorded, never raised here."""
-        tries = [1]
-
-        def attempt(t: Tool, n: int) -> Outcome[Any]:
-            tries[0] = n
-            return mode.within(
-                lambda: self.undo_attempt(comp, n),
-                lambda obs: self.invoke(
+        def attempt(t: Tool, n: int) -> Script[Any]:
+            nonlocal tries
+            tries = n
+            with self.undo_attempt(comp, n) as obs:
+                yield self.invoke(
                     mode,
                     t.fn,
                     comp.tool,
                     **self.kwargs_for(
                         t, comp.args, idempotency_key(self.run_id, comp.index, "compensate")
                     ),
-                ).map(lambda _: obs.span),
-            )
+                )
+                return obs.span
 
-        def undo() -> Outcome[Any]:
+        try:
             t = self.tool(comp.tool)
-            return self.retrying(mode, t.retry or self.saga.retry, lambda n: attempt(t, n))
-
-        ended = [False]
-
-        def done(span: Any) -> Outcome[None]:
-            ended[0] = True
-            self.compensation_ended(comp, True, tries[0], None)
-            # Once the sidecar knows this undo is done, a recovery elsewhere will not repeat it.
-            return mode.ack(span).map(lambda _: None)
-
-        def failed(exc: BaseException) -> Outcome[None] | None:
-            if ended[0]:
-                return None
-            self.compensation_ended(comp, False, tries[0], exc)
+            span = yield from self.retrying(
+                mode, t.retry or self.saga.retry, lambda n: attempt(t, n)
+            )
+        except BaseException as exc:
+            self.compensation_ended(comp, False, tries, exc)
             if not isinstance(exc, Exception):
                 escaped.append(exc)  # raised once every undo has run and the run is closed
-            return mode.pure(None)
-
-        return mode.lazy(undo).then(done).intercept(failed)
+            return
+        self.compensation_ended(comp, True, tries, None)
+        # Once the sidecar knows this undo is done, a recovery elsewhere will not repeat it.
+        yield mode.ack(span)
 
     def compensation_ended(
         self, comp: Compensation, ok: bool, attempts: int, exc: BaseException | None
@@ -729,32 +710,28 @@ class _Core:
         self.report = report
         return report
 
-    def whole(self, mode: Mode, body: Callable[[], Outcome[Any]]) -> Outcome[SagaReport]:
+    def whole(self, mode: Mode, body: Callable[[], Script[Any]]) -> Outcome[SagaReport]:
         """A run from open to close around ``body`` (fixed plans, forward recovery).
 
         The report carries an Exception instead of raising it; an interrupt
         still propagates, after the unwind.
         """
+        return mode.script(lambda: self._whole(mode, body))
 
-        def ended(_: Any) -> SagaReport:
-            assert self.report is not None
-            return self.report
-
-        def on_error(exc: BaseException) -> Outcome[SagaReport]:
-            def report_or_raise(_: Any) -> SagaReport:
-                if not isinstance(exc, Exception):
-                    raise exc
-                return ended(None)
-
-            return self.exit(mode, exc).map(report_or_raise)
-
-        return (
-            self.enter(mode)
-            .then(lambda _: body())
-            .then(lambda _: self.exit(mode, None))
-            .map(ended)
-            .intercept(on_error)
-        )
+    def _whole(self, mode: Mode, body: Callable[[], Script[Any]]) -> Script[SagaReport]:
+        failure: BaseException | None = None
+        try:
+            yield self.enter(mode)
+            yield from body()
+            yield self.exit(mode, None)
+        except BaseException as exc:
+            failure = exc
+        if failure is not None:  # unwound outside the except block: nothing chains onto it
+            yield self.exit(mode, failure)
+            if not isinstance(failure, Exception):
+                raise failure
+        assert self.report is not None
+        return self.report
 
 
 class _CallScope:
@@ -782,10 +759,6 @@ class _CallScope:
         finally:
             _current_call.reset(self._token)
         return False
-
-
-def _raise(exc: BaseException) -> Any:
-    raise exc
 
 
 def _short(text: str, limit: int = 256) -> str:

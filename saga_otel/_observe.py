@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry
 from saga_otel import _heartbeat
 from saga_otel import semconv as sc
 from saga_otel._errors import ConfigurationError
-from saga_otel._outcome import AsyncMode, Mode, Outcome, SyncMode, _immediate, _pending
+from saga_otel._outcome import AsyncMode, Mode, Outcome, Script, SyncMode, _immediate, _pending
 from saga_otel._registry import CallInfo
 from saga_otel._telemetry import Attempt, Instrumentation, RunTelemetry
 from saga_otel.records import Compensation, StepClass, describe_error, is_pivot
@@ -214,13 +214,13 @@ class _Observer:
             self.instr.pivot_crossed(run.tel, self.step)
         return result, comp is not None or unstorable is not None
 
-    def _begin_unwind(self, mode: Mode, run: ObservedRun) -> Outcome[Any]:
+    def _begin_unwind(self, mode: Mode, run: ObservedRun) -> Script[None]:
         if run.unwound:
-            return mode.pure(None)
+            return
         # The first compensate of a run is the moment the unwind begins.
         run.unwound = True
         pending = sorted(run.stack.values(), key=lambda c: -c.index)
-        return mode.ack(self.instr.unwind(run.tel, "", run.failed_step, pending))
+        yield mode.ack(self.instr.unwind(run.tel, "", run.failed_step, pending))
 
     def _compensate_ended(self, run: ObservedRun, idx: int, ok: bool) -> None:
         if ok:
@@ -232,27 +232,13 @@ class _Observer:
 
     # -- the policy, written once ------------------------------------------------
     def do(self, mode: Mode, fn: Callable[..., Any], args: Any, kwargs: Any) -> Outcome[Any]:
+        return mode.script(lambda: self._do(mode, fn, args, kwargs))
+
+    def _do(self, mode: Mode, fn: Callable[..., Any], args: Any, kwargs: Any) -> Script[Any]:
         run = self.run()
         idx = self._index(run)
-        spans: list[Any] = []
-
-        def body(obs: Attempt) -> Outcome[tuple[Any, bool]]:
-            spans.append(obs.span)
-            return mode.call(fn, *args, **kwargs).map(
-                lambda result: self._after_do(run, obs, idx, args, result)
-            )
-
-        def failed(_exc: BaseException) -> None:  # intercept's handler signature
-            run.failed_step = self.step  # and the exception propagates unchanged
-
-        def settled(done: tuple[Any, bool]) -> Outcome[Any]:
-            result, pushed = done
-            if not pushed:
-                return mode.pure(result)
-            return mode.ack(spans[-1]).map(lambda _: result)
-
-        attempt = mode.within(
-            lambda: self.instr.attempt(
+        try:
+            with self.instr.attempt(
                 run.tel,
                 sc.PHASE_DO,
                 self.step,
@@ -260,43 +246,45 @@ class _Observer:
                 tool=self.step,
                 step_class=self.step_class,
                 pivot=self.pivot,
-            ),
-            body,
-        )
-        return attempt.intercept(failed).then(settled)
+            ) as obs:
+                result = yield mode.call(fn, *args, **kwargs)
+                result, pushed = self._after_do(run, obs, idx, args, result)
+        except BaseException:
+            run.failed_step = self.step
+            raise  # the step's exception, unchanged
+        if pushed:
+            yield mode.ack(obs.span)
+        return result
 
     def compensate(
         self, mode: Mode, fn: Callable[..., Any], args: Any, kwargs: Any
     ) -> Outcome[Any]:
+        return mode.script(lambda: self._compensate(mode, fn, args, kwargs))
+
+    def _compensate(
+        self, mode: Mode, fn: Callable[..., Any], args: Any, kwargs: Any
+    ) -> Script[Any]:
         run = self.run()
         idx = run.indexes.get(self.step, self.fixed_index if self.fixed_index is not None else -1)
         comp = run.stack.get(idx) or Compensation(
             f"{self.step}.compensate", {}, f"undo {self.step}", self.step, idx
         )
-
-        def failed(_exc: BaseException) -> None:  # intercept's handler signature
-            self._compensate_ended(run, idx, False)  # and the exception propagates unchanged
-
-        def ok(out: Any) -> Any:
-            self._compensate_ended(run, idx, True)
-            return out
-
-        undo = (
-            mode.call(fn, *args, **kwargs)
-            .also(
-                lambda: self.instr.attempt(
-                    run.tel,
-                    sc.PHASE_COMPENSATE,
-                    self.step,
-                    index=idx,
-                    tool=comp.tool,
-                    compensation=comp,
-                )
-            )
-            .intercept(failed)
-            .map(ok)
-        )
-        return self._begin_unwind(mode, run).then(lambda _: undo)
+        yield from self._begin_unwind(mode, run)
+        try:
+            with self.instr.attempt(
+                run.tel,
+                sc.PHASE_COMPENSATE,
+                self.step,
+                index=idx,
+                tool=comp.tool,
+                compensation=comp,
+            ):
+                out = yield mode.call(fn, *args, **kwargs)
+        except BaseException:
+            self._compensate_ended(run, idx, False)
+            raise  # the undo's exception, unchanged
+        self._compensate_ended(run, idx, True)
+        return out
 
 
 def _wrap(fn: Callable[..., Any], observer: _Observer, phase: str) -> Any:

@@ -2,17 +2,21 @@
 
 An :class:`Outcome` is a not-yet-run computation. :class:`Immediate` wraps a
 plain thunk and runs it when called; :class:`Pending` wraps a coroutine
-function and runs it when awaited. Both compose the same way (``then``,
-``map``, ``intercept``, ``also``), so the engine and ``observed()`` build one
-outcome from one piece of policy code (attempts, spans, retries with backoff,
-durable acks, unwinding) and the driver decides how it runs: a sync run calls
-it, an async run awaits it.
+function and runs it when awaited. A :class:`Mode` makes the leaves: calling a
+user function, sleeping between retries, waiting for the sidecar's
+acknowledgement, shielding from cancellation. :class:`SyncMode` blocks;
+:class:`AsyncMode` never blocks the event loop (its sleep and ack wait are
+awaited). The ack waits live here and nowhere else in the engine.
 
-A :class:`Mode` makes the leaves: calling a user function, sleeping between
-retries, waiting for the sidecar's acknowledgement, shielding from
-cancellation. :class:`SyncMode` blocks; :class:`AsyncMode` never blocks the
-event loop (its sleep and ack wait are awaited). The ack waits live here and
-nowhere else in the engine.
+A policy (attempts, spans, retries with backoff, durable acks, unwinding) is
+written once as a plain generator, a *script*: it yields the leaf outcomes it
+needs run and gets each one's value back, or its exception thrown in at the
+``yield``. ``Mode.script`` makes an outcome of it, and the mode's driver loop
+runs it: a sync run calls it, an async run awaits it. ``with`` blocks, ``try``
+and loops inside a script read as ordinary code (a ``with`` around a ``yield``
+stays open while the driver runs the call, so a span closes after the awaited
+call, never before), and a step costs one generator, not a coroutine per
+combinator. Scripts compose with ``yield from`` (:func:`retrying`).
 """
 
 from __future__ import annotations
@@ -21,40 +25,24 @@ import asyncio
 import inspect
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable, Iterable
-from contextlib import AbstractContextManager
+from collections.abc import Awaitable, Callable, Generator
 from typing import Any, Generic, TypeVar
 
 from saga_otel import _acks
 
 T = TypeVar("T")
 R = TypeVar("R")
-C = TypeVar("C")
 
-Handler = Callable[[BaseException], "Outcome[T] | None"]
+# A policy as a generator: yields outcomes of its mode, receives their values, returns a T.
+Script = Generator["Outcome[Any]", Any, T]
 
 
 class Outcome(ABC, Generic[T]):
     """A computation that yields a ``T`` when its driver runs it."""
 
     @abstractmethod
-    def then(self, fn: Callable[[T], Outcome[R]]) -> Outcome[R]:
-        """Run ``fn(value)``'s outcome after this one (sequencing)."""
-
-    @abstractmethod
     def map(self, fn: Callable[[T], R]) -> Outcome[R]:
         """Transform the value with a plain function."""
-
-    @abstractmethod
-    def intercept(
-        self, handler: Handler[T], catch: type[BaseException] = BaseException
-    ) -> Outcome[T]:
-        """On an exception of type ``catch``: run ``handler(exc)``'s outcome instead,
-        or re-raise the exception unchanged when the handler returns None."""
-
-    @abstractmethod
-    def also(self, cm: Callable[[], AbstractContextManager[Any]]) -> Outcome[T]:
-        """Run inside a fresh context manager (its exit sees the body's exception)."""
 
 
 class Immediate(Outcome[T]):
@@ -68,34 +56,8 @@ class Immediate(Outcome[T]):
     def __call__(self) -> T:
         return self._fn()
 
-    def then(self, fn: Callable[[T], Outcome[R]]) -> Immediate[R]:
-        return Immediate(lambda: _immediate(fn(self._fn()))())
-
     def map(self, fn: Callable[[T], R]) -> Immediate[R]:
         return Immediate(lambda: fn(self._fn()))
-
-    def intercept(
-        self, handler: Handler[T], catch: type[BaseException] = BaseException
-    ) -> Immediate[T]:
-        def run() -> T:
-            try:
-                return self._fn()
-            except catch as exc:
-                err = exc
-            # Outside the except block: a retry's exception does not chain onto the last one.
-            nxt = handler(err)
-            if nxt is None:
-                raise err
-            return _immediate(nxt)()
-
-        return Immediate(run)
-
-    def also(self, cm: Callable[[], AbstractContextManager[Any]]) -> Immediate[T]:
-        def run() -> T:
-            with cm():
-                return self._fn()
-
-        return Immediate(run)
 
 
 class Pending(Outcome[T]):
@@ -109,38 +71,9 @@ class Pending(Outcome[T]):
     def __call__(self) -> Awaitable[T]:
         return self._fn()
 
-    def then(self, fn: Callable[[T], Outcome[R]]) -> Pending[R]:
-        async def run() -> R:
-            return await _pending(fn(await self._fn()))()
-
-        return Pending(run)
-
     def map(self, fn: Callable[[T], R]) -> Pending[R]:
         async def run() -> R:
             return fn(await self._fn())
-
-        return Pending(run)
-
-    def intercept(
-        self, handler: Handler[T], catch: type[BaseException] = BaseException
-    ) -> Pending[T]:
-        async def run() -> T:
-            try:
-                return await self._fn()
-            except catch as exc:
-                err = exc
-            nxt = handler(err)
-            if nxt is None:
-                raise err
-            return await _pending(nxt)()
-
-        return Pending(run)
-
-    def also(self, cm: Callable[[], AbstractContextManager[Any]]) -> Pending[T]:
-        async def run() -> T:
-            # A plain ``with`` around the await: the span closes after the call, never before.
-            with cm():
-                return await self._fn()
 
         return Pending(run)
 
@@ -158,7 +91,7 @@ def _pending(o: Outcome[T]) -> Pending[T]:
 
 
 class Mode(ABC):
-    """Makes the leaf outcomes of one kind (sync or async); the combinators below are shared."""
+    """Makes the leaf outcomes of one kind (sync or async), and runs scripts of them."""
 
     is_async: bool
 
@@ -167,23 +100,19 @@ class Mode(ABC):
         """An outcome that yields ``value``."""
 
     @abstractmethod
-    def lazy(self, make: Callable[[], Outcome[T]]) -> Outcome[T]:
-        """An outcome built only when it runs (so its preparation runs in order)."""
+    def run(self, fn: Callable[[], T]) -> Outcome[T]:
+        """A plain function's call as an outcome (nothing awaited)."""
 
     @abstractmethod
     def call(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Outcome[Any]:
         """Call a user function; in async mode an awaitable result is awaited."""
 
     @abstractmethod
-    def within(
-        self, cm: Callable[[], AbstractContextManager[C]], body: Callable[[C], Outcome[T]]
-    ) -> Outcome[T]:
-        """Run ``body(handle)``'s outcome inside a fresh ``with cm() as handle``."""
-
-    @abstractmethod
-    def each(self, items: Iterable[T], body: Callable[[T], Outcome[Any]]) -> Outcome[None]:
-        """Run ``body(item)`` for each item, one after the other (a loop, not a chain,
-        so a long run does not nest a frame per step)."""
+    def script(self, body: Callable[[], Script[T]]) -> Outcome[T]:
+        """Run the generator ``body()`` makes (when the outcome runs, not before): each
+        outcome it yields is run by this mode, its value sent back or its exception
+        thrown in at the ``yield``; what the generator returns is the value. A loop of
+        yields runs in one frame, however long."""
 
     @abstractmethod
     def sleep(self, seconds: float) -> Outcome[None]: ...
@@ -196,36 +125,27 @@ class Mode(ABC):
     def shield(self, o: Outcome[T]) -> Outcome[T]:
         """Run ``o`` to its end even if the caller is cancelled meanwhile."""
 
-    # -- written once on top of the leaves ------------------------------------
-    def run(self, fn: Callable[[], T]) -> Outcome[T]:
-        """A plain function's call as an outcome (nothing awaited)."""
-        return self.pure(None).map(lambda _: fn())
 
-    def retry(
-        self,
-        attempts: int,
-        delay: Callable[[int], float],
-        body: Callable[[int], Outcome[T]],
-    ) -> Outcome[T]:
-        """Run ``body(n)`` for n = 1.. until it succeeds or ``attempts`` ran.
+def retrying(
+    mode: Mode, attempts: int, delay: Callable[[int], float], body: Callable[[int], Script[T]]
+) -> Script[T]:
+    """The one retry loop, as a script to ``yield from``: ``body(n)`` for n = 1.. until
+    it returns or ``attempts`` ran.
 
-        Only :class:`Exception` is retried (an interrupt or a cancellation is
-        not); the wait after failed attempt n is ``delay(n)``, slept through
-        this mode. The last attempt's exception propagates unchanged.
-        """
-
-        if attempts <= 1:  # nothing to retry: the body's outcome, built when it runs
-            return self.lazy(lambda: body(1))
-
-        def attempt(n: int) -> Outcome[T]:
-            def failed(exc: BaseException) -> Outcome[T] | None:
-                if n >= attempts or not isinstance(exc, Exception):
-                    return None
-                return self.sleep(delay(n)).then(lambda _: attempt(n + 1))
-
-            return self.lazy(lambda: body(n)).intercept(failed)
-
-        return attempt(1)
+    Only :class:`Exception` is retried (an interrupt or a cancellation is not); the
+    wait after failed attempt n is ``delay(n)``, slept through ``mode``. The last
+    attempt's exception propagates unchanged.
+    """
+    n = 1
+    while True:
+        try:
+            return (yield from body(n))
+        except Exception:
+            if n >= attempts:
+                raise
+        # Outside the except block: the next attempt's exception does not chain onto this one.
+        yield mode.sleep(delay(n))
+        n += 1
 
 
 class SyncMode(Mode):
@@ -239,25 +159,29 @@ class SyncMode(Mode):
     def pure(self, value: T) -> Immediate[T]:
         return Immediate(lambda: value)
 
-    def lazy(self, make: Callable[[], Outcome[T]]) -> Immediate[T]:
-        return Immediate(lambda: _immediate(make())())
+    def run(self, fn: Callable[[], T]) -> Immediate[T]:
+        return Immediate(fn)
 
     def call(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Immediate[Any]:
         return Immediate(lambda: fn(*args, **kwargs))
 
-    def within(
-        self, cm: Callable[[], AbstractContextManager[C]], body: Callable[[C], Outcome[T]]
-    ) -> Immediate[T]:
+    def script(self, body: Callable[[], Script[T]]) -> Immediate[T]:
         def run() -> T:
-            with cm() as handle:
-                return _immediate(body(handle))()
-
-        return Immediate(run)
-
-    def each(self, items: Iterable[T], body: Callable[[T], Outcome[Any]]) -> Immediate[None]:
-        def run() -> None:
-            for item in items:
-                _immediate(body(item))()
+            gen = body()
+            value: Any = None
+            error: BaseException | None = None
+            while True:
+                try:
+                    step = gen.send(value) if error is None else gen.throw(error)
+                except StopIteration as stop:
+                    result: T = stop.value
+                    return result
+                finally:
+                    error = None  # a raised error's traceback must not hold it in a cycle
+                try:
+                    value = _immediate(step)()
+                except BaseException as exc:
+                    value, error = None, exc
 
         return Immediate(run)
 
@@ -285,9 +209,9 @@ class AsyncMode(Mode):
 
         return Pending(run)
 
-    def lazy(self, make: Callable[[], Outcome[T]]) -> Pending[T]:
+    def run(self, fn: Callable[[], T]) -> Pending[T]:
         async def run() -> T:
-            return await _pending(make())()
+            return fn()
 
         return Pending(run)
 
@@ -298,19 +222,23 @@ class AsyncMode(Mode):
 
         return Pending(run)
 
-    def within(
-        self, cm: Callable[[], AbstractContextManager[C]], body: Callable[[C], Outcome[T]]
-    ) -> Pending[T]:
+    def script(self, body: Callable[[], Script[T]]) -> Pending[T]:
         async def run() -> T:
-            with cm() as handle:
-                return await _pending(body(handle))()
-
-        return Pending(run)
-
-    def each(self, items: Iterable[T], body: Callable[[T], Outcome[Any]]) -> Pending[None]:
-        async def run() -> None:
-            for item in items:
-                await _pending(body(item))()
+            gen = body()
+            value: Any = None
+            error: BaseException | None = None
+            while True:
+                try:
+                    step = gen.send(value) if error is None else gen.throw(error)
+                except StopIteration as stop:
+                    result: T = stop.value
+                    return result
+                finally:
+                    error = None  # a raised error's traceback must not hold it in a cycle
+                try:
+                    value = await _pending(step)()
+                except BaseException as exc:  # a cancellation too: the script's with blocks see it
+                    value, error = None, exc
 
         return Pending(run)
 

@@ -11,7 +11,16 @@ from typing import Any
 import pytest
 from saga_modes import Driver
 
-from saga_otel._outcome import AsyncMode, Immediate, Mode, Outcome, Pending, SyncMode
+from saga_otel._outcome import (
+    AsyncMode,
+    Immediate,
+    Mode,
+    Outcome,
+    Pending,
+    Script,
+    SyncMode,
+    retrying,
+)
 
 
 def make_mode(mode: Driver, slept: list[float] | None = None) -> Mode:
@@ -37,10 +46,16 @@ async def drive(o: Outcome[Any]) -> Any:
 async def test_nothing_runs_until_the_driver_runs_it(mode: Driver) -> None:
     m = make_mode(mode)
     log: list[str] = []
-    o = m.call(log.append, "called").then(lambda _: m.run(lambda: log.append("then")))
-    assert log == []
+
+    def script() -> Script[None]:
+        log.append("script")
+        yield m.call(log.append, "called")
+        yield m.run(lambda: log.append("then"))
+
+    o = m.script(script)
+    assert log == []  # not even the generator's first line
     await drive(o)
-    assert log == ["called", "then"]
+    assert log == ["script", "called", "then"]
     assert isinstance(o, Pending if mode.is_async else Immediate)
 
 
@@ -59,33 +74,46 @@ async def test_call_awaits_an_awaitable_only_in_async_mode(mode: Driver) -> None
         out.close()
 
 
-async def test_map_then_and_each_keep_order(mode: Driver) -> None:
+async def test_a_script_gets_each_value_back_in_order(mode: Driver) -> None:
     m = make_mode(mode)
     seen: list[int] = []
-    o = m.each([1, 2, 3], lambda i: m.run(lambda: seen.append(i))).map(lambda _: len(seen))
-    assert await drive(o) == 3
+
+    def script() -> Script[int]:
+        total = 0
+        for i in (1, 2, 3):
+            total += yield m.run(lambda i=i: seen.append(i) or i)  # type: ignore[func-returns-value]
+        doubled = yield m.pure(total).map(lambda v: v * 2)
+        return int(doubled)
+
+    assert await drive(m.script(script)) == 12
     assert seen == [1, 2, 3]
-    assert await drive(m.pure(2).map(lambda v: v * 10).then(lambda v: m.pure(v + 1))) == 21
 
 
-async def test_intercept_recovers_or_reraises_the_same_exception(mode: Driver) -> None:
+async def test_a_script_sees_the_same_exception_and_may_recover(mode: Driver) -> None:
     m = make_mode(mode)
     err = ValueError("boom")
 
     def fail() -> int:
         raise err
 
-    recovered = m.run(fail).intercept(lambda exc: m.pure(-1))
-    assert await drive(recovered) == -1
+    def recovering() -> Script[object]:
+        try:
+            yield m.run(fail)
+        except ValueError as exc:
+            return exc
+        return None
+
+    assert await drive(m.script(recovering)) is err
+
+    def passing_through() -> Script[None]:
+        yield m.run(fail)
+
     with pytest.raises(ValueError) as info:
-        await drive(m.run(fail).intercept(lambda exc: None))
-    assert info.value is err
-    # Only the given type is caught.
-    with pytest.raises(ValueError):
-        await drive(m.run(fail).intercept(lambda exc: m.pure(0), KeyError))
+        await drive(m.script(passing_through))
+    assert info.value is err and info.value.__context__ is None
 
 
-async def test_also_and_within_wrap_the_whole_run_of_the_body(mode: Driver) -> None:
+async def test_a_with_block_around_a_yield_spans_the_whole_call(mode: Driver) -> None:
     m = make_mode(mode)
     log: list[str] = []
 
@@ -100,19 +128,24 @@ async def test_also_and_within_wrap_the_whole_run_of_the_body(mode: Driver) -> N
         finally:
             log.append(f"exit {name}")
 
-    body = m.call(mode.fn(lambda: log.append("body")))
-    await drive(body.also(lambda: cm("a")))
+    def body() -> Script[str]:
+        with cm("a") as handle:
+            yield m.call(mode.fn(lambda: log.append("body")))
+        return handle.upper()
+
+    assert await drive(m.script(body)) == "A"
     assert log == ["enter a", "body", "exit a"]
-    log.clear()
-    got = await drive(m.within(lambda: cm("b"), lambda handle: m.pure(handle.upper())))
-    assert got == "B" and log == ["enter b", "exit b"]
     log.clear()
 
     def fail() -> None:
         raise KeyError("x")
 
+    def failing() -> Script[None]:
+        with cm("c"):
+            yield m.run(fail)
+
     with pytest.raises(KeyError):
-        await drive(m.run(fail).also(lambda: cm("c")))
+        await drive(m.script(failing))
     assert log == ["enter c", "c saw KeyError", "exit c"]
 
 
@@ -120,46 +153,59 @@ async def test_retry_backs_off_between_attempts_and_reraises_the_last(mode: Driv
     slept: list[float] = []
     m = make_mode(mode, slept)
     tries: list[int] = []
+    errors: list[BaseException] = []
 
-    def attempt(n: int) -> Outcome[int]:
+    def attempt(n: int) -> Script[int]:
         def body() -> int:
             tries.append(n)
             if n < 3:
-                raise ConnectionError(f"try {n}")
+                errors.append(ConnectionError(f"try {n}"))
+                raise errors[-1]
             return n
 
-        return m.run(body)
+        value: int = yield m.run(body)
+        return value
 
-    assert await drive(m.retry(5, lambda n: n * 0.5, attempt)) == 3
+    assert await drive(m.script(lambda: retrying(m, 5, lambda n: n * 0.5, attempt))) == 3
     assert tries == [1, 2, 3] and slept == [0.5, 1.0]
     tries.clear()
     slept.clear()
-    with pytest.raises(ConnectionError, match="try 2"):
-        await drive(m.retry(2, lambda n: 0.1, attempt))
+    errors.clear()
+    with pytest.raises(ConnectionError, match="try 2") as info:
+        await drive(m.script(lambda: retrying(m, 2, lambda n: 0.1, attempt)))
     assert tries == [1, 2] and slept == [0.1]
+    # The last attempt's own exception, not chained onto the one before it.
+    assert info.value is errors[-1] and info.value.__context__ is None
 
 
 async def test_retry_never_retries_a_base_exception(mode: Driver) -> None:
     m = make_mode(mode)
     tries: list[int] = []
 
-    def attempt(n: int) -> Outcome[None]:
+    def attempt(n: int) -> Script[None]:
         def body() -> None:
             tries.append(n)
             raise KeyboardInterrupt
 
-        return m.run(body)
+        yield m.run(body)
 
     with pytest.raises(KeyboardInterrupt):
-        await drive(m.retry(3, lambda n: 0.0, attempt))
+        await drive(m.script(lambda: retrying(m, 3, lambda n: 0.0, attempt)))
     assert tries == [1]
 
 
-async def test_a_sync_outcome_cannot_continue_an_async_one() -> None:
-    with pytest.raises(TypeError, match="same Mode"):
-        await drive(AsyncMode().pure(1).then(lambda _: SyncMode().pure(2)))
-    with pytest.raises(TypeError, match="same Mode"):
-        SyncMode().pure(1).then(lambda _: AsyncMode().pure(2))()
+async def test_a_script_of_the_other_mode_is_refused_in_the_script() -> None:
+    async_mode, sync_mode = AsyncMode(), SyncMode()
+
+    def wrong(other: Mode) -> Script[object]:
+        try:
+            yield other.pure(2)
+        except TypeError as exc:
+            return str(exc)
+        return None
+
+    assert "same Mode" in str(await drive(async_mode.script(lambda: wrong(sync_mode))))
+    assert "same Mode" in str(await drive(sync_mode.script(lambda: wrong(async_mode))))
 
 
 async def test_shield_finishes_the_work_when_the_caller_is_cancelled() -> None:
@@ -210,8 +256,43 @@ async def test_async_sleep_and_ack_do_not_block_the_loop() -> None:
     assert ticks >= 5  # the loop ran meanwhile
 
 
-async def test_each_runs_long_sequences_without_nesting(mode: Driver) -> None:
+async def test_a_long_script_runs_without_nesting(mode: Driver) -> None:
     m = make_mode(mode)
     seen: list[int] = []
-    await drive(m.each(range(5000), lambda i: m.run(lambda: seen.append(i))))
+
+    def script() -> Script[None]:
+        for i in range(5000):
+            yield m.run(lambda i=i: seen.append(i))
+
+    await drive(m.script(script))
     assert seen == list(range(5000))
+
+
+async def test_a_cancelled_async_script_closes_its_with_blocks_and_stays_cancelled() -> None:
+    m = AsyncMode()
+    log: list[str] = []
+    started = asyncio.Event()
+
+    @contextlib.contextmanager
+    def cm() -> Iterator[None]:
+        try:
+            yield
+        except BaseException as exc:
+            log.append(type(exc).__name__)
+            raise
+
+    async def slow() -> None:
+        started.set()
+        await asyncio.sleep(10)
+
+    def script() -> Script[None]:
+        with cm():
+            yield m.call(slow)
+        log.append("after")  # never reached
+
+    task = asyncio.ensure_future(m.script(script)())
+    await started.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert log == ["CancelledError"] and task.cancelled()
