@@ -395,7 +395,9 @@ class _Core:
 
     @property
     def run_id(self) -> str:
-        return self.telemetry.run_id
+        tel = self.tel  # read per call context and key: one lookup, not the telemetry property's
+        assert tel is not None, "the run is not open"
+        return tel.run_id
 
     @property
     def telemetry(self) -> RunTelemetry:
@@ -416,21 +418,25 @@ class _Core:
         """The one retry loop: the policy's backoff (RetryPolicy.delay), slept through the mode."""
         return retrying(mode, policy.attempts, lambda n: policy.delay(n, self.saga.rng), body)
 
-    def kwargs_for(self, t: Tool, args: Mapping[str, Any], key: str) -> dict[str, Any]:
+    def kwargs_for(
+        self, t: Tool, args: Mapping[str, Any], index: int, phase: str = "do"
+    ) -> dict[str, Any]:
+        """The call's arguments, with its idempotency key when the tool takes one."""
         kwargs = dict(args)
         if t.accepts_idempotency_key and IDEMPOTENCY_PARAM not in kwargs:
-            kwargs[IDEMPOTENCY_PARAM] = key
+            kwargs[IDEMPOTENCY_PARAM] = idempotency_key(self.run_id, index, phase)
         return kwargs
 
     def call_context(self, step: str, index: int, phase: str, attempt: int) -> CallContext:
+        run_id = self.run_id
         return CallContext(
             saga=self.saga.name,
-            run_id=self.run_id,
+            run_id=run_id,
             step=step,
             index=index,
             phase=phase,
             attempt=attempt,
-            idempotency_key=idempotency_key(self.run_id, index, phase),
+            idempotency_key=idempotency_key(run_id, index, phase),
         )
 
     def do_attempt(self, t: Tool, idx: int, attempt: int) -> _CallScope:
@@ -511,7 +517,7 @@ class _Core:
             nonlocal tries
             tries = n
             with self.do_attempt(t, idx, n) as obs:
-                kwargs = self.kwargs_for(t, args, idempotency_key(self.run_id, idx))
+                kwargs = self.kwargs_for(t, args, idx)
                 result = yield self.invoke(mode, t.fn, name, **kwargs)
                 return self.succeeded(t, idx, args, result, snapshot, n, obs)
 
@@ -650,9 +656,7 @@ class _Core:
                     mode,
                     t.fn,
                     comp.tool,
-                    **self.kwargs_for(
-                        t, comp.args, idempotency_key(self.run_id, comp.index, "compensate")
-                    ),
+                    **self.kwargs_for(t, comp.args, comp.index, "compensate"),
                 )
                 return obs.span
 

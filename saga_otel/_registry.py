@@ -110,7 +110,7 @@ class Tool:
             except (KeyError, IndexError, AttributeError):
                 description = self.describe
         else:
-            description = f"{self.compensate}({', '.join(f'{k}={v!r}' for k, v in args.items())})"
+            description = f"{self.compensate}({', '.join([f'{k}={v!r}' for k, v in args.items()])})"
         return Compensation(
             tool=self.compensate, args=args, description=description, step=step, index=info.index
         )
