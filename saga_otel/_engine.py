@@ -627,15 +627,13 @@ class _Core:
         yield mode.ack(span)
         escaped: list[BaseException] = []
         for comp in decision.compensations:
-            fence = self.fence
-            if fence is None:
-                yield from self._undo(mode, comp, escaped)
-                continue
-            # One undo inside the recovery's fence (see :class:`UndoFence`).
-            fence.before()
+            fence = self.fence  # a recovery's lease around each undo (see :class:`UndoFence`)
+            if fence is not None:
+                fence.before()
             yield from self._undo(mode, comp, escaped)
-            last = self.state.outcomes[-1] if self.state.outcomes else None
-            fence.after(comp, last is not None and last.compensation == comp and last.ok)
+            if fence is not None:
+                last = self.state.outcomes[-1] if self.state.outcomes else None
+                fence.after(comp, last is not None and last.compensation == comp and last.ok)
         self.close()
         if escaped:
             first = escaped[0]

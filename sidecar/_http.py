@@ -100,10 +100,15 @@ def _token_guard(sidecar: Service) -> Callable[[web.BaseRequest], web.Response |
     return refuse
 
 
+def _route_error(status: int, reason: str, request: web.BaseRequest) -> web.Response:
+    """No route for the request (404), or not for its method (405): our JSON error body."""
+    return error(status, f"{reason}: {request.method} {request.path}")
+
+
 def _as_json_error(exc: web.HTTPException, request: web.BaseRequest) -> web.StreamResponse:
     """An aiohttp error (no route, wrong method) as our JSON error body; others re-raised."""
     if exc.status >= 400 and exc.content_type != JSON:
-        return error(exc.status, f"{exc.reason}: {request.method} {request.path}")
+        return _route_error(exc.status, exc.reason, request)
     raise exc
 
 
@@ -352,21 +357,20 @@ def build_otlp_handler(service: Service) -> OtlpHandler:
         refused = refuse(request)
         if refused is not None:
             return refused
-        path = request.path
-        handler = routes.get(path)
-        try:
-            if handler is None:
-                path = "other"
-                raise web.HTTPNotFound()
-            if request.method != "POST":
-                path = "other"
-                raise web.HTTPMethodNotAllowed(request.method, ["POST"])
-            resp = await handler(request)
-        except web.HTTPException as exc:
-            resp = _as_json_error(exc, request)
-            if isinstance(exc, web.HTTPMethodNotAllowed):
-                resp.headers["Allow"] = "POST"
-        durations.observe(path, time.perf_counter() - started)
+        route = request.path
+        handler = routes.get(route)
+        resp: web.StreamResponse
+        if handler is None:
+            route, resp = "other", _route_error(404, "Not Found", request)
+        elif request.method != "POST":
+            route, resp = "other", _route_error(405, "Method Not Allowed", request)
+            resp.headers["Allow"] = "POST"  # RFC 9110: a 405 names the methods the route takes
+        else:
+            try:
+                resp = await handler(request)
+            except web.HTTPException as exc:
+                resp = _as_json_error(exc, request)
+        durations.observe(route, time.perf_counter() - started)
         return resp
 
     return handle

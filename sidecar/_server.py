@@ -26,7 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import TracebackType
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from aiohttp import web
 from grpc import aio
@@ -252,17 +252,16 @@ class Sidecar:
         # lingering_time: after an answer to a request whose body was not read (401, 408,
         # 413, 429), drain and drop the rest for at most this long before closing (aiohttp's
         # default, 10 s, keeps a stalled client's connection that much longer).
+        options: dict[str, Any] = {
+            "access_log": None,
+            "auto_decompress": False,
+            "lingering_time": LINGERING_TIME,
+        }
         # The OTLP port is a bare handler on aiohttp's low-level server (no router).
         runner: web.BaseRunner = (
-            web.AppRunner(
-                app, access_log=None, auto_decompress=False, lingering_time=LINGERING_TIME
-            )
+            web.AppRunner(app, **options)
             if isinstance(app, web.Application)
-            else web.ServerRunner(
-                web.Server(
-                    app, access_log=None, auto_decompress=False, lingering_time=LINGERING_TIME
-                )
-            )
+            else web.ServerRunner(web.Server(app, **options))
         )
         await runner.setup()
         self._runners.append(runner)
