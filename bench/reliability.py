@@ -63,8 +63,9 @@ SECTIONS = [
         "sends to one replica only and is SIGKILLed. One replica is SIGKILLed mid-load and "
         "restarted on its ports. Every acknowledged run must be whole, every run's view the "
         "same through each replica and as one SQLite sidecar folds the stored spans, each "
-        "alert delivered once, only the killed agent paged orphaned, and its run recovered "
-        "through a replica that never received its spans.",
+        "alert delivered once (a send the replica's kill cut between the receiver's accept "
+        "and its record may come again, once), only the killed agent paged orphaned, and its "
+        "run recovered through a replica that never received its spans.",
         "tests/chaos/test_replicas_kill.py",
         "",
     ),
@@ -166,7 +167,8 @@ def main() -> int:
             "agent_kill_postgresql": "0 lost, 0 duplicated, 0 out of order",
             "sidecar_kill_postgresql": "no acknowledged span lost, no alert paged twice",
             "replicas_kill_postgresql": "no acknowledged span lost, views as one sidecar's, "
-            "no alert paged twice, no live agent paged",
+            "every alert delivered, none twice but the one send the kill may cut, "
+            "no live agent paged",
             "sink_outage": "every alert delivered, once per dedup key and status",
             "fuzz": "no crash, no 5xx, memory flat",
             "compensation_failures": "retries carried every transient failure; "

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import secrets
 import socket
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, ClassVar
@@ -156,7 +157,19 @@ GAP_WINDOW = 10_000  # at start, only the newest numbers can belong to open tran
 # Heartbeats, marks and leases carry writer clock times: read back this much further.
 CLOCK_MARGIN_S = 5.0
 SYNC_BATCH = 5000
-CLAIM_TTL_S = 120.0  # an outbox row taken by a replica that died is free again after this
+# An outbox row's claim lasts while its replica lives (its presence lock, below); this
+# is the backstop for a replica alive but stuck, whose connection still holds the lock.
+CLAIM_TTL_S = 120.0
+# pg_advisory_lock(int4, int4) class of the presence locks: each alert store holds one
+# (this class, a random key) on a connection of its own. A replica that dies loses it
+# with its sessions, so its claims are free at once, not after CLAIM_TTL_S.
+_PRESENCE_LOCK = 0x5A6A_0003
+# The presence keys held now, as text (a claim's claimed_by starts with "<key>@").
+_LIVE_KEYS = (
+    "ARRAY(SELECT l.objid::text FROM pg_locks l WHERE l.locktype = 'advisory' "
+    "AND l.classid = %(ns)s::oid AND l.objsubid = 2 AND l.granted AND l.database = "
+    "(SELECT oid FROM pg_database WHERE datname = current_database()))"
+)
 
 
 def _changes(
@@ -766,28 +779,92 @@ class PgAlertStore(OutboxReads, _Pooled):
 
     def __init__(self, target: DbTarget) -> None:
         super().__init__(target, max_size=2, name="saga-sidecar-outbox")
-        self._me = f"{socket.gethostname()}:{os.getpid()}:{id(self):x}"
+        self._key = ""  # the presence lock's key, as text; "" while none is held
+        self._presence: Any = None  # the connection holding it
+        self._where = f"{socket.gethostname()}:{os.getpid()}"
+        # Taken now, well before the first claim (other replicas judge claims by it).
+        with contextlib.suppress(StoreError):
+            self._take_presence()
+
+    def close(self) -> None:
+        if self._presence is not None:
+            with contextlib.suppress(Exception):
+                self._presence.close()
+            self._presence, self._key = None, ""
+        super().close()
 
     @contextlib.contextmanager
     def transaction(self) -> Iterator[AlertTx]:
         with self._tx("write alerts to the outbox") as conn:
             yield _PgAlertTx(conn)
 
+    def _take_presence(self) -> None:
+        """Hold a presence lock of our own on a connection of its own (a new one)."""
+        psycopg = self._psycopg
+        if self._presence is not None:
+            with contextlib.suppress(Exception):
+                self._presence.close()
+            self._presence, self._key = None, ""
+        try:
+            conn = psycopg.connect(
+                self.target.url, autocommit=True, connect_timeout=CONNECT_TIMEOUT_S
+            )
+            while True:  # a key another store holds (1 in 2**31): draw again
+                key = secrets.randbelow(2**31 - 1) + 1
+                row = conn.execute(
+                    "SELECT pg_try_advisory_lock(%s, %s)", (_PRESENCE_LOCK, key)
+                ).fetchone()
+                if row and row[0]:
+                    break
+        except psycopg.Error as exc:
+            raise StoreError(
+                f"could not take the outbox's presence lock in PostgreSQL at "
+                f"{_where(self.target)}: {scrub(self.target, exc)}"
+            ) from None
+        self._presence, self._key = conn, str(key)
+
     def next_row(self, sink: str, state: str) -> OutboxRecord | None:
         """Claim the next row: rows locked by another replica's claim are skipped (SKIP
-        LOCKED), and so are rows it holds (claimed_until, on the database's clock)."""
+        LOCKED), and so are rows another replica holds (claimed_until, on the database's
+        clock) while its presence lock is held. A store claims only while its own
+        presence lock is seen held: others must never take its claims for a dead one's."""
+        row = self._claim(sink, state)
+        if row is None and not self._present():
+            self._take_presence()  # lost with its connection (a restart of the database)
+            row = self._claim(sink, state)
+        return row
+
+    def _present(self) -> bool:
+        with self._tx("read") as conn:
+            row = conn.execute(
+                f"SELECT %(key)s = ANY({_LIVE_KEYS})", {"key": self._key, "ns": _PRESENCE_LOCK}
+            ).fetchone()
+        return bool(row and row[0])
+
+    def _claim(self, sink: str, state: str) -> OutboxRecord | None:
+        args = {
+            "me": f"{self._key}@{self._where}",
+            "key": self._key,
+            "ns": _PRESENCE_LOCK,
+            "ttl": CLAIM_TTL_S,
+            "sink": sink,
+            "state": state,
+        }
         with self._tx("claim an alert") as conn:
             row = conn.execute(
+                f"WITH live AS (SELECT {_LIVE_KEYS} AS keys) "
                 "UPDATE alert_outbox SET claimed_by = %(me)s, claimed_until = "
                 "extract(epoch FROM clock_timestamp()) + %(ttl)s WHERE id = ("
-                "SELECT o.id FROM alert_outbox o WHERE o.sink = %(sink)s AND o.state = %(state)s "
+                "SELECT o.id FROM alert_outbox o, live WHERE %(key)s = ANY(live.keys) "
+                "AND o.sink = %(sink)s AND o.state = %(state)s "
                 "AND (o.claimed_until IS NULL OR o.claimed_by = %(me)s "
-                "OR o.claimed_until < extract(epoch FROM clock_timestamp())) "
+                "OR o.claimed_until < extract(epoch FROM clock_timestamp()) "
+                "OR split_part(o.claimed_by, '@', 1) <> ALL(live.keys)) "
                 "AND NOT EXISTS (SELECT 1 FROM alert_outbox e WHERE e.sink = o.sink AND "
                 "e.dedup_key = o.dedup_key AND e.id < o.id AND e.state = %(state)s) "
-                "ORDER BY o.id LIMIT 1 FOR UPDATE SKIP LOCKED) "
+                "ORDER BY o.id LIMIT 1 FOR UPDATE OF o SKIP LOCKED) "
                 "RETURNING id, dedup_key, action, sink, state, attempts, last_error, event",
-                {"me": self._me, "ttl": CLAIM_TTL_S, "sink": sink, "state": state},
+                args,
             ).fetchone()
         return OutboxRecord(*row) if row else None
 

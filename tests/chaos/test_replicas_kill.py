@@ -119,6 +119,7 @@ def test_three_replicas_one_killed_behave_as_one_sidecar(
         first = [loads[0].stdout.readline() for _ in range(3)]  # mid-load
         os.kill(replicas[0].proc.pid, signal.SIGKILL)
         replicas[0].proc.wait()
+        replica_killed_at = time.time()
         os.kill(victim.pid, signal.SIGKILL)
         killed_at = time.time()
         victim.wait()
@@ -196,9 +197,24 @@ def test_three_replicas_one_killed_behave_as_one_sidecar(
             for r in compensated
             for s in ("firing", "resolved")
         } | {(f"saga-otel/{sc.ALERT_RUN_ORPHANED}/{victim_run}", "firing")}
-        wait_until(lambda: expected <= set(pager.keys()), timeout=60, what="every alert")
+        try:
+            wait_until(lambda: expected <= set(pager.keys()), timeout=60, what="every alert")
+        except AssertionError:
+            missing = sorted(expected - set(pager.keys()))
+            raise AssertionError(f"gave up waiting for {len(missing)} alerts: {missing}") from None
         keys = pager.keys()
-        assert all(n == 1 for n in keys.values()), {k: n for k, n in keys.items() if n > 1}
+        # At least once: the killed replica's one sink worker may have been cut between
+        # the receiver's accept and its mark, so that one alert, received before the
+        # kill, may come again from another replica. Any other repeat is a fault.
+        twice = {k: n for k, n in keys.items() if n > 1}
+        assert len(twice) <= 1 and set(twice.values()) <= {2}, twice
+        for dedup_key, status in twice:
+            first = min(
+                a["_received"]
+                for a in pager.alerts
+                if (a["dedup_key"], a["status"]) == (dedup_key, status)
+            )
+            assert first <= replica_killed_at, (dedup_key, status)
         orphaned = {k for k in keys if sc.ALERT_RUN_ORPHANED in k[0] and k[1] == "firing"}
         assert orphaned == {(f"saga-otel/{sc.ALERT_RUN_ORPHANED}/{victim_run}", "firing")}
         chaos_results["replicas_kill_postgresql"] = {
@@ -207,7 +223,7 @@ def test_three_replicas_one_killed_behave_as_one_sidecar(
             "lost": 0,
             "views_differing": 0,
             "alerts_delivered": sum(keys.values()),
-            "paged_twice": 0,
+            "resent_after_the_kill": len(twice),
             "live_agents_paged_orphaned": 0,
             "killed_agent_paged_after_s": round(paged_after, 1),
         }

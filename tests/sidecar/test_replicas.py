@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -38,8 +42,10 @@ from sidecar._errors import StoreError
 from sidecar._groups import Groups
 from sidecar._leases import Lease
 from sidecar._otlp import Decoded, extract, parse_protobuf
-from sidecar._outbox import Backoff, Outbox
+from sidecar._outbox import PENDING, Backoff, Outbox
+from sidecar._pgstore import CLAIM_TTL_S, PgAlertStore
 from sidecar._sinks import DeliveryRetry
+from sidecar._storage import parse_db
 
 pytestmark = pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
 
@@ -516,3 +522,101 @@ async def test_a_sync_read_before_a_prune_does_not_bring_instances_back(
             store.changes = real_changes  # type: ignore[method-assign]
         await sidecar.flush()
         assert sidecar.state.instance_count() == 0
+
+
+# A replica that claims the oldest pending row of a sink, says which, and lives on.
+_CLAIMER = """
+import sys, time
+from sidecar._pgstore import PgAlertStore
+from sidecar._storage import parse_db
+store = PgAlertStore(parse_db(sys.argv[1]))
+row = store.next_row(sys.argv[2], "pending")
+print(row.id if row else "none", flush=True)
+time.sleep(600)
+"""
+
+
+def _claim_until(url: str, row_id: int) -> tuple[float, float]:
+    """A row's claimed_until and the database's clock now."""
+    import psycopg
+
+    with psycopg.connect(url) as conn:
+        row = conn.execute(
+            "SELECT claimed_until, extract(epoch FROM clock_timestamp())::float8 "
+            "FROM alert_outbox WHERE id = %s",
+            (row_id,),
+        ).fetchone()
+    assert row is not None
+    return float(row[0]), float(row[1])
+
+
+def test_a_killed_replicas_claim_is_free_at_once_a_live_ones_is_not(tmp_path: Path) -> None:
+    """A replica SIGKILLed between claiming an alert and marking it: another replica
+    delivers the alert as soon as the dead one's sessions are gone, long before the
+    claim's backstop expiry, and never takes a live replica's claim. (With claims kept
+    until their expiry alone, the alert waited CLAIM_TTL_S: a chaos run gave up.)"""
+    url = db_for(tmp_path / "sidecar.db")
+    sink = SharedSink([], "w")
+    writer = Outbox(url, [sink])
+    try:
+        assert writer.add(_events(["r1"])[:1]) == 1
+    finally:
+        writer.close()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    claimer = subprocess.Popen(
+        [sys.executable, "-c", _CLAIMER, url, sink.name], stdout=subprocess.PIPE, text=True, env=env
+    )
+    other = PgAlertStore(parse_db(url))
+    try:
+        assert claimer.stdout is not None
+        claimed = claimer.stdout.readline().strip()
+        assert claimed.isdigit(), claimed
+        assert other.next_row(sink.name, PENDING) is None  # held by a live replica
+        os.kill(claimer.pid, signal.SIGKILL)
+        claimer.wait()
+        until, _ = _claim_until(url, int(claimed))
+        row = None
+        for _ in range(1500):  # the dead one's backend notices its closed socket
+            row = other.next_row(sink.name, PENDING)
+            if row is not None:
+                break
+            threading.Event().wait(0.02)
+        assert row is not None and row.id == int(claimed)
+        _, now = _claim_until(url, row.id)
+        assert now < until  # taken because its claimer died, not because it expired
+        assert until - now > CLAIM_TTL_S / 2
+    finally:
+        if claimer.poll() is None:
+            claimer.kill()
+            claimer.wait()
+        other.close()
+
+
+def test_a_replica_that_lost_its_presence_takes_it_again_before_it_claims(
+    tmp_path: Path,
+) -> None:
+    """The presence connection dropped (a database restart, an idle timeout): the next
+    claim takes a new presence lock first, so other replicas still see the claim as a
+    live one's and skip it."""
+    import psycopg
+
+    url = db_for(tmp_path / "sidecar.db")
+    sink = SharedSink([], "w")
+    writer = Outbox(url, [sink])
+    try:
+        assert writer.add(_events(["r1", "r2"])[::2]) == 2
+    finally:
+        writer.close()
+    a, b = PgAlertStore(parse_db(url)), PgAlertStore(parse_db(url))
+    try:
+        with psycopg.connect(url, autocommit=True) as admin:
+            pid = a._presence.info.backend_pid
+            admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+        first = a.next_row(sink.name, PENDING)
+        assert first is not None
+        assert a._presence.info.backend_pid != pid
+        second = b.next_row(sink.name, PENDING)  # the next row, not a's older one
+        assert second is not None and second.id > first.id
+    finally:
+        a.close()
+        b.close()
