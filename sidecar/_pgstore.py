@@ -828,20 +828,16 @@ class PgAlertStore(OutboxReads, _Pooled):
         LOCKED), and so are rows another replica holds (claimed_until, on the database's
         clock) while its presence lock is held. A store claims only while its own
         presence lock is seen held: others must never take its claims for a dead one's."""
-        row = self._claim(sink, state)
-        if row is None and not self._present():
+        present, row = self._claim(sink, state)
+        if not present:
             self._take_presence()  # lost with its connection (a restart of the database)
-            row = self._claim(sink, state)
+            present, row = self._claim(sink, state)
         return row
 
-    def _present(self) -> bool:
-        with self._tx("read") as conn:
-            row = conn.execute(
-                f"SELECT %(key)s = ANY({_LIVE_KEYS})", {"key": self._key, "ns": _PRESENCE_LOCK}
-            ).fetchone()
-        return bool(row and row[0])
-
-    def _claim(self, sink: str, state: str) -> OutboxRecord | None:
+    def _claim(self, sink: str, state: str) -> tuple[bool, OutboxRecord | None]:
+        """(whether our presence lock is held, the row claimed): one statement, so a
+        store that finds nothing to claim learns in the same round trip whether it lost
+        its lock (the one snapshot of pg_locks, ``live``, answers both)."""
         args = {
             "me": f"{self._key}@{self._where}",
             "key": self._key,
@@ -851,8 +847,8 @@ class PgAlertStore(OutboxReads, _Pooled):
             "state": state,
         }
         with self._tx("claim an alert") as conn:
-            row = conn.execute(
-                f"WITH live AS (SELECT {_LIVE_KEYS} AS keys) "
+            got = conn.execute(
+                f"WITH live AS (SELECT {_LIVE_KEYS} AS keys), c AS ("
                 "UPDATE alert_outbox SET claimed_by = %(me)s, claimed_until = "
                 "extract(epoch FROM clock_timestamp()) + %(ttl)s WHERE id = ("
                 "SELECT o.id FROM alert_outbox o, live WHERE %(key)s = ANY(live.keys) "
@@ -863,10 +859,13 @@ class PgAlertStore(OutboxReads, _Pooled):
                 "AND NOT EXISTS (SELECT 1 FROM alert_outbox e WHERE e.sink = o.sink AND "
                 "e.dedup_key = o.dedup_key AND e.id < o.id AND e.state = %(state)s) "
                 "ORDER BY o.id LIMIT 1 FOR UPDATE OF o SKIP LOCKED) "
-                "RETURNING id, dedup_key, action, sink, state, attempts, last_error, event",
+                "RETURNING id, dedup_key, action, sink, state, attempts, last_error, event) "
+                "SELECT %(key)s = ANY(live.keys), c.* FROM live LEFT JOIN c ON true",
                 args,
             ).fetchone()
-        return OutboxRecord(*row) if row else None
+        if got is None:  # never: live is one row
+            return False, None
+        return bool(got[0]), (OutboxRecord(*got[1:]) if got[1] is not None else None)
 
     def mark(
         self, row_id: int, state: str, error: str | None, sent: bool, now: float, hold: float = 0
