@@ -883,13 +883,10 @@ class RunState:
         if watch is None:
             watch = self._instances[instance] = _Watch(now, interval)
         elif now > watch.at:
-            if watch.lost_at is not None and now > watch.lost_at + PRESENCE_SETTLE:
-                watch.lost_at = None  # beating after its connection closed: alive
             continuous = watch.beat is not None and first - watch.beat <= 1.5 * interval
             if continuous:
                 watch.learn(now - watch.at)
-            watch.at = now
-            watch.dead = False
+            watch.beating(now)
         watch.interval = interval
         if last > first:  # beats that waited together: the batch spans this much
             watch.learn(last - first + interval)
@@ -918,7 +915,8 @@ class RunState:
         if watch is None:
             watch = self._instances[instance] = _Watch(now, interval)
         else:
-            watch.at, watch.interval, watch.dead = now, interval, False
+            watch.interval = interval
+            watch.beating(now)
         self._schedule(instance, watch)
         for run_id in open_runs:
             run = self._runs.get(run_id)
@@ -1091,7 +1089,9 @@ class RunState:
             if hb is None or hb.dead or hb.scheduled >= now:
                 continue  # forgotten, already dead, or moved on (its newer due is queued)
             if hb.dead_at(now):
-                hb.dead = True
+                # Nothing is queued for it now: if it is heard from again, even with the
+                # same due (a lost connection's grace), _schedule must queue that again.
+                hb.dead, hb.scheduled = True, float("inf")
                 dead.add(instance)
             else:  # a change no _schedule saw: queue what is due now (never lose a watch)
                 self._schedule(instance, hb)
@@ -1347,6 +1347,13 @@ class _Watch:
 
     def learn(self, gap: float) -> None:
         self.gaps = (*self.gaps, gap)[-_GAP_SAMPLES:]
+
+    def beating(self, at: float) -> None:
+        """A delivery with heartbeats received at ``at`` (ours or another replica's):
+        alive, and a connection lost before it (by more than the settle) no longer counts."""
+        if self.lost_at is not None and at > self.lost_at + PRESENCE_SETTLE:
+            self.lost_at = None
+        self.at, self.dead = at, False
 
     def delivery_gap(self) -> float:
         """How far apart this instance's deliveries may be: the largest recent gap it has

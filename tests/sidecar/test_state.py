@@ -532,6 +532,34 @@ def test_a_tick_finds_the_same_dead_processes_as_a_scan_of_every_watch(ops: Any)
             assert before <= after
 
 
+def test_a_watch_marked_dead_then_heard_again_is_judged_again() -> None:
+    """Found by the property above: a tick pops a watch's due and marks it dead; another
+    replica's heartbeat, sent within the settle after the lost connection, revives it
+    with the same due. The due must be queued again, or the watch is never judged."""
+    state = RunState(idle_timeout=3600.0)
+    state.apply(beats([], [T], instance="a"), T)
+    state.presence_lost("a", T)
+    state.tick(T + 1.0)
+    assert state._instances["a"].dead
+    state.heard("a", T + 0.05, 1.0, [], T + 1.0, retention=3600.0)  # within the settle
+    assert not state._instances["a"].dead
+    state.tick(T + 1.0)
+    assert state._instances["a"].dead  # still past the lost connection's grace
+
+
+def test_another_replicas_heartbeat_after_a_lost_connection_keeps_the_watch_alive() -> None:
+    """The same rule as our own heartbeats: beating after its connection closed (past
+    the settle) means the process lives; the grace no longer applies."""
+    state = RunState(idle_timeout=3600.0)
+    state.apply(beats([], [T], instance="a"), T)
+    state.presence_lost("a", T)
+    state.heard("a", T + 0.3, 1.0, [], T + 0.3, retention=3600.0)
+    state.tick(T + 1.0)
+    assert not state._instances["a"].dead
+    state.tick(T + 0.3 + state._instances["a"].window() + 0.01)  # silent since: dead
+    assert state._instances["a"].dead
+
+
 def test_a_tick_looks_at_no_watch_before_one_falls_due(monkeypatch: Any) -> None:
     """Retention keeps every instance heard from in a week (many thousands); a tick runs
     five times a second and must not walk them all: it looks at a watch only when its
