@@ -76,6 +76,37 @@ from ._views import RunSummary, RunView
 
 T = TypeVar("T")
 
+# The orphan rule judges silence; a tick that wakes late means the sidecar itself was
+# deaf (its loop blocked: a GC pause, a slow SQLite commit on the loop, a stopped or
+# starved process), so what agents sent meanwhile is still unread. Such a tick does not
+# judge; the next one does, once the backlog is read. Never longer than this in a row:
+# a loop late at every tick still orphans the dead, a little later.
+MAX_DEAF_DEFER_S = 5.0
+
+
+class TickGate:
+    """Whether an orphan tick may judge (pure: the driver passes the loop's times).
+
+    ``admit(asked, woke)``: the tick asked to wake at ``asked`` and woke at ``woke``.
+    Later by more than ``slack`` (at least one tick interval): the loop did not run in
+    between, so the tick defers, at most ``MAX_DEAF_DEFER_S`` in a row."""
+
+    __slots__ = ("_deferred_at", "slack")
+
+    def __init__(self, slack: float) -> None:
+        self.slack = slack
+        self._deferred_at: float | None = None
+
+    def admit(self, asked: float, woke: float) -> bool:
+        if woke - asked > self.slack:
+            if self._deferred_at is None:
+                self._deferred_at = woke
+            if woke - self._deferred_at < MAX_DEAF_DEFER_S:
+                return False
+        self._deferred_at = None
+        return True
+
+
 log = get_logger("sidecar")
 
 Listener = Callable[[RunView | None, RunView, float], None]
@@ -1006,10 +1037,24 @@ class Sidecar:
         return transitions
 
     async def _tick_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        interval = self.settings.tick_interval
+        gate = TickGate(slack=max(interval, 0.1))
+        judge = True
         while True:
-            await asyncio.sleep(self.settings.tick_interval)
+            asked = loop.time() + interval
+            await asyncio.sleep(interval)
+            judged, judge = judge, gate.admit(asked, loop.time())
+            if judged and not judge:  # once per stall, not per deferred tick
+                log.warning(
+                    "sidecar.loop.stalled",
+                    late_s=round(loop.time() - asked, 3),
+                    fix="orphans are judged once what arrived meanwhile is read; if this "
+                    "repeats, give the sidecar more CPU or a faster disk",
+                )
             if self._db_thread is None:
-                self.tick()
+                if judge:
+                    self.tick()
                 continue
             # Replicas on one database: fold in what the others stored, then let one of
             # them (the holder of the leader lock) decide which runs are orphaned.
@@ -1019,7 +1064,7 @@ class Sidecar:
             except StoreError as exc:
                 log.warning("sidecar.sync.failed", error=str(exc))
                 continue
-            if self.leading:
+            if self.leading and judge:
                 self.tick()
 
     def _require_store(self) -> Store:

@@ -7,6 +7,7 @@ import json
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -397,6 +398,65 @@ async def test_a_batching_agent_is_not_orphaned_while_alive_and_is_when_killed(
                 agent.kill()  # SIGKILL: nothing is flushed
                 await agent.wait()
                 for _ in range(300):  # bounded by the learned window: well inside 30 s
+                    if receiver.find(sc.ALERT_RUN_ORPHANED, run_id):
+                        break
+                    await asyncio.sleep(0.1)
+                assert sidecar.state.status(run_id) == sc.STATE_ORPHANED
+                assert receiver.find(sc.ALERT_RUN_ORPHANED, run_id) is not None
+            finally:
+                if agent.returncode is None:
+                    agent.kill()
+                    await agent.wait()
+    finally:
+        receiver.stop()
+
+
+# An agent that exports each span at once (SimpleSpanProcessor) and beats every 0.5 s:
+# the sidecar orphans it after 1.5 s of silence.
+_PROMPT_AGENT = _BATCHING_AGENT.replace("BatchSpanProcessor", "SimpleSpanProcessor").replace(
+    "1.0", "0.5"
+)
+
+
+async def test_a_stalled_sidecar_does_not_orphan_the_agents_it_did_not_hear(
+    tmp_path: Path,
+) -> None:
+    """The sidecar's own loop blocked for longer than an agent's orphan window (a GC
+    pause, a slow commit, a stopped process): the agent's heartbeats wait unread in the
+    socket. The first tick after the stall must not page the agent it failed to hear;
+    a real death after the stall is still paged. (Seen in CI: a live Node.js agent paged
+    orphaned, "heard from 0.2 s after the orphan mark".)"""
+    script = tmp_path / "agent.py"
+    script.write_text(_PROMPT_AGENT)
+    receiver = AlertReceiver()
+    sidecar = Sidecar(settings_for(tmp_path, tick_interval=0.1))
+    install_alerting(sidecar, AlertSettings(webhook_urls=(receiver.url,), log_sink=False))
+    try:
+        async with sidecar:
+            agent = await asyncio.create_subprocess_exec(
+                sys.executable,
+                str(script),
+                f"http://127.0.0.1:{sidecar.otlp_http_port}/v1/traces",
+                stdout=asyncio.subprocess.PIPE,
+            )
+            try:
+                assert agent.stdout is not None
+                run_id = (await agent.stdout.readline()).decode().strip()
+                loop = asyncio.get_running_loop()
+                await asyncio.sleep(2.0)  # a few beats: its window is learned
+                assert sidecar.state.status(run_id) == sc.STATE_RUNNING
+                # The sidecar's loop stalls (the blocking call is the point): 5 beats' worth.
+                time.sleep(2.5)  # noqa: ASYNC251
+                statuses = set()
+                until = loop.time() + 3.0
+                while loop.time() < until:
+                    statuses.add(sidecar.state.status(run_id))
+                    await asyncio.sleep(0.05)
+                assert statuses == {sc.STATE_RUNNING}
+                assert receiver.find(sc.ALERT_RUN_ORPHANED, run_id) is None
+                agent.kill()  # a real death after the stall is still paged
+                await agent.wait()
+                for _ in range(100):
                     if receiver.find(sc.ALERT_RUN_ORPHANED, run_id):
                         break
                     await asyncio.sleep(0.1)

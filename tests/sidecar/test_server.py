@@ -291,3 +291,22 @@ async def test_derived_instance_is_warned_in_partial_success(
         assert "service.instance.id" in answer.partial_success.error_message
         view = sc_.state.view(run.run_id)
         assert view is not None and view["instance"].startswith("derived:h:7:")
+
+
+def test_a_late_tick_defers_its_judgement_once_and_never_for_long() -> None:
+    """TickGate: on time, judge; woken late (the loop was blocked), defer to the next
+    tick; late at every tick, still judge once MAX_DEAF_DEFER_S has passed."""
+    from sidecar._server import MAX_DEAF_DEFER_S, TickGate
+
+    gate = TickGate(slack=0.2)
+    assert gate.admit(asked=10.0, woke=10.15)  # jitter inside the slack
+    assert not gate.admit(asked=10.4, woke=12.9)  # a 2.5 s stall
+    assert gate.admit(asked=13.1, woke=13.1)  # the next tick, on time, judges
+    t, admitted = 20.0, []
+    while t < 20.0 + 2 * MAX_DEAF_DEFER_S:  # every tick 0.5 s late
+        admitted.append((t, gate.admit(asked=t, woke=t + 0.5)))
+        t += 0.7
+    judged = [at for at, ok in admitted if ok]
+    assert judged, "a loop late at every tick must still judge"
+    assert judged[0] - 20.0 <= MAX_DEAF_DEFER_S + 0.7
+    assert not admitted[0][1]
