@@ -8,7 +8,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -367,11 +367,14 @@ while True:
 """
 
 
-async def test_a_batching_agent_is_not_orphaned_while_alive_and_is_when_killed(
-    tmp_path: Path,
+async def _watch_an_agent(
+    tmp_path: Path, script_text: str, alive: Callable[[Sidecar, str], Awaitable[None]]
 ) -> None:
+    """A real sidecar (alerting to a receiver) and a real agent process that opens a run
+    and heart-beats; ``alive(sidecar, run_id)`` checks the agent is not paged while it
+    lives; then the agent is SIGKILLed (nothing flushed) and must be paged orphaned."""
     script = tmp_path / "agent.py"
-    script.write_text(_BATCHING_AGENT)
+    script.write_text(script_text)
     receiver = AlertReceiver()
     sidecar = Sidecar(settings_for(tmp_path, tick_interval=0.1))  # the real clock
     install_alerting(sidecar, AlertSettings(webhook_urls=(receiver.url,), log_sink=False))
@@ -386,14 +389,7 @@ async def test_a_batching_agent_is_not_orphaned_while_alive_and_is_when_killed(
             try:
                 assert agent.stdout is not None
                 run_id = (await agent.stdout.readline()).decode().strip()
-                loop = asyncio.get_running_loop()
-                # Three batches and more: deliveries 5 s apart, beats 1 s apart.
-                alive_until = loop.time() + 16.0
-                statuses = set()
-                while loop.time() < alive_until:
-                    statuses.add(sidecar.state.status(run_id))
-                    await asyncio.sleep(0.1)
-                assert statuses - {None} == {sc.STATE_RUNNING}
+                await alive(sidecar, run_id)
                 assert receiver.find(sc.ALERT_RUN_ORPHANED, run_id) is None
                 agent.kill()  # SIGKILL: nothing is flushed
                 await agent.wait()
@@ -411,6 +407,26 @@ async def test_a_batching_agent_is_not_orphaned_while_alive_and_is_when_killed(
         receiver.stop()
 
 
+async def _statuses_for(sidecar: Sidecar, run_id: str, seconds: float) -> set[str | None]:
+    """The run's statuses seen every 50 ms for ``seconds``."""
+    loop = asyncio.get_running_loop()
+    until, seen = loop.time() + seconds, set()
+    while loop.time() < until:
+        seen.add(sidecar.state.status(run_id))
+        await asyncio.sleep(0.05)
+    return seen
+
+
+async def test_a_batching_agent_is_not_orphaned_while_alive_and_is_when_killed(
+    tmp_path: Path,
+) -> None:
+    async def alive(sidecar: Sidecar, run_id: str) -> None:
+        # Three batches and more: deliveries 5 s apart, beats 1 s apart.
+        assert await _statuses_for(sidecar, run_id, 16.0) - {None} == {sc.STATE_RUNNING}
+
+    await _watch_an_agent(tmp_path, _BATCHING_AGENT, alive)
+
+
 # An agent that exports each span at once (SimpleSpanProcessor) and beats every 0.5 s:
 # the sidecar orphans it after 1.5 s of silence.
 _PROMPT_AGENT = _BATCHING_AGENT.replace("BatchSpanProcessor", "SimpleSpanProcessor").replace(
@@ -426,45 +442,12 @@ async def test_a_stalled_sidecar_does_not_orphan_the_agents_it_did_not_hear(
     socket. The first tick after the stall must not page the agent it failed to hear;
     a real death after the stall is still paged. (Seen in CI: a live Node.js agent paged
     orphaned, "heard from 0.2 s after the orphan mark".)"""
-    script = tmp_path / "agent.py"
-    script.write_text(_PROMPT_AGENT)
-    receiver = AlertReceiver()
-    sidecar = Sidecar(settings_for(tmp_path, tick_interval=0.1))
-    install_alerting(sidecar, AlertSettings(webhook_urls=(receiver.url,), log_sink=False))
-    try:
-        async with sidecar:
-            agent = await asyncio.create_subprocess_exec(
-                sys.executable,
-                str(script),
-                f"http://127.0.0.1:{sidecar.otlp_http_port}/v1/traces",
-                stdout=asyncio.subprocess.PIPE,
-            )
-            try:
-                assert agent.stdout is not None
-                run_id = (await agent.stdout.readline()).decode().strip()
-                loop = asyncio.get_running_loop()
-                await asyncio.sleep(2.0)  # a few beats: its window is learned
-                assert sidecar.state.status(run_id) == sc.STATE_RUNNING
-                # The sidecar's loop stalls (the blocking call is the point): 5 beats' worth.
-                time.sleep(2.5)  # noqa: ASYNC251
-                statuses = set()
-                until = loop.time() + 3.0
-                while loop.time() < until:
-                    statuses.add(sidecar.state.status(run_id))
-                    await asyncio.sleep(0.05)
-                assert statuses == {sc.STATE_RUNNING}
-                assert receiver.find(sc.ALERT_RUN_ORPHANED, run_id) is None
-                agent.kill()  # a real death after the stall is still paged
-                await agent.wait()
-                for _ in range(100):
-                    if receiver.find(sc.ALERT_RUN_ORPHANED, run_id):
-                        break
-                    await asyncio.sleep(0.1)
-                assert sidecar.state.status(run_id) == sc.STATE_ORPHANED
-                assert receiver.find(sc.ALERT_RUN_ORPHANED, run_id) is not None
-            finally:
-                if agent.returncode is None:
-                    agent.kill()
-                    await agent.wait()
-    finally:
-        receiver.stop()
+
+    async def alive(sidecar: Sidecar, run_id: str) -> None:
+        await asyncio.sleep(2.0)  # a few beats: its window is learned
+        assert sidecar.state.status(run_id) == sc.STATE_RUNNING
+        # The sidecar's loop stalls (the blocking call is the point): 5 beats' worth.
+        time.sleep(2.5)  # noqa: ASYNC251
+        assert await _statuses_for(sidecar, run_id, 3.0) == {sc.STATE_RUNNING}
+
+    await _watch_an_agent(tmp_path, _PROMPT_AGENT, alive)
