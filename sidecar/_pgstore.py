@@ -787,11 +787,14 @@ class PgAlertStore(OutboxReads, _Pooled):
             self._take_presence()
 
     def close(self) -> None:
+        self._drop_presence()
+        super().close()
+
+    def _drop_presence(self) -> None:
         if self._presence is not None:
             with contextlib.suppress(Exception):
                 self._presence.close()
             self._presence, self._key = None, ""
-        super().close()
 
     @contextlib.contextmanager
     def transaction(self) -> Iterator[AlertTx]:
@@ -801,10 +804,8 @@ class PgAlertStore(OutboxReads, _Pooled):
     def _take_presence(self) -> None:
         """Hold a presence lock of our own on a connection of its own (a new one)."""
         psycopg = self._psycopg
-        if self._presence is not None:
-            with contextlib.suppress(Exception):
-                self._presence.close()
-            self._presence, self._key = None, ""
+        self._drop_presence()
+        conn = None
         try:
             conn = psycopg.connect(
                 self.target.url, autocommit=True, connect_timeout=CONNECT_TIMEOUT_S
@@ -817,6 +818,9 @@ class PgAlertStore(OutboxReads, _Pooled):
                 if row and row[0]:
                     break
         except psycopg.Error as exc:
+            if conn is not None:  # connected, but the lock failed: no session left open
+                with contextlib.suppress(Exception):
+                    conn.close()
             raise StoreError(
                 f"could not take the outbox's presence lock in PostgreSQL at "
                 f"{_where(self.target)}: {scrub(self.target, exc)}"
