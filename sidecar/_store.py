@@ -22,6 +22,7 @@ from ._errors import StoreError
 from ._leases import Lease, LeaseRefusal, Override, Owner
 from ._log import get_logger
 from ._outbox_sql import OUTBOX_V4, PRUNE_RUN_ALERTS, RESOLVE_FIRE, ROW, OutboxReads
+from ._putaway_filter import PutAwayFilter
 from ._storage import (
     LEASE_ROW,
     MARK_ROW,
@@ -266,6 +267,13 @@ class SqliteStore:
             self._db.execute("PRAGMA busy_timeout=5000")
             self._db.execute(f"PRAGMA wal_autocheckpoint={BACKSTOP_PAGES}")
             migrate(self._db, repr(str(path)))
+            # Oldest first, so each slice of the filter spans a short time (pruning).
+            self._away = PutAwayFilter(
+                (str(r), float(t))
+                for r, t in self._db.execute(
+                    "SELECT run_id, last_seen FROM run_index ORDER BY last_seen"
+                )
+            )
             # Another component (the alert outbox) may have created the file first with
             # the umask's mode: tighten it and WAL's side files either way.
             for suffix in ("", "-wal", "-shm"):
@@ -461,6 +469,8 @@ class SqliteStore:
 
     def put_away(self, rows: Sequence[PutAway]) -> None:
         if rows:
+            # Before the rows: the filter may hold more than the index, never less.
+            self._away.add((r.run_id, r.last_seen) for r in rows)
             with self._tx("index finished runs") as db:
                 db.executemany(
                     "INSERT INTO run_index(run_id, started_at, status, saga, last_seen) "
@@ -472,6 +482,7 @@ class SqliteStore:
 
     def put_away_of(self, run_ids: Sequence[str]) -> set[str]:
         found: set[str] = set()
+        run_ids = self._away.maybe(run_ids)  # most new runs never reach the database
         for start in range(0, len(run_ids), _IN_BATCH):
             chunk = list(run_ids[start : start + _IN_BATCH])
             marks = ",".join("?" * len(chunk))
@@ -512,6 +523,11 @@ class SqliteStore:
         ).fetchall()
         run_ids = [str(r) for (r,) in rows]
         self.delete_runs(run_ids)
+        kept = self._db.execute(  # reopened (status NULL): not pruned, still indexed
+            "SELECT run_id, last_seen FROM run_index WHERE last_seen < ? AND status IS NULL",
+            (before,),
+        ).fetchall()
+        self._away.pruned(before, ((str(r), float(t)) for r, t in kept))
         return len(run_ids)
 
     def decide_lease(

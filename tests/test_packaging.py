@@ -35,6 +35,7 @@ SERVER_STACK = {
     "psycopg",  # --db postgresql://
     "psycopg-binary",
     "psycopg-pool",
+    "rbloom",  # the SQLite store's filter of runs put away
 }
 # The framework adapters' distributions: each is an extra (saga-otel[mcp], ...), never pulled alone.
 FRAMEWORKS = {

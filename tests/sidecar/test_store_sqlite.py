@@ -1,4 +1,5 @@
-"""SQLite-only properties of sidecar/_store.py (the WAL and its checkpoints)."""
+"""SQLite-only properties of sidecar/_store.py (the WAL and its checkpoints, the filter
+in front of the lookup of runs put away)."""
 
 from __future__ import annotations
 
@@ -6,11 +7,14 @@ import os
 import sqlite3
 from pathlib import Path
 
+import pytest
 from test_outbox import unwinding, view
 
+from sidecar import _putaway_filter
 from sidecar._alerting import evaluate
 from sidecar._outbox import Outbox
-from sidecar._store import BACKSTOP_PAGES
+from sidecar._storage import PutAway
+from sidecar._store import BACKSTOP_PAGES, SqliteStore
 
 
 def test_an_alert_commit_never_checkpoints_the_wal_itself(tmp_path: Path) -> None:
@@ -33,3 +37,68 @@ def test_an_alert_commit_never_checkpoints_the_wal_itself(tmp_path: Path) -> Non
     finally:
         intake.close()
         box.close()
+
+
+def _away(run_id: str, last_seen: float) -> PutAway:
+    return PutAway(run_id, last_seen - 10, "completed", "refund", last_seen)
+
+
+def _selects(store: SqliteStore) -> list[str]:
+    """Statements the store's connection runs from now on (sqlite3's trace callback)."""
+    seen: list[str] = []
+    store._db.set_trace_callback(seen.append)
+    return seen
+
+
+def test_a_new_run_is_looked_up_without_reading_the_database(tmp_path: Path) -> None:
+    """The filter in front of put_away_of: a run id never put away costs no read
+    transaction (on every group commit that opens a run)."""
+    store = SqliteStore(tmp_path / "sidecar.db")
+    try:
+        store.put_away([_away("run-old", 100.0)])
+        seen = _selects(store)
+        assert store.put_away_of(["run-new-1", "run-new-2"]) == set()
+        assert seen == []
+        assert store.put_away_of(["run-new-3", "run-old"]) == {"run-old"}
+        assert len(seen) == 1 and "run_index" in seen[0]
+    finally:
+        store.close()
+
+
+def test_runs_put_away_before_a_restart_are_found_after_it(tmp_path: Path) -> None:
+    """The filter is rebuilt from the index at open: a late span of a run put away by
+    the last process still finds its run."""
+    first = SqliteStore(tmp_path / "sidecar.db")
+    first.put_away([_away(f"run-{i}", 100.0 + i) for i in range(50)])
+    first.close()
+    again = SqliteStore(tmp_path / "sidecar.db")
+    try:
+        asked = [f"run-{i}" for i in range(0, 60, 7)]
+        assert again.put_away_of(asked) == {r for r in asked if int(r[4:]) < 50}
+    finally:
+        again.close()
+
+
+def test_a_pruned_slice_never_hides_a_run_put_away_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prune drops the filter's old slices; a reopened run (not pruned: it is back in
+    memory) put away again later is found again, as is everything newer."""
+    monkeypatch.setattr(_putaway_filter, "SLICE_ITEMS", 2)
+    store = SqliteStore(tmp_path / "sidecar.db")
+    try:
+        store.put_away([_away("run-a", 10.0), _away("run-b", 11.0)])
+        store.put_away([_away("run-c", 50.0), _away("run-d", 51.0), _away("run-e", 52.0)])
+        store.load_runs(["run-a"], reopen=True)  # back in memory: status NULL
+        assert store.prune_put_away(20.0) == 1  # run-b only
+        assert store.put_away_of(["run-a", "run-b", "run-c", "run-d", "run-e"]) == {
+            "run-a",  # reopened rows stay in the index: still asked and found
+            "run-c",
+            "run-d",
+            "run-e",
+        }
+        store.put_away([_away("run-a", 60.0)])
+        store.prune_put_away(55.0)
+        assert store.put_away_of(["run-a", "run-c"]) == {"run-a"}
+    finally:
+        store.close()
