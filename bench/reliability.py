@@ -163,9 +163,11 @@ def main() -> int:
         figures = {k: v for k, v in data.items() if k not in ("at", "ci")}
         held = {
             "agent_kill": "0 lost, 0 duplicated, 0 out of order",
-            "sidecar_kill": "no acknowledged span lost, no alert paged twice",
+            "sidecar_kill": "no acknowledged span lost, no alert twice but the one send "
+            "the kill may cut",
             "agent_kill_postgresql": "0 lost, 0 duplicated, 0 out of order",
-            "sidecar_kill_postgresql": "no acknowledged span lost, no alert paged twice",
+            "sidecar_kill_postgresql": "no acknowledged span lost, no alert twice but the "
+            "one send the kill may cut",
             "replicas_kill_postgresql": "no acknowledged span lost, views as one sidecar's, "
             "every alert delivered, none twice but the one send the kill may cut, "
             "no live agent paged",

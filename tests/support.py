@@ -14,6 +14,7 @@ __all__ = [
     "AlertReceiver",
     "SidecarProcess",
     "install_node_agent",
+    "resent_cut_by_the_kill",
     "start_sidecar",
     "wait_until",
 ]
@@ -66,3 +67,23 @@ def wait_until(probe: Callable[[], object], timeout: float = 30.0, what: str = "
         if time.monotonic() > deadline:
             raise AssertionError(f"gave up waiting{' for ' + what if what else ''}")
         time.sleep(0.02)
+
+
+def resent_cut_by_the_kill(pager: AlertReceiver, killed_at: float) -> dict[tuple[str, str], int]:
+    """The alerts delivered twice, checked to be at most the one send a SIGKILL can cut.
+
+    Delivery is at least once: a sink worker killed between the receiver's accept and
+    the row's mark leaves that row to be sent again by whoever delivers next. So at
+    most one (dedup key, status) may come exactly twice, first received no later than
+    ``killed_at`` (epoch seconds); any other repeat is a fault and fails here.
+    """
+    twice = {k: n for k, n in pager.keys().items() if n > 1}
+    assert len(twice) <= 1 and set(twice.values()) <= {2}, twice
+    for dedup_key, status in twice:
+        first = min(
+            a["_received"]
+            for a in pager.alerts
+            if (a["dedup_key"], a["status"]) == (dedup_key, status)
+        )
+        assert first <= killed_at, (dedup_key, status, first, killed_at)
+    return twice

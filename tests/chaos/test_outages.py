@@ -17,7 +17,13 @@ from typing import Any
 
 import httpx
 import pytest
-from support import AlertReceiver, SidecarProcess, start_sidecar, wait_until
+from support import (
+    AlertReceiver,
+    SidecarProcess,
+    resent_cut_by_the_kill,
+    start_sidecar,
+    wait_until,
+)
 
 from examples.world import World
 from examples.world_server import serve_world
@@ -113,6 +119,7 @@ def test_sidecar_killed_under_load_loses_no_acknowledged_span(
                 break
         # Runs the sidecar acknowledged before the kill.
         before = [r["run_id"] for r in seen]
+        killed_at = time.time()
         os.kill(first.proc.pid, signal.SIGKILL)
         first.proc.wait()
         time.sleep(1.0)  # the agent keeps going; its exports fail and are retried
@@ -139,16 +146,17 @@ def test_sidecar_killed_under_load_loses_no_acknowledged_span(
                 timeout=60,
                 what=f"run {r['run_id']} {r['status']}",
             )
-        # No alert paged twice, across the crash and the restart's re-evaluation.
+        # No alert paged twice, across the crash and the restart's re-evaluation, but
+        # the one send the kill may have cut between the receiver's accept and the mark.
         wait_until(lambda: len(pager.keys()) >= 2 * len(before), timeout=60, what="alerts")
         time.sleep(1.0)  # let the restarted outbox finish anything it still holds
-        assert all(n == 1 for n in pager.keys().values()), pager.keys()
+        twice = resent_cut_by_the_kill(pager, killed_at)
         chaos_results["sidecar_kill" if db_backend is None else "sidecar_kill_postgresql"] = {
             "runs": len(seen),
             "acknowledged_before_kill": len(before),
             "lost": 0,
             "alerts_delivered": sum(pager.keys().values()),
-            "paged_twice": 0,
+            "resent_after_the_kill": len(twice),
         }
     finally:
         if proc.poll() is None:
