@@ -76,20 +76,24 @@ from ._views import RunSummary, RunView
 
 T = TypeVar("T")
 
-# The orphan rule judges silence; a tick that wakes late means the sidecar itself was
-# deaf (its loop blocked: a GC pause, a slow SQLite commit on the loop, a stopped or
-# starved process), so what agents sent meanwhile is still unread. Such a tick does not
-# judge; the next one does, once the backlog is read. Never longer than this in a row:
-# a loop late at every tick still orphans the dead, a little later.
+# The orphan rule judges silence; the sidecar must not take its own deafness for the
+# agents' silence. A tick that wakes late means its loop was blocked (a GC pause, a slow
+# SQLite commit on the loop, a stopped or starved process), so what agents sent
+# meanwhile is still unread; a request waiting long for its commit (a locked or slow
+# database) is heard but not yet folded, and its agent waits for the answer. Such a
+# tick does not judge; the next one does, once the backlog is in. Never longer than
+# this in a row: a sidecar deaf at every tick still orphans the dead, a little later.
 MAX_DEAF_DEFER_S = 5.0
 
 
 class TickGate:
     """Whether an orphan tick may judge (pure: the driver passes the loop's times).
 
-    ``admit(asked, woke)``: the tick asked to wake at ``asked`` and woke at ``woke``.
-    Later by more than ``slack`` (at least one tick interval): the loop did not run in
-    between, so the tick defers, at most ``MAX_DEAF_DEFER_S`` in a row."""
+    ``admit(asked, woke, behind)``: the tick asked to wake at ``asked`` and woke at
+    ``woke``; the oldest request not yet folded arrived ``behind`` seconds before. Either
+    past ``slack`` (at least one tick interval): the loop did not run in between, or
+    the store held the intake, so the tick defers, at most ``MAX_DEAF_DEFER_S`` in a
+    row."""
 
     __slots__ = ("_deferred_at", "slack")
 
@@ -97,8 +101,8 @@ class TickGate:
         self.slack = slack
         self._deferred_at: float | None = None
 
-    def admit(self, asked: float, woke: float) -> bool:
-        if woke - asked > self.slack:
+    def admit(self, asked: float, woke: float, behind: float = 0.0) -> bool:
+        if woke - asked > self.slack or behind > self.slack:
             if self._deferred_at is None:
                 self._deferred_at = woke
             if woke - self._deferred_at < MAX_DEAF_DEFER_S:
@@ -172,6 +176,9 @@ class Sidecar:
         # transaction; on PostgreSQL the task taking them (_take_groups).
         self._groups: Groups[_Request] = Groups()
         self._taking: asyncio.Task[None] | None = None
+        # Requests heard and not yet answered: their answer future -> loop time of arrival
+        # (in arrival order: the first is the oldest). The orphan tick's TickGate reads it.
+        self._unfolded: dict[asyncio.Future[Decoded], float] = {}
         self.leading = False  # replicas: whether this one detects orphans (see _tick_loop)
         self._resolving = asyncio.Lock()
 
@@ -546,13 +553,19 @@ class Sidecar:
         if not decoded.spans:  # nothing to screen or store: answered at once
             return self._fold(decoded, transport, body, content_type, {}, self.clock(), set())
         loop = asyncio.get_running_loop()
-        request = _Request(decoded, transport, body, content_type, loop.create_future())
+        answer: asyncio.Future[Decoded] = loop.create_future()
+        request = _Request(decoded, transport, body, content_type, answer)
         if self._groups.join(request, len(decoded.spans)):
             if store.inline:
                 loop.call_soon(self._commit_inline)
             elif self._taking is None:
                 self._taking = asyncio.create_task(self._take_groups())
-        return await request.answer
+        unfolded = self._unfolded
+        unfolded[answer] = loop.time()
+        try:
+            return await answer
+        finally:
+            del unfolded[answer]
 
     def _commit_inline(self) -> None:
         """SQLite's driver of the group commit: the oldest group, screened in arrival
@@ -584,7 +597,9 @@ class Sidecar:
                 store.write(rows.spans, rows.heartbeats, rows.owners)
         except Exception as exc:  # nothing of the group stored
             outcomes = exc
-        settle(group, outcomes, functools.partial(self._fold_taken, now, None), _answer)
+        # Folded as of now, not as of the screening: a COMMIT that waited on a lock kept
+        # the agents waiting for their answers too, and their silence meanwhile is ours.
+        settle(group, outcomes, functools.partial(self._fold_taken, self.clock(), None), _answer)
 
     async def _take_groups(self) -> None:
         """PostgreSQL's driver of the group commit: the groups, oldest first, each in one
@@ -661,31 +676,31 @@ class Sidecar:
                 tx.set_exception(exc)
         else:  # submitted now, not when awaited: it runs while the group before is folded
             tx = loop.run_in_executor(self._db_thread, call)
-        return self._committed(tx, group, now)
+        return self._committed(tx, group)
 
     async def _committed(
         self,
         tx: asyncio.Future[tuple[list[_Taken | Exception], Screening]],
         group: list[_Request],
-        now: float,
     ) -> Callable[[], None]:
         outcomes, found = await tx
-        return functools.partial(self._fold_group, group, now, outcomes, found)
+        return functools.partial(self._fold_group, group, outcomes, found)
 
     def _fold_group(
         self,
         group: list[_Request],
-        now: float,
         outcomes: list[_Taken | Exception],
         found: Screening,
     ) -> None:
-        """Fold a committed PostgreSQL group's requests in order and answer each."""
+        """Fold a committed PostgreSQL group's requests in order and answer each, as of
+        now (as SQLite's: a transaction that waited kept its agents waiting)."""
         # The runs this group opened are new to the state (apply opens them with their
         # owner); the others' owners and leases may be news from other replicas.
         opened = {r: o for r, o in found.owners.items() if r in found.opened}
         self._learn(
             {r: o for r, o in found.owners.items() if r not in opened}, found.leases.values()
         )
+        now = self.clock()
         settle(group, outcomes, functools.partial(self._fold_taken, now, opened), _answer)
 
     def _decide_group(
@@ -1044,28 +1059,40 @@ class Sidecar:
         while True:
             asked = loop.time() + interval
             await asyncio.sleep(interval)
-            judged, judge = judge, gate.admit(asked, loop.time())
+            woke = loop.time()
+            if self._db_thread is not None:
+                # Replicas on one database: fold in what the others stored, then let one
+                # of them (the holder of the leader lock) decide which runs are orphaned.
+                try:
+                    await self.sync()
+                    self.leading = await self._call(self._require_store().try_lead)
+                except StoreError as exc:
+                    log.warning("sidecar.sync.failed", error=str(exc))
+                    continue
+            now = loop.time()
+            behind = now - next(iter(self._unfolded.values()), now)
+            judged, judge = judge, gate.admit(asked, woke, behind)
             if judged and not judge:  # once per stall, not per deferred tick
-                log.warning(
-                    "sidecar.loop.stalled",
-                    late_s=round(loop.time() - asked, 3),
-                    fix="orphans are judged once what arrived meanwhile is read; if this "
-                    "repeats, give the sidecar more CPU or a faster disk",
-                )
-            if self._db_thread is None:
-                if judge:
-                    self.tick()
-                continue
-            # Replicas on one database: fold in what the others stored, then let one of
-            # them (the holder of the leader lock) decide which runs are orphaned.
-            try:
-                await self.sync()
-                self.leading = await self._call(self._require_store().try_lead)
-            except StoreError as exc:
-                log.warning("sidecar.sync.failed", error=str(exc))
-                continue
-            if self.leading and judge:
+                self._log_deafness(woke - asked, behind)
+            if judge and (self._db_thread is None or self.leading):
                 self.tick()
+
+    @staticmethod
+    def _log_deafness(late: float, behind: float) -> None:
+        if behind > late:
+            log.warning(
+                "sidecar.intake.stalled",
+                waiting_s=round(behind, 3),
+                fix="orphans are judged once the waiting requests are stored; if this "
+                "repeats, look for locks or slowness in the database",
+            )
+        else:
+            log.warning(
+                "sidecar.loop.stalled",
+                late_s=round(late, 3),
+                fix="orphans are judged once what arrived meanwhile is read; if this "
+                "repeats, give the sidecar more CPU or a faster disk",
+            )
 
     def _require_store(self) -> Store:
         if self.store is None:

@@ -5,14 +5,17 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import psycopg
 import pytest
 from aiohttp import web
 from sidecar_testkit import (
@@ -451,3 +454,44 @@ async def test_a_stalled_sidecar_does_not_orphan_the_agents_it_did_not_hear(
         assert await _statuses_for(sidecar, run_id, 3.0) == {sc.STATE_RUNNING}
 
     await _watch_an_agent(tmp_path, _PROMPT_AGENT, alive)
+
+
+async def test_a_stalled_database_does_not_orphan_the_agents_it_heard(tmp_path: Path) -> None:
+    """The store stops answering for longer than an agent's orphan window (another
+    session holds a lock the intake needs: a migration, a backup, a vacuum): the
+    agent's heartbeats arrive but cannot be committed, so they are not folded yet. When
+    the database answers again, the first tick must not page the agent whose beats were
+    waiting on it; a real death afterwards is still paged."""
+
+    async def alive(sidecar: Sidecar, run_id: str) -> None:
+        await asyncio.sleep(2.0)  # a few beats: its window is learned
+        assert sidecar.state.status(run_id) == sc.STATE_RUNNING
+        held = threading.Event()
+        holder = asyncio.create_task(asyncio.to_thread(_hold_the_intake_lock, sidecar, held, 2.5))
+        assert await asyncio.to_thread(held.wait, 10)
+        seen = await _statuses_for(sidecar, run_id, 5.5)  # the stall and 3 s after it
+        await holder
+        assert seen == {sc.STATE_RUNNING}
+
+    await _watch_an_agent(tmp_path, _PROMPT_AGENT, alive)
+
+
+def _hold_the_intake_lock(sidecar: Sidecar, held: threading.Event, seconds: float) -> None:
+    """Hold, from another session, the lock the intake's next COMMIT needs, for
+    ``seconds``: SQLite's write lock (BEGIN IMMEDIATE), PostgreSQL's spans table."""
+    settings = sidecar.settings
+    if settings.db_url:
+        with psycopg.connect(settings.db_url, autocommit=False) as conn:
+            conn.execute("LOCK TABLE spans IN ACCESS EXCLUSIVE MODE")
+            held.set()
+            time.sleep(seconds)
+            conn.commit()
+        return
+    conn = sqlite3.connect(settings.db_path, isolation_level=None)
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        held.set()
+        time.sleep(seconds)
+        conn.execute("COMMIT")
+    finally:
+        conn.close()

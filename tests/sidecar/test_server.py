@@ -310,3 +310,20 @@ def test_a_late_tick_defers_its_judgement_once_and_never_for_long() -> None:
     assert judged, "a loop late at every tick must still judge"
     assert judged[0] - 20.0 <= MAX_DEAF_DEFER_S + 0.7
     assert not admitted[0][1]
+
+
+def test_a_tick_defers_while_a_request_waits_for_its_commit() -> None:
+    """TickGate: on time but with a request heard more than the slack ago and not yet
+    folded (the database held the intake), defer; not for long either."""
+    from sidecar._server import MAX_DEAF_DEFER_S, TickGate
+
+    gate = TickGate(slack=0.2)
+    assert gate.admit(asked=10.0, woke=10.0, behind=0.15)  # a commit in its usual time
+    assert not gate.admit(asked=10.2, woke=10.2, behind=2.5)
+    assert gate.admit(asked=10.4, woke=10.4, behind=0.0)  # stored: judge
+    t, judged = 20.0, []
+    while t < 20.0 + 2 * MAX_DEAF_DEFER_S:  # a database that never catches up
+        if gate.admit(asked=t, woke=t, behind=1.0):
+            judged.append(t)
+        t += 0.2
+    assert judged and judged[0] - 20.0 <= MAX_DEAF_DEFER_S + 0.2
