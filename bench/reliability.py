@@ -35,7 +35,9 @@ SECTIONS = [
         "An agent runs 40 unwinding refunds; after 12 the sidecar is SIGKILLed and restarted "
         "on the same database and ports. Runs acknowledged before the kill must be there; "
         "the rest must arrive from the agent's retrying exporter; no alert is delivered "
-        "twice across the crash and the restart's re-evaluation.",
+        "twice across the crash and the restart's re-evaluation, but the one send the kill "
+        "may cut between the receiver's accept and the outbox's mark (delivery is at least "
+        "once; received no later than the kill, exactly twice).",
         "tests/chaos/test_outages.py",
         "",
     ),
