@@ -353,6 +353,9 @@ class PgStore(_Pooled):
         super().__init__(target, max_size=4, name="saga-sidecar-store")
         self._seq = 0  # the newest span sequence number folded in
         self._own: set[int] = set()  # sequence numbers of spans this process wrote
+        # Heartbeat rows this process wrote (instance -> its time): folded already, so
+        # changes() leaves them out (kept while a read can still return them).
+        self._own_beats: dict[str, float] = {}
         self._gaps: dict[int, float | None] = {}  # missing numbers -> give up at (None: unset)
         self._since: float | None = None  # writer time of the last changes() read
         self._lead: Any = None  # the connection holding the leader lock
@@ -429,13 +432,14 @@ class PgStore(_Pooled):
             leases = conn.execute(
                 LEASE_ROW + " WHERE granted_at > %s OR expires_at > %s", since_floor
             ).fetchall()
-        return _changes(
-            spans,
-            owners,
-            [(str(a), float(b), float(c), str(d or "[]")) for a, b, c, d in instances],
-            marks,
-            leases,
-        )
+        own = self._own_beats
+        heard = [
+            (str(a), float(b), float(c), str(d or "[]"))
+            for a, b, c, d in instances
+            if own.get(str(a)) != float(b)
+        ]
+        self._own_beats = {i: at for i, at in own.items() if at > floor}
+        return _changes(spans, owners, heard, marks, leases)
 
     def schema_version(self) -> int:
         ((value,),) = self._all("SELECT value FROM meta WHERE key = 'schema'")
@@ -516,6 +520,7 @@ class PgStore(_Pooled):
             # One row per instance, its last heartbeat (one statement may not update a
             # row twice): what a heartbeat at a time would leave.
             last = {row[0]: row for row in heartbeats}
+            self._own_beats.update((i, row[1]) for i, row in last.items())
             cur.execute(
                 "INSERT INTO instances(instance, last_heartbeat, interval_s, open_runs) "
                 "SELECT * FROM unnest(%b::text[], %b::float8[], %b::float8[], %b::text[]) "

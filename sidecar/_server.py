@@ -179,6 +179,8 @@ class Sidecar:
         # Requests heard and not yet answered: their answer future -> loop time of arrival
         # (in arrival order: the first is the oldest). The orphan tick's TickGate reads it.
         self._unfolded: dict[asyncio.Future[Decoded], float] = {}
+        # Replicas: the clock when the last read of the others' writes began (sync).
+        self._read_from = float("inf")
         self.leading = False  # replicas: whether this one detects orphans (see _tick_loop)
         self._resolving = asyncio.Lock()
 
@@ -1025,8 +1027,10 @@ class Sidecar:
 
     # --- orphans, resolution, retention ---------------------------------------------
 
-    def tick(self) -> list[Transition]:
-        now = self.clock()
+    def tick(self, as_of: float | None = None) -> list[Transition]:
+        """Apply the orphan rule now, or ``as_of`` an earlier moment (replicas: the start
+        of the last read of the others' heartbeats, the latest moment fully known)."""
+        now = self.clock() if as_of is None else min(as_of, self.clock())
         transitions = self.state.tick(now)
         if not transitions:
             return transitions
@@ -1074,8 +1078,10 @@ class Sidecar:
             judged, judge = judge, gate.admit(asked, woke, behind)
             if judged and not judge:  # once per stall, not per deferred tick
                 self._log_deafness(woke - asked, behind)
-            if judge and (self._db_thread is None or self.leading):
+            if judge and self._db_thread is None:
                 self.tick()
+            elif judge and self.leading:
+                self.tick(as_of=self._read_from)
 
     @staticmethod
     def _log_deafness(late: float, behind: float) -> None:
@@ -1106,13 +1112,18 @@ class Sidecar:
         if store is None or store.inline:
             return 0
         async with self._intake:  # between two intakes: the state moves in commit order
-            changes = await self._call(store.changes, self.clock())
+            read_from = self.clock()
+            changes = await self._call(store.changes, read_from)
             # The fold's own moment: a prune may have run while the read was in flight,
             # and what it forgot must be judged stale against now, not the read's start.
+            # Other replicas' heartbeats count as heard now (RunState.heard).
             now = self.clock()
             # Late spans of runs put away here: fold them onto the whole run.
             await self._reopen(s.run_id for s in changes.spans)
             self._fold_changes(changes, now)
+            # What other replicas committed after the read began is not read yet (the read
+            # may have waited for a lock): the orphan tick judges as of then.
+            self._read_from = read_from
         return len(changes.spans)
 
     def _fold_changes(self, changes: Changes, now: float) -> None:

@@ -908,23 +908,30 @@ class RunState:
                         named[run_id] = None
         return list(named)
 
-    def _beat(self, instance: str, now: float, interval: float, open_runs: Iterable[str]) -> None:
-        """A heartbeat another replica stored (``heard``): the watch moves on, what it
-        learned of the instance's cadence stays."""
+    def _beat(
+        self, instance: str, at: float, interval: float, open_runs: Iterable[str], now: float
+    ) -> None:
+        """A heartbeat another replica stored at ``at`` and this one read at ``now``
+        (``heard``): the watch moves on, what it learned of the instance's cadence stays.
+        It counts as heard when read: the other replica's COMMIT may have waited (a lock, a
+        slow disk) while the agent waited for its answer, and silence we caused is not the
+        agent's. A lost connection is still judged against ``at``, when the agent spoke."""
+        heard_at = max(at, now)
         watch = self._instances.get(instance)
         if watch is None:
-            watch = self._instances[instance] = _Watch(now, interval)
+            watch = self._instances[instance] = _Watch(heard_at, interval)
         else:
             watch.interval = interval
-            watch.beating(now)
+            watch.beating(at, heard_at)
+        watch.stored = at
         self._schedule(instance, watch)
         for run_id in open_runs:
             run = self._runs.get(run_id)
             # Only the owner's heartbeat keeps a run alive: a stranger naming it must not
             # hold off its orphan watch (a recoverer is watched through its lease).
             if run is not None and run.instance == instance:
-                run.last_seen = max(run.last_seen, now)
-                run.owner_seen = max(run.owner_seen, now)
+                run.last_seen = max(run.last_seen, heard_at)
+                run.owner_seen = max(run.owner_seen, heard_at)
                 if run_id in self._idle:  # still alive: to the young end of the queue
                     del self._idle[run_id]
                     self._idle[run_id] = None
@@ -1182,14 +1189,15 @@ class RunState:
         now: float,
         retention: float,
     ) -> None:
-        """A heartbeat another replica received at ``at`` (ignored when ours is newer, or
-        when it is already past the retention: a sync that read it before a prune forgot
-        the instance must not bring it back)."""
+        """A heartbeat another replica received at ``at``, read by this one at ``now``
+        (ignored when this replica has read it already, or when it is already past the
+        retention: a sync that read it before a prune forgot the instance must not bring
+        it back)."""
         if _stale(now, at, retention):
             return
         watch = self._instances.get(instance)
-        if watch is None or at > watch.at:
-            self._beat(_intern(instance), at, interval, open_runs)
+        if watch is None or at > watch.stored:
+            self._beat(_intern(instance), at, interval, open_runs, now)
 
     def resolve(self, run_id: str, note: str, now: float) -> bool:
         """Record that a person settled the run. False for an unknown run."""
@@ -1344,16 +1352,19 @@ class _Watch:
     gaps: tuple[float, ...] = ()
     lost_at: float | None = None  # its live connection closed uncleanly, not yet confirmed
     scheduled: float = float("inf")  # the due last queued for it (RunState._dues)
+    stored: float = float("-inf")  # receipt time of the last other replica's heartbeat read
 
     def learn(self, gap: float) -> None:
         self.gaps = (*self.gaps, gap)[-_GAP_SAMPLES:]
 
-    def beating(self, at: float) -> None:
-        """A delivery with heartbeats received at ``at`` (ours or another replica's):
-        alive, and a connection lost before it (by more than the settle) no longer counts."""
+    def beating(self, at: float, heard_at: float | None = None) -> None:
+        """A delivery with heartbeats received at ``at`` (ours or another replica's, that
+        one read at ``heard_at``): alive, and a connection lost before it (by more than the
+        settle) no longer counts."""
         if self.lost_at is not None and at > self.lost_at + PRESENCE_SETTLE:
             self.lost_at = None
-        self.at, self.dead = at, False
+        self.at = at if heard_at is None else max(self.at, heard_at)
+        self.dead = False
 
     def delivery_gap(self) -> float:
         """How far apart this instance's deliveries may be: the largest recent gap it has

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psycopg
 import pytest
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
@@ -43,7 +44,7 @@ from sidecar._groups import Groups
 from sidecar._leases import Lease
 from sidecar._otlp import Decoded, extract, parse_protobuf
 from sidecar._outbox import PENDING, Backoff, Outbox
-from sidecar._pgstore import CLAIM_TTL_S, PgAlertStore
+from sidecar._pgstore import CLAIM_TTL_S, PgAlertStore, PgStore
 from sidecar._sinks import DeliveryRetry
 from sidecar._storage import parse_db
 
@@ -494,8 +495,11 @@ async def test_a_sync_read_before_a_prune_does_not_bring_instances_back(
     back as a flaky test_bounded_state run on PostgreSQL."""
     clock = FakeClock()
     settings = settings_for(tmp_path, retention=3600.0, tick_interval=3600.0)
+    assert settings.db_url is not None
+    other = PgStore(parse_db(settings.db_url))  # another replica stored the heartbeat
     async with Sidecar(settings, clock=clock) as sidecar:
-        await export_http(sidecar, heartbeat_spans("agent-gone", [], clock.now))
+        other.write([], [("agent-gone", clock.now, 1.0, "[]")])
+        await sidecar.sync()
         assert sidecar.state.instance_count() == 1
         store = sidecar.store
         assert store is not None
@@ -522,6 +526,80 @@ async def test_a_sync_read_before_a_prune_does_not_bring_instances_back(
             store.changes = real_changes  # type: ignore[method-assign]
         await sidecar.flush()
         assert sidecar.state.instance_count() == 0
+    other.close()
+
+
+def test_a_replica_reads_back_only_the_heartbeats_others_stored(tmp_path: Path) -> None:
+    """Its own heartbeat rows are folded already (as its own spans are): a sync that
+    returned them would count them as heard again, later than they were."""
+    url = db_for(tmp_path / "sidecar.db")
+    a, b = PgStore(parse_db(url)), PgStore(parse_db(url))
+    try:
+        a.changes(100.0), b.changes(100.0)
+        a.write([], [("agent-a", 101.0, 1.0, "[]")])
+        b.write([], [("agent-b", 101.5, 1.0, "[]")])
+        assert [row[0] for row in a.changes(102.0).instances] == ["agent-b"]
+        assert [row[0] for row in b.changes(102.0).instances] == ["agent-a"]
+        b.write([], [("agent-a", 103.0, 1.0, "[]")])  # the agent now beats through b
+        assert sorted(row[0] for row in a.changes(104.0).instances) == ["agent-a", "agent-b"]
+    finally:
+        a.close()
+        b.close()
+
+
+async def test_a_heartbeat_another_replica_committed_late_does_not_orphan_its_agent(
+    tmp_path: Path,
+) -> None:
+    """The follower's COMMIT of a heartbeat waits on a lock far past the agent's window
+    (another session holds the instances table) while the agent waits for its answer.
+    The leader must not page it when the row finally lands with its screening time (it
+    counts from when the leader read it, and the leader judges only up to the start of
+    its last read); once the agent really stops, it is paged."""
+    clock = FakeClock()
+    settings = settings_for(tmp_path, idle_timeout=3600.0, tick_interval=0.02)
+    got: list[tuple[str, AlertEvent]] = []
+    a, b = Sidecar(settings, clock=clock), Sidecar(settings, clock=clock)
+    for name, replica in (("a", a), ("b", b)):
+        install_alerting(replica, AlertSettings(log_sink=False), sinks=[SharedSink(got, name)])
+    assert settings.db_url is not None
+    url = settings.db_url
+    async with a, b:
+        await _until(lambda: a.leading != b.leading, "one leader")
+        leader, follower = (a, b) if a.leading else (b, a)
+        run = open_run(instance="agent-1")
+        await export_http(follower, run.spans())
+        for _ in range(5):  # a live agent at the follower, beating every second
+            clock.now += 1.0
+            await export_http(follower, heartbeat_spans("agent-1", [run.run_id], clock.now))
+            await asyncio.sleep(0.05)
+        await _until(lambda: leader.state.status(run.run_id) == sc.STATE_RUNNING, "seen")
+        held, release = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            with psycopg.connect(url) as conn:
+                conn.execute("LOCK TABLE instances IN ACCESS EXCLUSIVE MODE")
+                held.set()
+                release.wait(10)
+
+        holder = asyncio.create_task(asyncio.to_thread(hold))
+        assert await asyncio.to_thread(held.wait, 10)
+        clock.now += 1.0
+        beat = asyncio.create_task(
+            export_http(follower, heartbeat_spans("agent-1", [run.run_id], clock.now))
+        )
+        await asyncio.sleep(0.3)  # screened, its COMMIT waiting on the lock
+        clock.now += 10.0  # far past the agent's 3 s window
+        await asyncio.sleep(0.3)
+        release.set()
+        await holder
+        await beat
+        for _ in range(10):  # the leader syncs and ticks meanwhile
+            await asyncio.sleep(0.05)
+            assert leader.state.status(run.run_id) == sc.STATE_RUNNING
+        assert not [e for _, e in got if e.alertname == sc.ALERT_RUN_ORPHANED]
+        clock.now += 10.0  # the agent died: no more heartbeats
+        await _until(lambda: leader.state.status(run.run_id) == sc.STATE_ORPHANED, "orphaned")
+        await _until(lambda: any(e.alertname == sc.ALERT_RUN_ORPHANED for _, e in got), "paged")
 
 
 # A replica that claims the oldest pending row of a sink, says which, and lives on.

@@ -470,7 +470,7 @@ def test_a_heartbeat_read_before_a_prune_does_not_bring_its_instance_back() -> N
     # forget those instances in between. Past the retention, the old heartbeat is ignored.
     state = RunState(idle_timeout=60.0)
     t0 = 1_700_000_000.0
-    state.heard("pid-1", t0, 1.0, [], now=t0 + 10.0, retention=3600.0)
+    state.heard("pid-1", t0, 1.0, [], now=t0 + 0.5, retention=3600.0)  # heard when read
     assert state.instance_count() == 1
     assert state.stale_instances(t0 + 3601.0, 3600.0) == ["pid-1"]
     state.forget_instances(["pid-1"])
@@ -558,6 +558,26 @@ def test_another_replicas_heartbeat_after_a_lost_connection_keeps_the_watch_aliv
     assert not state._instances["a"].dead
     state.tick(T + 0.3 + state._instances["a"].window() + 0.01)  # silent since: dead
     assert state._instances["a"].dead
+
+
+def test_another_replicas_heartbeat_counts_from_when_this_one_read_it() -> None:
+    """Another replica's COMMIT of a heartbeat waited (a lock, a slow disk) while its
+    agent waited for the answer: read late, it counts as heard when read, not when that
+    replica screened it. Read again (every sync rereads recent rows), it counts once."""
+    state = RunState(idle_timeout=3600.0)
+    state.heard("a", T, 1.0, [], T, retention=3600.0)
+    window = state._instances["a"].window()
+    state.heard("a", T + 0.3, 1.0, [], T + 10.0, retention=3600.0)  # committed ~10 s late
+    assert state.tick(T + 10.0 + window - 0.1) == [] and not state._instances["a"].dead
+    state.heard("a", T + 0.3, 1.0, [], T + 12.0, retention=3600.0)  # the same row, reread
+    state.tick(T + 10.0 + window + 0.1)
+    assert state._instances["a"].dead
+    # A lost connection is still judged against when the agent spoke, not when read.
+    state.apply(beats([], [T + 20.0], instance="b"), T + 20.0)
+    state.presence_lost("b", T + 20.0)
+    state.heard("b", T + 20.05, 1.0, [], T + 25.0, retention=3600.0)  # sent within the settle
+    state.tick(T + 25.0)
+    assert state._instances["b"].dead
 
 
 def test_a_tick_looks_at_no_watch_before_one_falls_due(monkeypatch: Any) -> None:
