@@ -79,21 +79,21 @@ T = TypeVar("T")
 # The orphan rule judges silence; the sidecar must not take its own deafness for the
 # agents' silence. A tick that wakes late means its loop was blocked (a GC pause, a slow
 # SQLite commit on the loop, a stopped or starved process), so what agents sent
-# meanwhile is still unread; a request waiting long for its commit (a locked or slow
-# database) is heard but not yet folded, and its agent waits for the answer. Such a
-# tick does not judge; the next one does, once the backlog is in. Never longer than
-# this in a row: a sidecar deaf at every tick still orphans the dead, a little later.
+# meanwhile is still unread: such a tick does not judge; the next one does, once the
+# backlog is read. A request still waiting for its commit (a locked or slow database)
+# was heard at its arrival and its agent waits for the answer: ticks judge only up to
+# the oldest such arrival (and, on replicas, the start of the last read of the others'
+# writes), never further back than this: a sidecar deaf for longer still orphans the
+# dead, a little later.
 MAX_DEAF_DEFER_S = 5.0
 
 
 class TickGate:
     """Whether an orphan tick may judge (pure: the driver passes the loop's times).
 
-    ``admit(asked, woke, behind)``: the tick asked to wake at ``asked`` and woke at
-    ``woke``; the oldest request not yet folded arrived ``behind`` seconds before. Either
-    past ``slack`` (at least one tick interval): the loop did not run in between, or
-    the store held the intake, so the tick defers, at most ``MAX_DEAF_DEFER_S`` in a
-    row."""
+    ``admit(asked, woke)``: the tick asked to wake at ``asked`` and woke at ``woke``.
+    Later by more than ``slack`` (at least one tick interval): the loop did not run in
+    between, so the tick defers, at most ``MAX_DEAF_DEFER_S`` in a row."""
 
     __slots__ = ("_deferred_at", "slack")
 
@@ -101,14 +101,22 @@ class TickGate:
         self.slack = slack
         self._deferred_at: float | None = None
 
-    def admit(self, asked: float, woke: float, behind: float = 0.0) -> bool:
-        if woke - asked > self.slack or behind > self.slack:
+    def admit(self, asked: float, woke: float) -> bool:
+        if woke - asked > self.slack:
             if self._deferred_at is None:
                 self._deferred_at = woke
             if woke - self._deferred_at < MAX_DEAF_DEFER_S:
                 return False
         self._deferred_at = None
         return True
+
+
+def judged_as_of(now: float, waiting_since: float, read_from: float) -> float:
+    """The moment an orphan tick judges as of (sidecar clock): ``now``, or earlier while
+    a request that arrived at ``waiting_since`` waits for its commit, or (replicas) the
+    last read of the others' writes began at ``read_from``; never before ``now -
+    MAX_DEAF_DEFER_S``."""
+    return max(now - MAX_DEAF_DEFER_S, min(now, waiting_since, read_from))
 
 
 log = get_logger("sidecar")
@@ -176,8 +184,8 @@ class Sidecar:
         # transaction; on PostgreSQL the task taking them (_take_groups).
         self._groups: Groups[_Request] = Groups()
         self._taking: asyncio.Task[None] | None = None
-        # Requests heard and not yet answered: their answer future -> loop time of arrival
-        # (in arrival order: the first is the oldest). The orphan tick's TickGate reads it.
+        # Requests heard and not yet answered: their answer future -> clock at arrival (in
+        # arrival order: the first is the oldest). The orphan tick judges up to it.
         self._unfolded: dict[asyncio.Future[Decoded], float] = {}
         # Replicas: the clock when the last read of the others' writes began (sync).
         self._read_from = float("inf")
@@ -563,7 +571,7 @@ class Sidecar:
             elif self._taking is None:
                 self._taking = asyncio.create_task(self._take_groups())
         unfolded = self._unfolded
-        unfolded[answer] = loop.time()
+        unfolded[answer] = self.clock()
         try:
             return await answer
         finally:
@@ -1059,7 +1067,7 @@ class Sidecar:
         loop = asyncio.get_running_loop()
         interval = self.settings.tick_interval
         gate = TickGate(slack=max(interval, 0.1))
-        judge = True
+        judge, stalled = True, False
         while True:
             asked = loop.time() + interval
             await asyncio.sleep(interval)
@@ -1073,32 +1081,29 @@ class Sidecar:
                 except StoreError as exc:
                     log.warning("sidecar.sync.failed", error=str(exc))
                     continue
-            now = loop.time()
-            behind = now - next(iter(self._unfolded.values()), now)
-            judged, judge = judge, gate.admit(asked, woke, behind)
+            judged, judge = judge, gate.admit(asked, woke)
             if judged and not judge:  # once per stall, not per deferred tick
-                self._log_deafness(woke - asked, behind)
-            if judge and self._db_thread is None:
-                self.tick()
-            elif judge and self.leading:
-                self.tick(as_of=self._read_from)
-
-    @staticmethod
-    def _log_deafness(late: float, behind: float) -> None:
-        if behind > late:
-            log.warning(
-                "sidecar.intake.stalled",
-                waiting_s=round(behind, 3),
-                fix="orphans are judged once the waiting requests are stored; if this "
-                "repeats, look for locks or slowness in the database",
-            )
-        else:
-            log.warning(
-                "sidecar.loop.stalled",
-                late_s=round(late, 3),
-                fix="orphans are judged once what arrived meanwhile is read; if this "
-                "repeats, give the sidecar more CPU or a faster disk",
-            )
+                log.warning(
+                    "sidecar.loop.stalled",
+                    late_s=round(woke - asked, 3),
+                    fix="orphans are judged once what arrived meanwhile is read; if this "
+                    "repeats, give the sidecar more CPU or a faster disk",
+                )
+            if not judge or (self._db_thread is not None and not self.leading):
+                continue
+            now = self.clock()
+            waiting_since = next(iter(self._unfolded.values()), now)
+            read_from = now if self._db_thread is None else self._read_from
+            waiting = now - waiting_since > gate.slack
+            if waiting and not stalled:  # once per episode
+                log.warning(
+                    "sidecar.intake.stalled",
+                    waiting_s=round(now - waiting_since, 3),
+                    fix="orphans are judged up to the oldest request still waiting for its "
+                    "commit; if this repeats, look for locks or slowness in the database",
+                )
+            stalled = waiting
+            self.tick(as_of=judged_as_of(now, waiting_since, read_from))
 
     def _require_store(self) -> Store:
         if self.store is None:

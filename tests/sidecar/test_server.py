@@ -312,18 +312,17 @@ def test_a_late_tick_defers_its_judgement_once_and_never_for_long() -> None:
     assert not admitted[0][1]
 
 
-def test_a_tick_defers_while_a_request_waits_for_its_commit() -> None:
-    """TickGate: on time but with a request heard more than the slack ago and not yet
-    folded (the database held the intake), defer; not for long either."""
-    from sidecar._server import MAX_DEAF_DEFER_S, TickGate
+def test_a_tick_judges_up_to_the_oldest_request_still_waiting_for_its_commit() -> None:
+    """judged_as_of: now when nothing waits; while a request waits for its commit (the
+    database held the intake), its arrival, as its agent was heard then and waits for
+    the answer; on replicas, no later than the last read of the others' writes began;
+    never more than MAX_DEAF_DEFER_S back, so a database that never answers still
+    orphans the dead."""
+    from sidecar._server import MAX_DEAF_DEFER_S, judged_as_of
 
-    gate = TickGate(slack=0.2)
-    assert gate.admit(asked=10.0, woke=10.0, behind=0.15)  # a commit in its usual time
-    assert not gate.admit(asked=10.2, woke=10.2, behind=2.5)
-    assert gate.admit(asked=10.4, woke=10.4, behind=0.0)  # stored: judge
-    t, judged = 20.0, []
-    while t < 20.0 + 2 * MAX_DEAF_DEFER_S:  # a database that never catches up
-        if gate.admit(asked=t, woke=t, behind=1.0):
-            judged.append(t)
-        t += 0.2
-    assert judged and judged[0] - 20.0 <= MAX_DEAF_DEFER_S + 0.2
+    assert judged_as_of(100.0, 100.0, 100.0) == 100.0
+    assert judged_as_of(100.0, 98.5, 100.0) == 98.5
+    assert judged_as_of(100.0, 99.0, 99.8) == 99.0
+    assert judged_as_of(100.0, 100.0, 99.8) == 99.8
+    assert judged_as_of(100.0, 60.0, 100.0) == 100.0 - MAX_DEAF_DEFER_S
+    assert judged_as_of(100.0, 100.0, float("inf")) == 100.0
