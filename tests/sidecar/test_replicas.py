@@ -129,15 +129,24 @@ async def test_two_outboxes_deliver_each_alert_once_and_in_order(tmp_path: Path)
         assert mine == [Action.FIRE, Action.RESOLVE]
 
 
+def _alerting_replicas(
+    settings: Settings, clock: FakeClock, got: list[tuple[str, AlertEvent]]
+) -> tuple[Sidecar, Sidecar]:
+    """Two replicas on one database and one clock, alerting into ``got`` (by name)."""
+    a, b = Sidecar(settings, clock=clock), Sidecar(settings, clock=clock)
+    for name, replica in (("a", a), ("b", b)):
+        install_alerting(replica, AlertSettings(log_sink=False), sinks=[SharedSink(got, name)])
+    return a, b
+
+
 async def test_spans_at_one_replica_heartbeats_at_the_other(tmp_path: Path) -> None:
     """No live agent is paged; a dead one is orphaned once, paged once, and recovered
     through the replica that never saw its spans."""
     clock = FakeClock()
-    settings = settings_for(tmp_path, idle_timeout=5.0, tick_interval=0.02)
     got: list[tuple[str, AlertEvent]] = []
-    a, b = Sidecar(settings, clock=clock), Sidecar(settings, clock=clock)
-    for name, replica in (("a", a), ("b", b)):
-        install_alerting(replica, AlertSettings(log_sink=False), sinks=[SharedSink(got, name)])
+    a, b = _alerting_replicas(
+        settings_for(tmp_path, idle_timeout=5.0, tick_interval=0.02), clock, got
+    )
     async with a, b:
         await _until(lambda: a.leading != b.leading, "one leader")
         run = open_run(instance="agent-1")
@@ -558,9 +567,7 @@ async def test_a_heartbeat_another_replica_committed_late_does_not_orphan_its_ag
     clock = FakeClock()
     settings = settings_for(tmp_path, idle_timeout=3600.0, tick_interval=0.02)
     got: list[tuple[str, AlertEvent]] = []
-    a, b = Sidecar(settings, clock=clock), Sidecar(settings, clock=clock)
-    for name, replica in (("a", a), ("b", b)):
-        install_alerting(replica, AlertSettings(log_sink=False), sinks=[SharedSink(got, name)])
+    a, b = _alerting_replicas(settings, clock, got)
     assert settings.db_url is not None
     url = settings.db_url
     async with a, b:
