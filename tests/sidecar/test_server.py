@@ -14,7 +14,15 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
 )
-from sidecar_testkit import BOTH_BACKENDS, FakeClock, export_http, open_run, settings_for, stuck_run
+from sidecar_testkit import (
+    BOTH_BACKENDS,
+    FakeClock,
+    export_http,
+    heartbeat_spans,
+    open_run,
+    settings_for,
+    stuck_run,
+)
 
 from saga_otel import semconv as sc
 from sidecar import Sidecar
@@ -326,3 +334,30 @@ def test_a_tick_judges_up_to_the_oldest_request_still_waiting_for_its_commit() -
     assert judged_as_of(100.0, 100.0, 99.8) == 99.8
     assert judged_as_of(100.0, 60.0, 100.0) == 100.0 - MAX_DEAF_DEFER_S
     assert judged_as_of(100.0, 100.0, float("inf")) == 100.0
+
+
+async def test_the_orphan_tick_never_judges_past_a_request_waiting_for_its_commit(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    """The tick loop's side of judged_as_of: while a request heard at T still waits for
+    its commit (its agent waits for the answer), a silence that began before T is not
+    judged past T; once it is answered, the silence counts."""
+    settings = settings_for(tmp_path, tick_interval=0.02, idle_timeout=3600.0)
+    async with Sidecar(settings, clock=clock) as sidecar:
+        run = open_run(instance="agent-1")
+        await export_http(sidecar, run.spans())
+        for _ in range(4):  # beats 1 s apart: its window is learned (3 s)
+            clock.now += 1.0
+            await export_http(sidecar, heartbeat_spans("agent-1", [run.run_id], clock.now))
+        waiting = asyncio.get_running_loop().create_future()
+        sidecar._unfolded[waiting] = clock.now  # heard now, its COMMIT not done
+        clock.now += 4.0  # past the 3 s window, inside the 5 s bound
+        for _ in range(10):  # ticks run meanwhile
+            await asyncio.sleep(0.05)
+            assert sidecar.state.status(run.run_id) == sc.STATE_RUNNING
+        del sidecar._unfolded[waiting]
+        for _ in range(200):
+            if sidecar.state.status(run.run_id) == sc.STATE_ORPHANED:
+                break
+            await asyncio.sleep(0.02)
+        assert sidecar.state.status(run.run_id) == sc.STATE_ORPHANED
