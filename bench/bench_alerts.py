@@ -22,6 +22,10 @@ SagaRunOrphaned at the webhook, p50 and worst of the trials, twice: with the
 presence stream (the kernel closes its live connection at the kill; the sidecar
 confirms over 0.5 s) and with heartbeats only (three missed 1 s heartbeats, so
 between 2 and 3 s plus the sidecar's tick).
+Then the same trials again, each while bench/_saturate.py sends complete runs
+as fast as the sidecar answers (no pacing): how late a dead agent is paged when
+the intake has a backlog. Its rows give the load's achieved rate and the
+sidecar's CPU share over each trial.
 """
 
 from __future__ import annotations
@@ -40,8 +44,9 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
+import psutil
 from aiohttp import web
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -50,6 +55,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.trace import NonRecordingSpan, SpanContext, Status, StatusCode, TraceFlags
 
+from bench import _saturate as saturate
 from bench._figures import Figure
 from saga_otel import semconv as sc
 
@@ -64,6 +70,7 @@ GOAL_P99_MS = 50.0
 GOAL_ORPHAN_PRESENCE_S = 1.5
 GOAL_ORPHAN_HEARTBEATS_S = 3.5
 KILL_AFTER_S = (1.2, 3.2)
+SATURATED_TRIALS = 10  # per mode, each under its own unpaced load (bench/_saturate.py)
 ALERT_PATH = (
     "Since issue 16's fifth pass the alert rows are written just after the unwind "
     "span's answer (two loop turns later on SQLite), so the export call returns "
@@ -160,6 +167,7 @@ class _SidecarProc:
             raise RuntimeError("saga-sidecar serve did not start")
         self.ports = json.loads(line)
         self.otlp = f"http://127.0.0.1:{self.ports['otlp_http']}"
+        self.pid = self._proc.pid
 
     def close(self) -> None:
         self._proc.terminate()
@@ -347,6 +355,41 @@ def _orphan_trial(otlp: str, hook: _Hook, presence: bool, delay: float) -> float
         agent.wait(10)
 
 
+class Saturated(NamedTuple):
+    """One orphan trial under an unpaced load: the latency, and what the load did."""
+
+    seconds: float
+    spans_per_s: float  # the load's achieved rate over the trial
+    sidecar_cpu: float  # the sidecar's CPU seconds / wall seconds over the trial (1.0: a core)
+
+
+def _saturated_trial(sidecar: _SidecarProc, hook: _Hook, presence: bool, delay: float) -> Saturated:
+    """An orphan trial while bench/_saturate.py keeps the intake as busy as it can."""
+    load = subprocess.Popen(
+        [sys.executable, "-m", "bench._saturate", str(sidecar.ports["otlp_http"])],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    try:
+        assert load.stdout is not None
+        if load.stdout.readline().strip() != "ready":
+            raise RuntimeError("the saturating load did not start")
+        time.sleep(0.5)  # let the backlog build
+        proc = psutil.Process(sidecar.pid)
+        before, t0 = proc.cpu_times(), time.monotonic()
+        seconds = _orphan_trial(sidecar.otlp, hook, presence, delay)
+        after, t1 = proc.cpu_times(), time.monotonic()
+        load.terminate()
+        stats = json.loads(load.communicate(timeout=30)[0].strip().splitlines()[-1])
+    finally:
+        if load.poll() is None:
+            load.kill()
+            load.wait(10)
+    busy = after.user + after.system - before.user - before.system
+    return Saturated(seconds, stats["spans"] / stats["seconds"], busy / (t1 - t0))
+
+
 def run(progress: Callable[[str], None]) -> list[Figure]:
     with tempfile.TemporaryDirectory() as tmp, _Hook() as hook:
         sidecar = _SidecarProc(Path(tmp) / "sidecar.db", hook.url)
@@ -383,6 +426,17 @@ def run(progress: Callable[[str], None]) -> list[Figure]:
                 for presence in (True, False):  # interleaved: the same machine state
                     delay = rng.uniform(*KILL_AFTER_S)
                     orphan[presence].append(_orphan_trial(sidecar.otlp, hook, presence, delay))
+            saturated: dict[bool, list[Saturated]] = {True: [], False: []}
+            progress(f"alerts: 2 x {SATURATED_TRIALS} SIGKILLed agents, intake saturated")
+            for _ in range(SATURATED_TRIALS):
+                for presence in (True, False):
+                    delay = rng.uniform(*KILL_AFTER_S)
+                    got = _saturated_trial(sidecar, hook, presence, delay)
+                    saturated[presence].append(got)
+                    progress(
+                        f"alerts: presence={presence} {got.seconds:.2f} s under "
+                        f"{got.spans_per_s:,.0f} spans/s, sidecar CPU {got.sidecar_cpu:.0%}"
+                    )
         finally:
             sidecar.close()
 
@@ -438,4 +492,43 @@ def run(progress: Callable[[str], None]) -> list[Figure]:
                     else "",
                 )
             )
+    for presence, goal in ((True, GOAL_ORPHAN_PRESENCE_S), (False, GOAL_ORPHAN_HEARTBEATS_S)):
+        trials = saturated[presence]
+        xs = [s.seconds for s in trials]
+        how = "live connection (presence)" if presence else "heartbeats only"
+        for label, value in (("p50", statistics.median(xs)), ("worst", max(xs))):
+            figures.append(
+                Figure(
+                    area=AREA,
+                    name=f"agent SIGKILL -> SagaRunOrphaned, intake saturated, {how}, {label}",
+                    value=round(value, 3),
+                    unit="s",
+                    reference_name=f"the same with a light load, {label}",
+                    reference_value=round(
+                        statistics.median(orphan[presence]) if label == "p50"
+                        else max(orphan[presence]), 3
+                    ),
+                    ratio=round(
+                        value / (statistics.median(orphan[presence]) if label == "p50"
+                                 else max(orphan[presence])), 2
+                    ),
+                    goal=f"worst <= {goal:g} s" if label == "worst" else "",
+                    met=max(xs) <= goal,
+                    notes=(
+                        f"{len(xs)} trials, each under its own unpaced load (bench/_saturate.py: "
+                        f"complete runs, {saturate.SPANS_PER_REQUEST} spans a request, "
+                        f"{saturate.CONNECTIONS} raw-socket connections, as fast "
+                        "as the sidecar answers) started 0.5 s before the agent: "
+                        + ", ".join(f"{x:.2f}" for x in xs)
+                        + " s; load achieved "
+                        + ", ".join(f"{s.spans_per_s / 1000:.1f}k" for s in trials)
+                        + " spans/s; sidecar CPU "
+                        + ", ".join(f"{s.sidecar_cpu:.0%}" for s in trials)
+                        + " of a core (2 cores shared by the sidecar, the load, the agent and "
+                        "the webhook sink); otherwise as the light-load rows"
+                    )
+                    if label == "worst"
+                    else "",
+                )
+            )  # fmt: skip
     return figures
