@@ -464,71 +464,79 @@ def run(progress: Callable[[str], None]) -> list[Figure]:
                 notes=f"{SAMPLES} runs after {WARMUP} warm-up; {load_note}. {ALERT_PATH}",
             )
         )
+    figures += _orphan_figures(orphan, saturated)
+    return figures
+
+
+def _orphan_rows(
+    title: str, xs: list[float], goal: float, reference: dict[str, tuple[str, float]], notes: str
+) -> list[Figure]:
+    """p50 (no goal) and worst (``goal``) of orphan trials ``xs``, each against its reference."""
+    rows = []
+    for label, value in (("p50", statistics.median(xs)), ("worst", max(xs))):
+        ref_name, ref = reference[label]
+        rows.append(
+            Figure(
+                area=AREA,
+                name=f"agent SIGKILL -> SagaRunOrphaned{title}, {label}",
+                value=round(value, 3),
+                unit="s",
+                reference_name=ref_name,
+                reference_value=round(ref, 3),
+                ratio=round(value / ref, 2),
+                goal=f"worst <= {goal:g} s" if label == "worst" else "",
+                met=max(xs) <= goal,
+                notes=notes if label == "worst" else "",
+            )
+        )
+    return rows
+
+
+def _orphan_figures(
+    orphan: dict[bool, list[float]], saturated: dict[bool, list[Saturated]]
+) -> list[Figure]:
+    """The orphan rows: light load against the contract's bound, saturated against light."""
+    figures = []
     three = 3.0
+    bound = "contract bound before presence: three missed 1 s heartbeats"
     for presence, goal in ((True, GOAL_ORPHAN_PRESENCE_S), (False, GOAL_ORPHAN_HEARTBEATS_S)):
         xs = orphan[presence]
         how = "live connection (presence)" if presence else "heartbeats only"
-        for label, value in (("p50", statistics.median(xs)), ("worst", max(xs))):
-            figures.append(
-                Figure(
-                    area=AREA,
-                    name=f"agent SIGKILL -> SagaRunOrphaned at webhook, {how}, {label}",
-                    value=round(value, 3),
-                    unit="s",
-                    reference_name="contract bound before presence: three missed 1 s heartbeats",
-                    reference_value=three,
-                    ratio=round(value / three, 2),
-                    goal=f"worst <= {goal:g} s" if label == "worst" else "",
-                    met=max(xs) <= goal,
-                    notes=(
-                        f"{len(xs)} trials: "
-                        + ", ".join(f"{x:.2f}" for x in xs)
-                        + " s; agent uses saga_otel.configure(heartbeat_interval=1.0, "
-                        f"presence={presence}), killed at a random moment "
-                        f"{KILL_AFTER_S[0]:g}-{KILL_AFTER_S[1]:g} s after its run opened; "
-                        "sidecar ticks every 0.2 s"
-                    )
-                    if label == "worst"
-                    else "",
-                )
-            )
+        figures += _orphan_rows(
+            f" at webhook, {how}",
+            xs,
+            goal,
+            {"p50": (bound, three), "worst": (bound, three)},
+            f"{len(xs)} trials: "
+            + ", ".join(f"{x:.2f}" for x in xs)
+            + " s; agent uses saga_otel.configure(heartbeat_interval=1.0, "
+            f"presence={presence}), killed at a random moment "
+            f"{KILL_AFTER_S[0]:g}-{KILL_AFTER_S[1]:g} s after its run opened; "
+            "sidecar ticks every 0.2 s",
+        )
     for presence, goal in ((True, GOAL_ORPHAN_PRESENCE_S), (False, GOAL_ORPHAN_HEARTBEATS_S)):
         trials = saturated[presence]
         xs = [s.seconds for s in trials]
+        light = orphan[presence]
         how = "live connection (presence)" if presence else "heartbeats only"
-        for label, value in (("p50", statistics.median(xs)), ("worst", max(xs))):
-            figures.append(
-                Figure(
-                    area=AREA,
-                    name=f"agent SIGKILL -> SagaRunOrphaned, intake saturated, {how}, {label}",
-                    value=round(value, 3),
-                    unit="s",
-                    reference_name=f"the same with a light load, {label}",
-                    reference_value=round(
-                        statistics.median(orphan[presence]) if label == "p50"
-                        else max(orphan[presence]), 3
-                    ),
-                    ratio=round(
-                        value / (statistics.median(orphan[presence]) if label == "p50"
-                                 else max(orphan[presence])), 2
-                    ),
-                    goal=f"worst <= {goal:g} s" if label == "worst" else "",
-                    met=max(xs) <= goal,
-                    notes=(
-                        f"{len(xs)} trials, each under its own unpaced load (bench/_saturate.py: "
-                        f"complete runs, {saturate.SPANS_PER_REQUEST} spans a request, "
-                        f"{saturate.CONNECTIONS} raw-socket connections, as fast "
-                        "as the sidecar answers) started 0.5 s before the agent: "
-                        + ", ".join(f"{x:.2f}" for x in xs)
-                        + " s; load achieved "
-                        + ", ".join(f"{s.spans_per_s / 1000:.1f}k" for s in trials)
-                        + " spans/s; sidecar CPU "
-                        + ", ".join(f"{s.sidecar_cpu:.0%}" for s in trials)
-                        + " of a core (2 cores shared by the sidecar, the load, the agent and "
-                        "the webhook sink); otherwise as the light-load rows"
-                    )
-                    if label == "worst"
-                    else "",
-                )
-            )  # fmt: skip
+        figures += _orphan_rows(
+            f", intake saturated, {how}",
+            xs,
+            goal,
+            {
+                "p50": ("the same with a light load, p50", statistics.median(light)),
+                "worst": ("the same with a light load, worst", max(light)),
+            },
+            f"{len(xs)} trials, each under its own unpaced load (bench/_saturate.py: "
+            f"complete runs, {saturate.SPANS_PER_REQUEST} spans a request, "
+            f"{saturate.CONNECTIONS} raw-socket connections, as fast "
+            "as the sidecar answers) started 0.5 s before the agent: "
+            + ", ".join(f"{x:.2f}" for x in xs)
+            + " s; load achieved "
+            + ", ".join(f"{s.spans_per_s / 1000:.1f}k" for s in trials)
+            + " spans/s; sidecar CPU "
+            + ", ".join(f"{s.sidecar_cpu:.0%}" for s in trials)
+            + " of a core (2 cores shared by the sidecar, the load, the agent and "
+            "the webhook sink); otherwise as the light-load rows",
+        )
     return figures
