@@ -7,7 +7,7 @@ template whose fresh ids are joined in place (about 35 us a request, against
 ~200 us to build one with protobuf), sent by bench/_loadgen.py's raw-socket
 driver on CONNECTIONS keep-alive connections (32: as many exporters, each with
 a request in flight, so the sidecar always has a backlog) with no pacing: as
-fast as the sidecar answers. Run as ``python -m bench._saturate PORT``; it
+fast as the sidecar answers. Run as ``python -m bench._saturate PORT SEED``; it
 prints ``ready`` when it starts sending and, at SIGTERM, one JSON line with
 what it sent.
 """
@@ -40,11 +40,12 @@ class Bodies:
         self._spans = [rng.getrandbits(63) | (1 << 62) for _ in range(SPANS_PER_REQUEST)]
         req, spans = new_request()
         for k, run in enumerate(self._runs):
-            do_span(spans, run, 0, 0, "issue_credit")
+            do_span(spans, run, 0, 0, "issue_credit")  # counter 0: the span id is set below
+            spans[-1].span_id = self._spans[2 * k].to_bytes(8, "big")  # type: ignore[index]
             saga_span(
                 spans,
                 run,
-                0,
+                self._spans[2 * k + 1],
                 sc.run_span_name("refund"),
                 T0_NS,
                 T0_NS + 1000,
@@ -56,23 +57,20 @@ class Bodies:
                 ),
                 ((sc.SAGA_CONTRACT_VERSION, 1),),
             )
-            # do_span and saga_span were given span id 0: set the sentinels.
-            spans[2 * k].span_id = self._spans[2 * k].to_bytes(8, "big")  # type: ignore[index]
-            spans[2 * k + 1].span_id = self._spans[2 * k + 1].to_bytes(8, "big")  # type: ignore[index]
         template = req.SerializeToString()
         # Where each sentinel sits: the body is the template's other bytes joined with
         # the fresh ids in those places (one join a request, no scan).
+        needles = (
+            [("trace", k, r.to_bytes(16, "big")) for k, r in enumerate(self._runs)]
+            + [("hex", k, f"{r:032x}".encode()) for k, r in enumerate(self._runs)]
+            + [("span", k, s.to_bytes(8, "big")) for k, s in enumerate(self._spans)]
+        )
         places: list[tuple[int, int, str, int]] = []
-        for kind, values, size in (("trace", self._runs, 16), ("span", self._spans, 8)):
-            for k, value in enumerate(values):
-                needles = [value.to_bytes(size, "big")]
-                if kind == "trace":
-                    needles.append(f"{value:032x}".encode())
-                for needle in needles:
-                    at = template.find(needle)
-                    while at >= 0:
-                        places.append((at, len(needle), kind if size == len(needle) else "hex", k))
-                        at = template.find(needle, at + 1)
+        for kind, k, needle in needles:
+            at = template.find(needle)
+            while at >= 0:
+                places.append((at, len(needle), kind, k))
+                at = template.find(needle, at + 1)
         places.sort()
         self._pieces: list[bytes] = []
         self._slots: list[tuple[str, int]] = []
@@ -104,9 +102,18 @@ class Bodies:
         return b"".join(out)
 
 
+USAGE = "usage: python -m bench._saturate PORT SEED (SEED: 1..65535, one per load run)"
+
+
 def main(argv: list[str]) -> int:
-    port = int(argv[0])
-    bodies = Bodies(seed=int(time.time() * 1000) & 0xFFFF or 1)
+    if len(argv) != 2 or not all(a.isascii() and a.isdigit() for a in argv):
+        print(f"{USAGE}; got {argv!r}", file=sys.stderr)
+        return 2
+    port, seed = int(argv[0]), int(argv[1])
+    if not (0 < port < 65536 and 0 < seed < 65536):
+        print(f"{USAGE}; got port {port}, seed {seed}", file=sys.stderr)
+        return 2
+    bodies = Bodies(seed)  # distinct seeds, distinct run ids: no load repeats another's
     stopping = False
 
     def stop(_sig: int, _frame: object) -> None:

@@ -57,6 +57,7 @@ from opentelemetry.trace import NonRecordingSpan, SpanContext, Status, StatusCod
 
 from bench import _saturate as saturate
 from bench._figures import Figure
+from bench.bench_sidecar import ROOT
 from saga_otel import semconv as sc
 
 AREA = "alerts"
@@ -363,13 +364,16 @@ class Saturated(NamedTuple):
     sidecar_cpu: float  # the sidecar's CPU seconds / wall seconds over the trial (1.0: a core)
 
 
-def _saturated_trial(sidecar: _SidecarProc, hook: _Hook, presence: bool, delay: float) -> Saturated:
-    """An orphan trial while bench/_saturate.py keeps the intake as busy as it can."""
+def _saturated_trial(
+    sidecar: _SidecarProc, hook: _Hook, presence: bool, delay: float, seed: int
+) -> Saturated:
+    """An orphan trial while bench/_saturate.py keeps the intake as busy as it can
+    (``seed``: distinct per trial, so no load repeats another's runs)."""
     load = subprocess.Popen(
-        [sys.executable, "-m", "bench._saturate", str(sidecar.ports["otlp_http"])],
+        [sys.executable, "-m", "bench._saturate", str(sidecar.ports["otlp_http"]), str(seed)],
         stdout=subprocess.PIPE,
         text=True,
-        cwd=Path(__file__).resolve().parent.parent,
+        cwd=ROOT,
     )
     try:
         assert load.stdout is not None
@@ -381,7 +385,13 @@ def _saturated_trial(sidecar: _SidecarProc, hook: _Hook, presence: bool, delay: 
         seconds = _orphan_trial(sidecar.otlp, hook, presence, delay)
         after, t1 = proc.cpu_times(), time.monotonic()
         load.terminate()
-        stats = json.loads(load.communicate(timeout=30)[0].strip().splitlines()[-1])
+        out = load.communicate(timeout=30)[0].strip().splitlines()
+        if load.returncode != 0 or not out:
+            raise RuntimeError(
+                f"the saturating load exited {load.returncode} without its totals: "
+                "its traceback is above (a non-200 answer from the sidecar stops it)"
+            )
+        stats = json.loads(out[-1])
     finally:
         if load.poll() is None:
             load.kill()
@@ -428,10 +438,11 @@ def run(progress: Callable[[str], None]) -> list[Figure]:
                     orphan[presence].append(_orphan_trial(sidecar.otlp, hook, presence, delay))
             saturated: dict[bool, list[Saturated]] = {True: [], False: []}
             progress(f"alerts: 2 x {SATURATED_TRIALS} SIGKILLed agents, intake saturated")
-            for _ in range(SATURATED_TRIALS):
+            for trial in range(SATURATED_TRIALS):
                 for presence in (True, False):
                     delay = rng.uniform(*KILL_AFTER_S)
-                    got = _saturated_trial(sidecar, hook, presence, delay)
+                    seed = 2 * trial + presence + 1
+                    got = _saturated_trial(sidecar, hook, presence, delay, seed)
                     saturated[presence].append(got)
                     progress(
                         f"alerts: presence={presence} {got.seconds:.2f} s under "

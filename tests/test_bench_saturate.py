@@ -67,7 +67,7 @@ def test_the_load_is_accepted_by_the_sidecar_and_leaves_no_run_open(
     sidecar = sidecar_process()
     port = sidecar.otlp.rsplit(":", 1)[1]
     load = subprocess.Popen(
-        [sys.executable, "-m", "bench._saturate", port],
+        [sys.executable, "-m", "bench._saturate", port, "3"],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -94,3 +94,18 @@ def test_the_load_is_accepted_by_the_sidecar_and_leaves_no_run_open(
     for state in (sc.STATE_RUNNING, sc.STATE_UNWINDING, sc.STATE_ORPHANED):
         got = httpx.get(f"{sidecar.api}/runs?status={state}", timeout=5).json()["runs"]
         assert got == [], (state, got[:3])
+
+
+def test_bad_arguments_get_the_usage_and_send_nothing() -> None:
+    for argv in ([], ["4318"], ["http://127.0.0.1:4318", "1"], ["4318", "0"], ["99999", "1"]):
+        done = subprocess.run(
+            [sys.executable, "-m", "bench._saturate", *argv],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 2, (argv, done.stderr)
+        assert "usage: python -m bench._saturate PORT SEED" in done.stderr
+        assert repr(argv) in done.stderr or "got port" in done.stderr
+        assert "ready" not in done.stdout
