@@ -56,17 +56,21 @@ class PutAwayFilter:
 
     def add(self, rows: Iterable[tuple[str, float]]) -> None:
         """Ids put away, with their rows' ``last_seen`` (epoch seconds)."""
-        slices = self._slices
-        current = slices[-1]
+        rows = rows if isinstance(rows, list) else list(rows)
         items = self._items
-        for run_id, last_seen in rows:
+        start = 0
+        while start < len(rows):
+            current = self._slices[-1]
             if current.count >= items:
                 current = _Slice(items)
-                slices.append(current)
-            current.bloom.add(run_id)
-            current.count += 1
-            if last_seen > current.newest:
-                current.newest = last_seen
+                self._slices.append(current)
+            # A slice's worth at once: rbloom's update is a loop in Rust (a million
+            # ids: ~0.05 s, against ~0.2 s an id at a time).
+            chunk = rows[start : start + items - current.count]
+            current.bloom.update([run_id for run_id, _ in chunk])
+            current.count += len(chunk)
+            current.newest = max(current.newest, max(seen for _, seen in chunk))
+            start += len(chunk)
 
     def maybe(self, run_ids: Sequence[str]) -> list[str]:
         """The ids of ``run_ids`` that may be put away (the rest certainly are not)."""

@@ -14,6 +14,7 @@ import os
 import sqlite3
 import stat
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,7 @@ from ._storage import (
 log = get_logger("sidecar")
 
 _IN_BATCH = 500  # ids per IN (...) list: under SQLite's bound on host parameters
+_AWAY_CHUNK = 65_536  # index rows per fetch while the filter is built (a stop check each)
 
 # The schema as it shipped first (version 1), then one step per version. A database
 # is brought from its version to SCHEMA_VERSION by the steps after it, in one
@@ -267,13 +269,6 @@ class SqliteStore:
             self._db.execute("PRAGMA busy_timeout=5000")
             self._db.execute(f"PRAGMA wal_autocheckpoint={BACKSTOP_PAGES}")
             migrate(self._db, repr(str(path)))
-            # Oldest first, so each slice of the filter spans a short time (pruning).
-            self._away = PutAwayFilter(
-                (str(r), float(t))
-                for r, t in self._db.execute(
-                    "SELECT run_id, last_seen FROM run_index ORDER BY last_seen"
-                )
-            )
             # Another component (the alert outbox) may have created the file first with
             # the umask's mode: tighten it and WAL's side files either way.
             for suffix in ("", "-wal", "-shm"):
@@ -290,6 +285,21 @@ class SqliteStore:
             target=self._checkpoints, name="saga-db-checkpoint", daemon=True
         )
         self._checkpointer.start()
+        # The filter of runs put away is built from the index on a thread (about a
+        # second per million runs: a week at 100 runs/s would hold the ports shut for
+        # a minute). Until it is ready every lookup asks the index, and ids put away
+        # meanwhile wait in _away_pending: the thread reads only rows committed before
+        # it started, and this process is the file's only writer. (Its read holds a
+        # WAL snapshot meanwhile, so the WAL grows until the build is done.)
+        self._away: PutAwayFilter | None = None
+        self._away_pending: list[tuple[str, float]] = []
+        self._away_built: PutAwayFilter | None = None
+        self._away_done = threading.Event()
+        self._away_reader: sqlite3.Connection | None = None
+        self._away_builder = threading.Thread(
+            target=self._build_away, name="saga-db-putaway-filter", daemon=True
+        )
+        self._away_builder.start()
 
     def _checkpoints(self) -> None:
         """PASSIVE checkpoints every CHECKPOINT_INTERVAL until close (the store's thread).
@@ -312,12 +322,73 @@ class SqliteStore:
         finally:
             db.close()
 
+    def _build_away(self) -> None:
+        """Read the index of runs put away into a new filter (the store's thread).
+
+        Oldest first, so each slice spans a short time (pruning drops whole slices).
+        A failure is logged and leaves the lookups on the index: slower, the same
+        answers.
+        """
+        try:
+            try:
+                db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+                self._away_reader = db  # close() interrupts a long read through it
+                built = PutAwayFilter()
+                began, runs = time.monotonic(), 0
+                try:
+                    rows = db.execute("SELECT run_id, last_seen FROM run_index ORDER BY last_seen")
+                    while chunk := rows.fetchmany(_AWAY_CHUNK):
+                        if self._stop_checkpoints.is_set():
+                            return
+                        built.add([(str(r), float(t)) for r, t in chunk])
+                        runs += len(chunk)
+                finally:
+                    self._away_reader = None
+                    db.close()
+            except sqlite3.Error as exc:
+                if not self._stop_checkpoints.is_set():
+                    log.warning(
+                        "sidecar.db.putaway_filter_failed",
+                        db=str(self.path),
+                        error=str(exc),
+                        effect="every new run is looked up in the database",
+                    )
+                return
+            self._away_built = built
+            log.info(
+                "sidecar.db.putaway_filter_built",
+                db=str(self.path),
+                runs=runs,
+                seconds=round(time.monotonic() - began, 3),
+            )
+        finally:
+            self._away_done.set()
+
+    def _filter(self) -> PutAwayFilter | None:
+        """The filter once built (with the ids put away meanwhile), else None."""
+        away = self._away
+        if away is None and self._away_done.is_set() and self._away_built is not None:
+            away = self._away = self._away_built
+            away.add(self._away_pending)
+            self._away_pending = []
+        return away
+
+    @property
+    def put_away_filter_ready(self) -> bool:
+        """Whether new runs are screened by the filter yet (else the index answers)."""
+        return self._filter() is not None
+
     def schema_version(self) -> int:
         row = self._db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone()
         return int(row[0])
 
     def close(self) -> None:
         self._stop_checkpoints.set()
+        reader = self._away_reader
+        if reader is not None and not self._away_done.is_set():
+            with contextlib.suppress(sqlite3.Error):
+                reader.interrupt()  # a read of millions of rows need not finish first
+        self._away_builder.join()
         self._checkpointer.join()
         self._db.close()
 
@@ -470,7 +541,12 @@ class SqliteStore:
     def put_away(self, rows: Sequence[PutAway]) -> None:
         if rows:
             # Before the rows: the filter may hold more than the index, never less.
-            self._away.add((r.run_id, r.last_seen) for r in rows)
+            ids = [(r.run_id, r.last_seen) for r in rows]
+            away = self._filter()
+            if away is None:
+                self._away_pending += ids
+            else:
+                away.add(ids)
             with self._tx("index finished runs") as db:
                 db.executemany(
                     "INSERT INTO run_index(run_id, started_at, status, saga, last_seen) "
@@ -482,7 +558,9 @@ class SqliteStore:
 
     def put_away_of(self, run_ids: Sequence[str]) -> set[str]:
         found: set[str] = set()
-        run_ids = self._away.maybe(run_ids)  # most new runs never reach the database
+        away = self._filter()
+        if away is not None:
+            run_ids = away.maybe(run_ids)  # most new runs never reach the database
         for start in range(0, len(run_ids), _IN_BATCH):
             chunk = list(run_ids[start : start + _IN_BATCH])
             marks = ",".join("?" * len(chunk))
@@ -527,7 +605,9 @@ class SqliteStore:
             "SELECT run_id, last_seen FROM run_index WHERE last_seen < ? AND status IS NULL",
             (before,),
         ).fetchall()
-        self._away.pruned(before, ((str(r), float(t)) for r, t in kept))
+        away = self._filter()
+        if away is not None:  # else the filter being built may keep pruned ids: a superset
+            away.pruned(before, ((str(r), float(t)) for r, t in kept))
         return len(run_ids)
 
     def decide_lease(

@@ -3,14 +3,17 @@ in front of the lookup of runs put away)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import sqlite3
+import threading
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
 from test_outbox import unwinding, view
 
-from sidecar import _putaway_filter
+from sidecar import _putaway_filter, _store
 from sidecar._alerting import evaluate
 from sidecar._outbox import Outbox
 from sidecar._storage import PutAway
@@ -43,6 +46,13 @@ def _away(run_id: str, last_seen: float) -> PutAway:
     return PutAway(run_id, last_seen - 10, "completed", "refund", last_seen)
 
 
+def _ready(store: SqliteStore) -> SqliteStore:
+    """The store once its filter is built (on the store's thread, after open)."""
+    assert store._away_done.wait(30)
+    assert store.put_away_filter_ready
+    return store
+
+
 def _selects(store: SqliteStore) -> list[str]:
     """Statements the store's connection runs from now on (sqlite3's trace callback)."""
     seen: list[str] = []
@@ -53,7 +63,7 @@ def _selects(store: SqliteStore) -> list[str]:
 def test_a_new_run_is_looked_up_without_reading_the_database(tmp_path: Path) -> None:
     """The filter in front of put_away_of: a run id never put away costs no read
     transaction (on every group commit that opens a run)."""
-    store = SqliteStore(tmp_path / "sidecar.db")
+    store = _ready(SqliteStore(tmp_path / "sidecar.db"))
     try:
         store.put_away([_away("run-old", 100.0)])
         seen = _selects(store)
@@ -71,12 +81,114 @@ def test_runs_put_away_before_a_restart_are_found_after_it(tmp_path: Path) -> No
     first = SqliteStore(tmp_path / "sidecar.db")
     first.put_away([_away(f"run-{i}", 100.0 + i) for i in range(50)])
     first.close()
-    again = SqliteStore(tmp_path / "sidecar.db")
+    again = _ready(SqliteStore(tmp_path / "sidecar.db"))
     try:
         asked = [f"run-{i}" for i in range(0, 60, 7)]
         assert again.put_away_of(asked) == {r for r in asked if int(r[4:]) < 50}
     finally:
         again.close()
+
+
+class _Gate:
+    """Holds the store's filter builder at its first rows (its read snapshot taken)
+    until opened; counts the chunks it adds."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.open = threading.Event()
+        self.held = threading.Event()  # the builder is at the gate, its read begun
+        self.adds = 0
+        gate = self
+
+        class Held(_putaway_filter.PutAwayFilter):
+            def add(self, rows: Iterable[tuple[str, float]]) -> None:
+                rows = list(rows)
+                if rows:  # the constructor's own add is empty
+                    gate.held.set()
+                    assert gate.open.wait(30)
+                    gate.adds += 1
+                super().add(rows)
+
+        monkeypatch.setattr(_store, "PutAwayFilter", Held)
+
+
+def test_the_store_answers_while_its_filter_is_built(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Opening does not wait for the filter (a second per million runs put away, before
+    the ports listen): until it is built the index answers, and what is put away or
+    pruned meanwhile is right once the filter takes over."""
+    first = SqliteStore(tmp_path / "sidecar.db")
+    first.put_away([_away(f"run-{i}", 100.0 + i) for i in range(50)])
+    first.close()
+    gate = _Gate(monkeypatch)
+    store = SqliteStore(tmp_path / "sidecar.db")  # returns with the builder held
+    try:
+        assert gate.held.wait(30)
+        assert not store.put_away_filter_ready
+        seen = _selects(store)
+        assert store.put_away_of(["run-3", "run-new"]) == {"run-3"}
+        assert len(seen) == 1 and "run_index" in seen[0]  # the index, not a filter
+        store.put_away([_away("run-late", 500.0)])  # after the builder's read began
+        assert store.prune_put_away(110.0) == 10  # run-0 .. run-9
+        assert store.put_away_of(["run-late", "run-0", "run-10"]) == {"run-late", "run-10"}
+        gate.open.set()
+        _ready(store)
+        asked = ["run-late", "run-0", "run-9", "run-10", "run-49", "run-new"]
+        assert store.put_away_of(asked) == {"run-late", "run-10", "run-49"}
+        del seen[:]
+        assert store.put_away_of(["run-new-1", "run-new-2"]) == set()
+        assert seen == []  # the filter answers now
+    finally:
+        gate.open.set()
+        store.close()
+
+
+def test_closing_stops_a_filter_being_built(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store closed during the build (a CLI command, a failed start) does not read
+    the rest of the index first."""
+    first = SqliteStore(tmp_path / "sidecar.db")
+    first.put_away([_away(f"run-{i}", 100.0 + i) for i in range(50)])
+    first.close()
+    monkeypatch.setattr(_store, "_AWAY_CHUNK", 10)
+    gate = _Gate(monkeypatch)
+    store = SqliteStore(tmp_path / "sidecar.db")
+    assert gate.held.wait(30)
+    closer = threading.Thread(target=store.close)
+    closer.start()
+    assert store._stop_checkpoints.wait(30)
+    gate.open.set()
+    closer.join(30)
+    assert not closer.is_alive() and not store._away_builder.is_alive()
+    assert gate.adds == 1  # the chunk in hand; the other four were never read
+
+
+def test_a_failed_build_is_logged_and_the_index_answers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    first = SqliteStore(tmp_path / "sidecar.db")
+    first.put_away([_away("run-old", 100.0)])
+    first.close()
+
+    def broken() -> None:
+        raise sqlite3.OperationalError("disk I/O error")
+
+    monkeypatch.setattr(_store, "PutAwayFilter", broken)
+    with caplog.at_level(logging.WARNING, logger="sidecar"):
+        store = SqliteStore(tmp_path / "sidecar.db")
+        try:
+            assert store._away_done.wait(30)
+            assert not store.put_away_filter_ready
+            store.put_away([_away("run-next", 200.0)])
+            assert store.put_away_of(["run-old", "run-next", "run-new"]) == {
+                "run-old",
+                "run-next",
+            }
+        finally:
+            store.close()
+    (record,) = [r for r in caplog.records if r.getMessage() == "sidecar.db.putaway_filter_failed"]
+    assert "disk I/O error" in record.__dict__["error"]
 
 
 def test_a_pruned_slice_never_hides_a_run_put_away_again(
@@ -85,7 +197,7 @@ def test_a_pruned_slice_never_hides_a_run_put_away_again(
     """A prune drops the filter's old slices; a reopened run (not pruned: it is back in
     memory) put away again later is found again, as is everything newer."""
     monkeypatch.setattr(_putaway_filter, "SLICE_ITEMS", 2)
-    store = SqliteStore(tmp_path / "sidecar.db")
+    store = _ready(SqliteStore(tmp_path / "sidecar.db"))
     try:
         store.put_away([_away("run-a", 10.0), _away("run-b", 11.0)])
         store.put_away([_away("run-c", 50.0), _away("run-d", 51.0), _away("run-e", 52.0)])
