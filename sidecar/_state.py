@@ -895,18 +895,26 @@ class RunState:
         named: dict[str, None] = {}
         for span in beats:
             for run_id in span.attributes.get(sc.SAGA_HEARTBEAT_OPEN_RUNS, ()):
-                run = self._runs.get(run_id)
-                # Only the owner's heartbeat keeps a run alive: a stranger naming it must
-                # not hold off its orphan watch (a recoverer is watched through its lease).
-                if run is not None and run.instance == instance:
-                    run.last_seen = max(run.last_seen, now)
-                    run.owner_seen = max(run.owner_seen, now)
-                    if run_id in self._idle:  # still alive: to the young end of the queue
-                        del self._idle[run_id]
-                        self._idle[run_id] = None
-                    if run.orphaned_at is not None:
-                        named[run_id] = None
+                run = self._owner_heard(instance, run_id, now)
+                if run is not None and run.orphaned_at is not None:
+                    named[run_id] = None
         return list(named)
+
+    def _owner_heard(self, instance: str, run_id: str, at: float) -> _Run | None:
+        """A heartbeat of ``instance`` named ``run_id``, heard at ``at``: the run, if it
+        is kept alive by it (else None).
+
+        Only the owner's heartbeat keeps a run alive: a stranger naming it must not hold
+        off its orphan watch (a recoverer is watched through its lease)."""
+        run = self._runs.get(run_id)
+        if run is None or run.instance != instance:
+            return None
+        run.last_seen = max(run.last_seen, at)
+        run.owner_seen = max(run.owner_seen, at)
+        if run_id in self._idle:  # still alive: to the young end of the queue
+            del self._idle[run_id]
+            self._idle[run_id] = None
+        return run
 
     def _beat(
         self, instance: str, at: float, interval: float, open_runs: Iterable[str], now: float
@@ -926,15 +934,7 @@ class RunState:
         watch.stored = at
         self._schedule(instance, watch)
         for run_id in open_runs:
-            run = self._runs.get(run_id)
-            # Only the owner's heartbeat keeps a run alive: a stranger naming it must not
-            # hold off its orphan watch (a recoverer is watched through its lease).
-            if run is not None and run.instance == instance:
-                run.last_seen = max(run.last_seen, heard_at)
-                run.owner_seen = max(run.owner_seen, heard_at)
-                if run_id in self._idle:  # still alive: to the young end of the queue
-                    del self._idle[run_id]
-                    self._idle[run_id] = None
+            self._owner_heard(instance, run_id, heard_at)
 
     def _fold(
         self, run: _Run, span: SpanRecord, phase: object, saved: _Saved | None = None
