@@ -32,6 +32,8 @@ from ._storage import (
     MARK_ROW,
     NOT_PUT_AWAY,
     OWNER_ROW,
+    PRUNE_BATCH,
+    PUT_AWAY_FLAG_V5,
     SCHEMA_VERSION,
     SPAN_ROW,
     AlertTx,
@@ -146,7 +148,15 @@ CREATE INDEX IF NOT EXISTS run_index_seen ON run_index (last_seen);
 """,
     # 4: as SQLite's (the outbox's per-alert reads through indexes; see _store.py).
     4: OUTBOX_V4.format(add="ADD COLUMN IF NOT EXISTS", real="DOUBLE PRECISION"),
+    # 5: as SQLite's (a start reads the runs held through the owners' flag).
+    5: PUT_AWAY_FLAG_V5.format(add="ADD COLUMN IF NOT EXISTS"),
 }
+# The owners' put-away flag (schema 5) of sorted run ids, their rows locked in that
+# order (as the intake locks them), so two replicas' put-aways cannot deadlock on them.
+_FLAG_HELD = (
+    "UPDATE run_owners SET put_away = %s WHERE run_id IN (SELECT run_id FROM run_owners "
+    "WHERE run_id = ANY(%s) ORDER BY run_id FOR UPDATE)"
+)
 _MIGRATION_LOCK = 0x5A6A_0001  # pg_advisory_xact_lock key: one schema upgrade at a time
 _LEADER_LOCK = 0x5A6A_0002  # pg_try_advisory_lock key: the replica that detects orphans
 # A sequence number below the newest one seen may still commit (its transaction began
@@ -672,9 +682,7 @@ class PgStore(_Pooled):
         return [(str(a), float(b), float(c)) for a, b, c in rows]
 
     def owners(self) -> list[tuple[str, Owner]]:
-        return owners_from_rows(
-            self._all(OWNER_ROW + " WHERE " + NOT_PUT_AWAY.format(table="run_owners"))
-        )
+        return owners_from_rows(self._all(OWNER_ROW + " WHERE put_away = 0"))
 
     def leases(self) -> list[Lease]:
         rows = self._all(LEASE_ROW + " WHERE " + NOT_PUT_AWAY.format(table="run_leases"))
@@ -690,8 +698,9 @@ class PgStore(_Pooled):
                     "VALUES (%s, %s, %s, %s, %s) ON CONFLICT (run_id) DO UPDATE SET "
                     "started_at = excluded.started_at, status = excluded.status, "
                     "saga = excluded.saga, last_seen = excluded.last_seen",
-                    rows,
+                    sorted(rows),  # index rows locked in run id order too (replicas)
                 )
+                conn.execute(_FLAG_HELD, (1, sorted(r.run_id for r in rows)))
 
     def put_away_of(self, run_ids: Sequence[str]) -> set[str]:
         if not run_ids:
@@ -713,18 +722,21 @@ class PgStore(_Pooled):
             )
             if reopen:
                 conn.execute("UPDATE run_index SET status = NULL WHERE run_id = ANY(%s)", (ids,))
+                conn.execute(_FLAG_HELD, (0, ids))
         return _changes([span_from_row(row) for row in spans], owners, [], marks, leases)
 
     def put_away_page(self, query: RunQuery, limit: int) -> list[tuple[str, float]]:
         sql, args = put_away_page_sql(query, limit, "%s")
         return [(str(r), float(t)) for r, t in self._all(sql, args)]
 
-    def prune_put_away(self, before: float) -> int:
+    def prune_put_away(self, before: float, limit: int = PRUNE_BATCH) -> int:
         with self._tx("prune finished runs") as conn:
+            # SKIP LOCKED: replicas pruning at once take different batches, not turns.
             rows = conn.execute(
-                "DELETE FROM run_index WHERE last_seen < %s AND status IS NOT NULL "
-                "RETURNING run_id",
-                (before,),
+                "DELETE FROM run_index WHERE run_id IN (SELECT run_id FROM run_index "
+                "WHERE last_seen < %s AND status IS NOT NULL ORDER BY last_seen LIMIT %s "
+                "FOR UPDATE SKIP LOCKED) RETURNING run_id",
+                (before, limit),
             ).fetchall()
             run_ids = [str(r) for (r,) in rows]
             for table in ("spans", "run_marks", "run_owners", "run_leases"):

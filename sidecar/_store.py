@@ -30,6 +30,8 @@ from ._storage import (
     NO_CHANGES,
     NOT_PUT_AWAY,
     OWNER_ROW,
+    PRUNE_BATCH,
+    PUT_AWAY_FLAG_V5,
     SCHEMA_VERSION,
     SPAN_ROW,
     AlertTx,
@@ -152,6 +154,8 @@ CREATE INDEX IF NOT EXISTS run_index_seen ON run_index (last_seen);
     # marked resolved_at when its resolve row is written; rows written before are marked
     # here).
     4: OUTBOX_V4.format(add="ADD COLUMN", real="REAL"),
+    # 5: the runs a start folds, read through the owners' put-away flag (NOT_PUT_AWAY).
+    5: PUT_AWAY_FLAG_V5.format(add="ADD COLUMN"),
 }
 
 
@@ -280,7 +284,8 @@ class SqliteStore:
                 f"cannot open the sidecar database {str(path)!r}: {exc}; pass a writable "
                 "path with --db (SAGA_SIDECAR_DB)"
             ) from exc
-        self._stop_checkpoints = threading.Event()
+        self._closing = threading.Event()  # stops the store's threads
+        self._checkpoint_soon = threading.Event()  # a checkpoint now, not at the interval
         self._checkpointer = threading.Thread(
             target=self._checkpoints, name="saga-db-checkpoint", daemon=True
         )
@@ -302,7 +307,8 @@ class SqliteStore:
         self._away_builder.start()
 
     def _checkpoints(self) -> None:
-        """PASSIVE checkpoints every CHECKPOINT_INTERVAL until close (the store's thread).
+        """PASSIVE checkpoints every CHECKPOINT_INTERVAL, or sooner when asked (a prune
+        batch), until close (the store's thread).
 
         PASSIVE never waits for the writer: the intake commits on while pages are
         copied. A failure is logged and retried at the next interval (the backstop
@@ -314,7 +320,11 @@ class SqliteStore:
             log.warning("sidecar.db.checkpointer_failed", db=str(self.path), error=str(exc))
             return
         try:
-            while not self._stop_checkpoints.wait(CHECKPOINT_INTERVAL):
+            while True:
+                self._checkpoint_soon.wait(CHECKPOINT_INTERVAL)
+                self._checkpoint_soon.clear()
+                if self._closing.is_set():
+                    break
                 try:
                     db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
                 except sqlite3.Error as exc:
@@ -338,7 +348,7 @@ class SqliteStore:
                 try:
                     rows = db.execute("SELECT run_id, last_seen FROM run_index ORDER BY last_seen")
                     while chunk := rows.fetchmany(_AWAY_CHUNK):
-                        if self._stop_checkpoints.is_set():
+                        if self._closing.is_set():
                             return
                         built.add([(str(r), float(t)) for r, t in chunk])
                         runs += len(chunk)
@@ -346,7 +356,7 @@ class SqliteStore:
                     self._away_reader = None
                     db.close()
             except sqlite3.Error as exc:
-                if not self._stop_checkpoints.is_set():
+                if not self._closing.is_set():
                     log.warning(
                         "sidecar.db.putaway_filter_failed",
                         db=str(self.path),
@@ -355,12 +365,13 @@ class SqliteStore:
                     )
                 return
             self._away_built = built
-            log.info(
-                "sidecar.db.putaway_filter_built",
-                db=str(self.path),
-                runs=runs,
-                seconds=round(time.monotonic() - began, 3),
-            )
+            if runs:  # an empty index is no news
+                log.info(
+                    "sidecar.db.putaway_filter_built",
+                    db=str(self.path),
+                    runs=runs,
+                    seconds=round(time.monotonic() - began, 3),
+                )
         finally:
             self._away_done.set()
 
@@ -383,7 +394,8 @@ class SqliteStore:
         return int(row[0])
 
     def close(self) -> None:
-        self._stop_checkpoints.set()
+        self._closing.set()
+        self._checkpoint_soon.set()
         reader = self._away_reader
         if reader is not None and not self._away_done.is_set():
             with contextlib.suppress(sqlite3.Error):
@@ -525,9 +537,7 @@ class SqliteStore:
         return out
 
     def owners(self) -> list[tuple[str, Owner]]:
-        rows = self._db.execute(
-            OWNER_ROW + " WHERE " + NOT_PUT_AWAY.format(table="run_owners")
-        ).fetchall()
+        rows = self._db.execute(OWNER_ROW + " WHERE put_away = 0").fetchall()
         return owners_from_rows(rows)
 
     def leases(self) -> list[Lease]:
@@ -554,6 +564,10 @@ class SqliteStore:
                     "started_at=excluded.started_at, status=excluded.status, "
                     "saga=excluded.saga, last_seen=excluded.last_seen",
                     rows,
+                )
+                db.executemany(
+                    "UPDATE run_owners SET put_away = 1 WHERE run_id = ?",
+                    [(r.run_id,) for r in rows],
                 )
 
     def put_away_of(self, run_ids: Sequence[str]) -> set[str]:
@@ -589,24 +603,36 @@ class SqliteStore:
                 leases += [lease_from_row(row) for row in db.execute(LEASE_ROW + where, chunk)]
                 if reopen:
                     db.execute(f"UPDATE run_index SET status = NULL WHERE run_id IN ({ins})", chunk)
+                    db.execute(f"UPDATE run_owners SET put_away = 0 WHERE run_id IN ({ins})", chunk)
         return Changes(spans, owners, [], marks, leases)
 
     def put_away_page(self, query: RunQuery, limit: int) -> list[tuple[str, float]]:
         sql, args = put_away_page_sql(query, limit, "?")
         return [(str(r), float(t)) for r, t in self._db.execute(sql, args)]
 
-    def prune_put_away(self, before: float) -> int:
+    def prune_put_away(self, before: float, limit: int = PRUNE_BATCH) -> int:
         rows = self._db.execute(
-            "SELECT run_id FROM run_index WHERE last_seen < ? AND status IS NOT NULL", (before,)
+            "SELECT run_id FROM run_index WHERE last_seen < ? AND status IS NOT NULL "
+            "ORDER BY last_seen LIMIT ?",
+            (before, limit),
         ).fetchall()
         run_ids = [str(r) for (r,) in rows]
         self.delete_runs(run_ids)
-        kept = self._db.execute(  # reopened (status NULL): not pruned, still indexed
-            "SELECT run_id, last_seen FROM run_index WHERE last_seen < ? AND status IS NULL",
-            (before,),
-        ).fetchall()
+        if run_ids:
+            # A backlog's batches write the WAL faster than checkpoints each second copy
+            # it; at the backstop a COMMIT on the loop would copy it all (~150 ms). The
+            # store's thread copies it now, while the loop serves between batches.
+            self._checkpoint_soon.set()
         away = self._filter()
-        if away is not None:  # else the filter being built may keep pruned ids: a superset
+        # The filter drops whole slices older than ``before``: only once no row that old
+        # is left but the reopened ones (a full batch may have left more), else a run
+        # still indexed would be answered "new". While it is built it may keep pruned
+        # ids: a superset.
+        if away is not None and len(run_ids) < limit:
+            kept = self._db.execute(  # reopened (status NULL): not pruned, still indexed
+                "SELECT run_id, last_seen FROM run_index WHERE last_seen < ? AND status IS NULL",
+                (before,),
+            ).fetchall()
             away.pruned(before, ((str(r), float(t)) for r, t in kept))
         return len(run_ids)
 

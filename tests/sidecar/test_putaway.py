@@ -27,7 +27,7 @@ from sidecar_testkit import (
 )
 
 from saga_otel import semconv as sc
-from sidecar import Sidecar
+from sidecar import Sidecar, _server
 from sidecar._otlp import extract
 
 
@@ -146,6 +146,77 @@ async def test_resolve_and_prune_reach_runs_put_away(tmp_path: Path, clock: Fake
         status, body = await _get(sc_, f"/runs/{run.run_id}")
         assert status == 404, body
         assert (await _get(sc_, "/runs"))[1]["runs"] == []
+
+
+@BOTH_BACKENDS
+async def test_a_run_reopened_by_a_late_span_is_folded_at_the_next_start(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    """A late span brings a run put away back into memory; if the sidecar stops before
+    putting it away again, the next start folds it with the late span (what a start
+    folds is read through the owners' put-away flag: a reopen clears it)."""
+    run = completed_run(t0=clock.now - 50)
+    spans = run.spans()
+    async with Sidecar(settings_for(tmp_path), clock=clock) as sc_:
+        await export_http(sc_, spans)
+        assert await sc_.evict_async() == [run.run_id]
+        run.escalate(sc.ESCALATION_COMPENSATION_FAILED, {"not_undone": ["a late card"]})
+        late = [s for s in run.spans() if s not in spans]
+        await export_http(sc_, late)
+        assert run.run_id in sc_.state
+        _, want = await _get(sc_, f"/runs/{run.run_id}")
+        assert want["escalation"] is not None, want
+    async with Sidecar(settings_for(tmp_path), clock=clock) as sc_:
+        assert run.run_id in sc_.state  # folded at start, not left to a later lookup
+        _, got = await _get(sc_, f"/runs/{run.run_id}")
+        assert got == want
+
+
+@BOTH_BACKENDS
+async def test_the_prune_loop_deletes_runs_put_away_a_batch_at_a_time(
+    tmp_path: Path, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past the retention every run put away goes, oldest first, a bounded transaction
+    at a time with the loop free between them: on SQLite the store runs on the loop,
+    and one transaction of 60,000 runs held every request and tick for ~3 s."""
+    monkeypatch.setattr(_server, "PRUNE_BATCH", 3)
+    runs = [completed_run(t0=clock.now - 50 + i) for i in range(8)]
+    async with Sidecar(settings_for(tmp_path, retention=3600.0), clock=clock) as sc_:
+        start = clock.now
+        for i, run in enumerate(runs):
+            clock.now = start + i + (2000.0 if i >= 6 else 0.0)  # the last two: later
+            await export_http(sc_, run.spans())
+            assert await sc_.evict_async() == [run.run_id]
+        store = sc_.store
+        assert store is not None
+        turns = 0
+        seen: list[tuple[int, list[str]]] = []  # (loop turns so far, runs left) per batch
+        prune = store.prune_put_away
+
+        def batch(before: float, limit: int) -> int:
+            seen.append((turns, sorted(store.put_away_of([r.run_id for r in runs]))))
+            return prune(before, limit)
+
+        monkeypatch.setattr(store, "prune_put_away", batch)
+
+        async def count_turns() -> None:
+            nonlocal turns
+            while True:
+                turns += 1
+                await asyncio.sleep(0)
+
+        counter = asyncio.create_task(count_turns())
+        clock.now = start + 3600.0 + 100.0  # the first six are past the retention
+        try:
+            assert await sc_.prune_async() == ([], 6)
+        finally:
+            counter.cancel()
+        ids = [r.run_id for r in runs]
+        assert [left for _, left in seen] == [sorted(ids), sorted(ids[3:]), sorted(ids[6:])]
+        assert seen[0][0] < seen[1][0] < seen[2][0]  # other tasks ran between batches
+        for run in runs:
+            status, _ = await _get(sc_, f"/runs/{run.run_id}")
+            assert status == (404 if run in runs[:6] else 200)
 
 
 @pytest.mark.parametrize("backend", ["postgresql"], indirect=True)

@@ -11,7 +11,14 @@ from pathlib import Path
 import psycopg
 import pytest
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
-from sidecar_testkit import BOTH_BACKENDS, FakeClock, compensation_failed_run, db_for, settings_for
+from sidecar_testkit import (
+    BOTH_BACKENDS,
+    FakeClock,
+    compensation_failed_run,
+    completed_run,
+    db_for,
+    settings_for,
+)
 
 from saga_otel import semconv as sc
 from sidecar import Sidecar, StoreError
@@ -204,7 +211,7 @@ async def test_a_version_1_database_is_upgraded_in_place(tmp_path: Path, backend
     async with Sidecar(settings, clock=FakeClock()) as sc_:
         view = sc_.state.view(run_id)
         assert view is not None and view["status"] == sc.STATUS_COMPENSATION_FAILED
-        assert sc_.store is not None and sc_.store.schema_version() == SCHEMA_VERSION == 4
+        assert sc_.store is not None and sc_.store.schema_version() == SCHEMA_VERSION == 5
     # The outbox row written by version 1 is still there, pending, in the new shape.
     box = Outbox(where, [])
     try:
@@ -286,3 +293,57 @@ async def test_a_version_3_outbox_keeps_resending_only_what_still_fires(
         assert [_load(text).run_id for _, _, text in firing] == ["firing"]
     finally:
         box.close()
+
+
+async def test_a_version_4_database_keeps_what_a_start_folds(tmp_path: Path, backend: str) -> None:
+    """Version 5 reads the runs a start folds through the owners' put-away flag, set by
+    the upgrade from the index: a run put away stays out of memory, an open run and a
+    reopened one (index status NULL) come back, as before the upgrade."""
+    where = db_for(tmp_path / "sidecar.db")
+    steps = pg_steps if backend == "postgresql" else sqlite_steps
+    script = ";".join(
+        ["CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)"]
+        + [s for version in (1, 2, 3, 4) for s in statements(steps[version])]
+    )
+    rows: list[tuple[str, tuple[object, ...]]] = [
+        ("INSERT INTO meta(key, value) VALUES ('schema', '4')", ())
+    ]
+    runs = {name: completed_run(run_id=f"r-{name}") for name in ("open", "away", "reopened")}
+    for name, run in runs.items():
+        body = encode_spans(run.spans()).SerializeToString()
+        decoded = extract(parse_protobuf(body), body)
+        first = decoded.spans[0]
+        rows.append(
+            (
+                "INSERT INTO run_owners(run_id, trace_id, instance, service) VALUES (?, ?, ?, ?)",
+                (run.run_id, first.trace_id, first.instance, first.service),
+            )
+        )
+        rows += [
+            (
+                "INSERT INTO spans(run_id, span_id, received_at, service, instance, data) "
+                "VALUES (?, ?, ?, ?, ?, ?)",
+                (run.run_id, span.span_id, 1.0, span.service, span.instance, raw),
+            )
+            for span, raw in zip(decoded.spans, decoded.raw, strict=True)
+        ]
+        if name != "open":
+            rows.append(
+                (
+                    "INSERT INTO run_index(run_id, started_at, status, saga, last_seen) "
+                    "VALUES (?, ?, ?, ?, ?)",
+                    (run.run_id, 1.0, None if name == "reopened" else "completed", "refund", 2.0),
+                )
+            )
+    _execute(where, script, rows)
+    async with Sidecar(settings_for(tmp_path, retention=1e12), clock=FakeClock()) as sc_:
+        assert {r for r in (run.run_id for run in runs.values()) if r in sc_.state} == {
+            "r-open",
+            "r-reopened",
+        }
+        assert sc_.store is not None and sc_.store.put_away_of(["r-away"]) == {"r-away"}
+    assert _rows(where, "SELECT run_id, put_away FROM run_owners ORDER BY run_id") == [
+        ("r-away", 1),
+        ("r-open", 0),
+        ("r-reopened", 0),
+    ]

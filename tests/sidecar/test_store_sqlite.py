@@ -6,7 +6,9 @@ from __future__ import annotations
 import logging
 import os
 import sqlite3
+import sys
 import threading
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -157,7 +159,7 @@ def test_closing_stops_a_filter_being_built(
     assert gate.held.wait(30)
     closer = threading.Thread(target=store.close)
     closer.start()
-    assert store._stop_checkpoints.wait(30)
+    assert store._closing.wait(30)
     gate.open.set()
     closer.join(30)
     assert not closer.is_alive() and not store._away_builder.is_alive()
@@ -212,5 +214,64 @@ def test_a_pruned_slice_never_hides_a_run_put_away_again(
         store.put_away([_away("run-a", 60.0)])
         store.prune_put_away(55.0)
         assert store.put_away_of(["run-a", "run-c"]) == {"run-a"}
+    finally:
+        store.close()
+
+
+def test_a_partial_prune_keeps_the_filter_slices_of_runs_not_yet_deleted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prune batch that stops at its limit leaves older runs in the index: the filter's
+    old slices must stay until the last batch, or those runs' late spans would be taken
+    for new runs."""
+    monkeypatch.setattr(_putaway_filter, "SLICE_ITEMS", 2)
+    store = _ready(SqliteStore(tmp_path / "sidecar.db"))
+    try:
+        store.put_away([_away(f"run-{i}", 10.0 + i) for i in range(6)])  # 3 slices
+        store.put_away([_away("run-new", 100.0)])
+        assert store.prune_put_away(50.0, limit=2) == 2  # run-0, run-1: more are left
+        left = ["run-2", "run-3", "run-4", "run-5", "run-new"]
+        assert store.put_away_of(["run-0", "run-1", *left]) == set(left)
+        assert store.prune_put_away(50.0, limit=2) == 2
+        assert store.prune_put_away(50.0, limit=2) == 2
+        assert store.prune_put_away(50.0, limit=2) == 0  # the last batch: slices dropped
+        assert store.put_away_of(["run-0", "run-5", "run-new"]) == {"run-new"}
+        assert store._away is not None and store._away.slices == 1
+    finally:
+        store.close()
+
+
+def _backfilled(path: Path) -> int:
+    """WAL frames copied into the database file by the last checkpoint: nBackfill, the
+    native u32 at byte 96 of the -shm file (SQLite's wal-index, after its two 48-byte
+    header copies)."""
+    return int.from_bytes(Path(f"{path}-shm").read_bytes()[96:100], sys.byteorder)
+
+
+def test_a_prune_batch_has_the_wal_checkpointed_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A backlog pruned a batch at a time writes the WAL faster than a checkpoint a
+    second copies it: at the backstop a COMMIT on the loop would copy it all (~150 ms
+    measured). Each batch asks the store's thread for a checkpoint now instead."""
+    monkeypatch.setattr(_store, "CHECKPOINT_INTERVAL", 3600.0)  # only when asked
+    path = tmp_path / "sidecar.db"
+    store = _ready(SqliteStore(path))
+    try:
+        store.put_away([_away(f"run-{i}", 10.0 + i) for i in range(20)])
+        store.write(
+            [
+                (f"run-{i}", f"{j:016x}", 1.0, "svc", "i-1", b"x" * 400)
+                for i in range(20)
+                for j in range(10)
+            ]
+        )
+        assert _backfilled(path) == 0
+        assert store.prune_put_away(100.0, limit=5) == 5
+        for _ in range(1000):
+            if _backfilled(path) > 0:
+                break
+            time.sleep(0.01)
+        assert _backfilled(path) > 0
     finally:
         store.close()
