@@ -1281,11 +1281,14 @@ class RunState:
 
     # --- putting finished runs away (the store serves them; memory holds open runs) ----
 
-    def settled(self) -> list[str]:
-        """Runs that may leave memory: ended, and needing no person (or resolved)."""
+    def settled(self, among: Iterable[str] | None = None) -> list[str]:
+        """Runs that may leave memory: ended, and needing no person (or resolved); of
+        ``among`` only, when given (those still here)."""
+        runs = self._runs
+        found = runs.values() if among is None else (runs[r] for r in among if r in runs)
         return [
             r.run_id
-            for r in self._runs.values()
+            for r in found
             if r.run_spans and (r.status not in NEEDS_PERSON or r.resolution is not None)
         ]
 
