@@ -173,6 +173,28 @@ async def test_a_run_reopened_by_a_late_span_is_folded_at_the_next_start(
         assert got == want
 
 
+class _Turns:
+    """Counts the event loop's turns while in its ``async with`` (a task that yields
+    every turn): a batch that sees the count grow since the last one let others run."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._task: asyncio.Task[None] | None = None
+
+    async def _spin(self) -> None:
+        while True:
+            self.count += 1
+            await asyncio.sleep(0)
+
+    async def __aenter__(self) -> _Turns:
+        self._task = asyncio.create_task(self._spin())
+        return self
+
+    async def __aexit__(self, *_exc: object) -> None:
+        assert self._task is not None
+        self._task.cancel()
+
+
 @BOTH_BACKENDS
 async def test_the_evict_loop_puts_runs_away_a_batch_at_a_time(
     tmp_path: Path, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
@@ -186,27 +208,17 @@ async def test_the_evict_loop_puts_runs_away_a_batch_at_a_time(
             await export_http(sc_, run.spans())
         store = sc_.store
         assert store is not None
-        turns = 0
+        turns = _Turns()
         seen: list[tuple[int, list[str]]] = []  # (loop turns so far, runs) per batch
         put_away = store.put_away
 
         def batch(rows: list[PutAway]) -> None:
-            seen.append((turns, [r.run_id for r in rows]))
+            seen.append((turns.count, [r.run_id for r in rows]))
             put_away(rows)
 
         monkeypatch.setattr(store, "put_away", batch)
-
-        async def count_turns() -> None:
-            nonlocal turns
-            while True:
-                turns += 1
-                await asyncio.sleep(0)
-
-        counter = asyncio.create_task(count_turns())
-        try:
+        async with turns:
             gone = await sc_.evict_async()
-        finally:
-            counter.cancel()
         ids = [r.run_id for r in runs]
         assert sorted(gone) == sorted(ids) and not any(r in sc_.state for r in ids)
         assert [len(run_ids) for _, run_ids in seen] == [2, 2, 1]
@@ -231,28 +243,18 @@ async def test_the_prune_loop_deletes_runs_put_away_a_batch_at_a_time(
             assert await sc_.evict_async() == [run.run_id]
         store = sc_.store
         assert store is not None
-        turns = 0
+        turns = _Turns()
         seen: list[tuple[int, list[str]]] = []  # (loop turns so far, runs left) per batch
         prune = store.prune_put_away
 
         def batch(before: float, limit: int) -> int:
-            seen.append((turns, sorted(store.put_away_of([r.run_id for r in runs]))))
+            seen.append((turns.count, sorted(store.put_away_of([r.run_id for r in runs]))))
             return prune(before, limit)
 
         monkeypatch.setattr(store, "prune_put_away", batch)
-
-        async def count_turns() -> None:
-            nonlocal turns
-            while True:
-                turns += 1
-                await asyncio.sleep(0)
-
-        counter = asyncio.create_task(count_turns())
         clock.now = start + 3600.0 + 100.0  # the first six are past the retention
-        try:
+        async with turns:
             assert await sc_.prune_async() == ([], 6)
-        finally:
-            counter.cancel()
         ids = [r.run_id for r in runs]
         assert [left for _, left in seen] == [sorted(ids), sorted(ids[3:]), sorted(ids[6:])]
         assert seen[0][0] < seen[1][0] < seen[2][0]  # other tasks ran between batches
