@@ -28,6 +28,7 @@ from ._leases import Lease, LeaseRefusal, Owner
 from ._log import get_logger
 from ._outbox_sql import OUTBOX_V4, PRUNE_RUN_ALERTS, RESOLVE_FIRE, OutboxReads, sql
 from ._storage import (
+    HELD_OWNER_ROWS,
     LEASE_ROW,
     MARK_ROW,
     NOT_PUT_AWAY,
@@ -682,7 +683,7 @@ class PgStore(_Pooled):
         return [(str(a), float(b), float(c)) for a, b, c in rows]
 
     def owners(self) -> list[tuple[str, Owner]]:
-        return owners_from_rows(self._all(OWNER_ROW + " WHERE put_away = 0"))
+        return owners_from_rows(self._all(HELD_OWNER_ROWS))
 
     def leases(self) -> list[Lease]:
         rows = self._all(LEASE_ROW + " WHERE " + NOT_PUT_AWAY.format(table="run_leases"))

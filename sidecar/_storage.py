@@ -27,19 +27,20 @@ from ._errors import ConfigError
 from ._leases import Lease, LeaseRefusal, Owner
 
 SCHEMA_VERSION = 5
+"""The schema this sidecar writes. 1: the first (no outbox claims); 2: outbox claims;
+3: the index of finished runs put away from memory (``run_index``); 4: the outbox's
+fires marked ``resolved_at`` and its indexes on state and on the fires still firing;
+5: the owners' ``put_away`` flag and its partial index (what a start folds).
+
+Opening an older database upgrades it in place; a newer one is refused
+(``_store.py`` and ``_pgstore.py`` hold the steps, one per version).
+"""
 # Runs put away deleted per prune transaction: ~20-25 ms of SQLite on the event loop
 # for runs of 10 spans (one transaction of 60,000 such runs held it ~3 s).
 PRUNE_BATCH = 500
 # Settled runs put away per batch by the evict loop: ~40 ms of the event loop (state
 # and the SQLite write) where one pass over a saturated interval's ~40,000 held it ~0.8 s.
 EVICT_BATCH = 2000
-"""The schema this sidecar writes. 1: the first (no outbox claims); 2: outbox claims;
-3: the index of finished runs put away from memory (``run_index``); 4: the outbox's
-fires marked ``resolved_at`` and its indexes on state and on the fires still firing.
-
-Opening an older database upgrades it in place; a newer one is refused
-(``_store.py`` and ``_pgstore.py`` hold the steps, one per version).
-"""
 
 Backend = Literal["sqlite", "postgresql"]
 POSTGRES_SCHEMES = ("postgresql", "postgres")
@@ -488,6 +489,9 @@ SPAN_ROW = "SELECT run_id, span_id, service, instance, data FROM spans"
 """A stored span's columns in :class:`StoredSpan`'s order (``span_from_row``)."""
 OWNER_ROW = "SELECT run_id, trace_id, instance, service FROM run_owners"
 """A run owner's columns in the order ``owners_from_rows`` reads them."""
+HELD_OWNER_ROWS = OWNER_ROW + " WHERE put_away = 0"
+"""The owners of the runs not put away (``NOT_PUT_AWAY``'s rule, read through the same
+partial index): what a start folds."""
 MARK_ROW = "SELECT run_id, orphaned_at, resolution_note, resolution_at FROM run_marks"
 """A run mark's columns in :class:`RunMark`'s order."""
 

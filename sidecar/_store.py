@@ -25,6 +25,7 @@ from ._log import get_logger
 from ._outbox_sql import OUTBOX_V4, PRUNE_RUN_ALERTS, RESOLVE_FIRE, ROW, OutboxReads
 from ._putaway_filter import PutAwayFilter
 from ._storage import (
+    HELD_OWNER_ROWS,
     LEASE_ROW,
     MARK_ROW,
     NO_CHANGES,
@@ -537,7 +538,7 @@ class SqliteStore:
         return out
 
     def owners(self) -> list[tuple[str, Owner]]:
-        rows = self._db.execute(OWNER_ROW + " WHERE put_away = 0").fetchall()
+        rows = self._db.execute(HELD_OWNER_ROWS).fetchall()
         return owners_from_rows(rows)
 
     def leases(self) -> list[Lease]:
