@@ -8,6 +8,7 @@ change when it is put away, after a restart, or when a late span brings it back.
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from sidecar_testkit import (
 
 from saga_otel import semconv as sc
 from sidecar import Sidecar, _server
+from sidecar._backends import open_store
 from sidecar._otlp import extract
 from sidecar._storage import PutAway
 
@@ -324,3 +326,43 @@ async def test_a_run_put_away_while_its_late_span_waits_for_a_commit_comes_back_
         assert (await waiting).rejected == 0
         _, got = await _get(sc_, f"/runs/{run.run_id}")
         assert got == want
+
+
+@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
+def test_replicas_pruning_at_once_share_the_runs_and_delete_each_once(
+    tmp_path: Path, backend: str
+) -> None:
+    """Two replicas' prune loops at the same moment share the runs: no error, no
+    deadlock, no run deleted twice (the counts add up) and none left behind."""
+    assert backend == "postgresql"
+    database = settings_for(tmp_path).database
+    first, second = open_store(database), open_store(database)
+    try:
+        ids = [f"run-{i:03d}" for i in range(60)]
+        first.put_away(
+            [PutAway(r, 1.0, "completed", "refund", 10.0 + i) for i, r in enumerate(ids)]
+        )
+        counts: dict[int, list[int]] = {0: [], 1: []}
+        start = threading.Barrier(2)
+
+        def prune(which: int, store: Any) -> None:
+            start.wait(10)
+            while True:
+                n = store.prune_put_away(1000.0, 7)
+                counts[which].append(n)
+                if n < 7:
+                    return
+
+        threads = [
+            threading.Thread(target=prune, args=(i, s)) for i, s in enumerate((first, second))
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not any(t.is_alive() for t in threads)
+        assert sum(counts[0]) + sum(counts[1]) == len(ids)  # each run deleted once
+        assert first.put_away_of(ids) == set() == second.put_away_of(ids)
+    finally:
+        first.close()
+        second.close()
