@@ -37,7 +37,7 @@ SECTIONS = [
         "the rest must arrive from the agent's retrying exporter; no alert is delivered "
         "twice across the crash and the restart's re-evaluation, but the one send the kill "
         "may cut between the receiver's accept and the outbox's mark (delivery is at least "
-        "once; received no later than the kill, exactly twice).",
+        "once; its first copy received before the restart, exactly twice).",
         "tests/chaos/test_outages.py",
         "",
     ),
@@ -69,6 +69,26 @@ SECTIONS = [
         "and its record may come again, once), only the killed agent paged orphaned, and its "
         "run recovered through a replica that never received its spans.",
         "tests/chaos/test_replicas_kill.py",
+        "",
+    ),
+    (
+        "prune_kill",
+        "Sidecar kill while pruning",
+        "A database with 8,000 runs put away past the retention (4 spans each, some with "
+        "marks, leases and alerts delivered and resolved, some with an alert still waiting "
+        "for its sink) and 300 within it; a sidecar that prunes right after its start is "
+        "SIGKILLed at a random moment inside the prune, up to 8 times, then one runs until "
+        "the prune is done. After each kill every run must be whole (its index row, owner, "
+        "all its spans, marks, lease and alerts) or gone, the runs within the retention and "
+        "the waiting alerts untouched, and no pruned run back.",
+        "tests/chaos/test_prune_kill.py",
+        "",
+    ),
+    (
+        "prune_kill_postgresql",
+        "Sidecar kill while pruning (PostgreSQL)",
+        "The same on PostgreSQL (batches taken with `FOR UPDATE SKIP LOCKED`).",
+        "tests/chaos/test_prune_kill.py",
         "",
     ),
     (
@@ -173,6 +193,8 @@ def main() -> int:
             "replicas_kill_postgresql": "no acknowledged span lost, views as one sidecar's, "
             "every alert delivered, none twice but the one send the kill may cut, "
             "no live agent paged",
+            "prune_kill": "every run whole or gone after each kill; the prune finished",
+            "prune_kill_postgresql": "every run whole or gone after each kill; the prune finished",
             "sink_outage": "every alert delivered, once per dedup key and status",
             "fuzz": "no crash, no 5xx, memory flat",
             "compensation_failures": "retries carried every transient failure; "

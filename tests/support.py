@@ -69,13 +69,16 @@ def wait_until(probe: Callable[[], object], timeout: float = 30.0, what: str = "
         time.sleep(0.02)
 
 
-def resent_cut_by_the_kill(pager: AlertReceiver, killed_at: float) -> dict[tuple[str, str], int]:
+def resent_cut_by_the_kill(pager: AlertReceiver, killed_by: float) -> dict[tuple[str, str], int]:
     """The alerts delivered twice, checked to be at most the one send a SIGKILL can cut.
 
     Delivery is at least once: a sink worker killed between the receiver's accept and
     the row's mark leaves that row to be sent again by whoever delivers next. So at
     most one (dedup key, status) may come exactly twice, first received no later than
-    ``killed_at`` (epoch seconds); any other repeat is a fault and fails here.
+    ``killed_by`` (epoch seconds: the killed process gone, before any other could send
+    that row; not the moment of ``kill()``, as the receiver stamps a request when its
+    thread reads it, which may be after its sender died); any other repeat is a fault
+    and fails here.
     """
     twice = {k: n for k, n in pager.keys().items() if n > 1}
     assert len(twice) <= 1 and set(twice.values()) <= {2}, twice
@@ -85,5 +88,5 @@ def resent_cut_by_the_kill(pager: AlertReceiver, killed_at: float) -> dict[tuple
             for a in pager.alerts
             if (a["dedup_key"], a["status"]) == (dedup_key, status)
         )
-        assert first <= killed_at, (dedup_key, status, first, killed_at)
+        assert first <= killed_by, (dedup_key, status, first, killed_by)
     return twice

@@ -16,8 +16,8 @@ def _pager(*received: tuple[str, float]) -> AlertReceiver:
 
 def test_one_send_cut_by_the_kill_may_come_twice() -> None:
     pager = _pager(("a", 1.0), ("b", 2.0), ("a", 9.0))
-    assert resent_cut_by_the_kill(pager, killed_at=5.0) == {("a", "firing"): 2}
-    assert resent_cut_by_the_kill(_pager(("a", 1.0)), killed_at=5.0) == {}
+    assert resent_cut_by_the_kill(pager, killed_by=5.0) == {("a", "firing"): 2}
+    assert resent_cut_by_the_kill(_pager(("a", 1.0)), killed_by=5.0) == {}
 
 
 @pytest.mark.parametrize(
@@ -30,4 +30,4 @@ def test_one_send_cut_by_the_kill_may_come_twice() -> None:
 )
 def test_any_other_repeat_fails(received: tuple[tuple[str, float], ...]) -> None:
     with pytest.raises(AssertionError):
-        resent_cut_by_the_kill(_pager(*received), killed_at=5.0)
+        resent_cut_by_the_kill(_pager(*received), killed_by=5.0)

@@ -119,10 +119,12 @@ def test_sidecar_killed_under_load_loses_no_acknowledged_span(
                 break
         # Runs the sidecar acknowledged before the kill.
         before = [r["run_id"] for r in seen]
-        killed_at = time.time()
         os.kill(first.proc.pid, signal.SIGKILL)
         first.proc.wait()
         time.sleep(1.0)  # the agent keeps going; its exports fail and are retried
+        # Alerts received before this were sent by the killed sidecar (the receiver may
+        # read one sent just before the kill a little after it: not the kill's moment).
+        restarted_at = time.time()
         second = start_sidecar(tmp_path, "--webhook", pager.url, *args, db=first.db)
         rest, _ = proc.communicate(timeout=180)
         noise = [line for line in rest.splitlines() if not line.startswith('{"run_id"')]
@@ -150,7 +152,7 @@ def test_sidecar_killed_under_load_loses_no_acknowledged_span(
         # the one send the kill may have cut between the receiver's accept and the mark.
         wait_until(lambda: len(pager.keys()) >= 2 * len(before), timeout=60, what="alerts")
         time.sleep(1.0)  # let the restarted outbox finish anything it still holds
-        twice = resent_cut_by_the_kill(pager, killed_at)
+        twice = resent_cut_by_the_kill(pager, restarted_at)
         chaos_results["sidecar_kill" if db_backend is None else "sidecar_kill_postgresql"] = {
             "runs": len(seen),
             "acknowledged_before_kill": len(before),
