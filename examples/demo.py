@@ -101,9 +101,8 @@ def call_text(tool: str, args: dict[str, Any]) -> str:
 
 def show_stack(stack: list[dict[str, Any]]) -> None:
     """The stack as a person reads it: top first, each undo with the step it reverses."""
-    console.print(
-        f"  the sidecar rebuilt the stack from the spans ({len(stack)} undo(s), top first):"
-    )
+    undos = f"{len(stack)} undo" + ("" if len(stack) == 1 else "s")
+    console.print(f"  the sidecar rebuilt the stack from the spans ({undos}, top first):")
     for n, comp in enumerate(reversed(stack), 1):
         console.print(
             f"    {n}. {call_text(comp['tool'], comp['args'])}  "

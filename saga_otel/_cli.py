@@ -327,7 +327,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         done = len(report.compensations_run)
         verdict = "recovered" if report.status is RunStatus.COMPENSATED else report.status.value
-        print(f"run {report.run_id}: {verdict} ({done} compensation(s) run)")
+        ran = f"{done} compensation{'' if done == 1 else 's'} run"
+        print(f"run {report.run_id}: {verdict} ({ran})")
         for o in report.compensations:
             mark = "✓" if o.ok else "✗"
             print(f"  {mark} {o.compensation.tool}({json.dumps(dict(o.compensation.args))})")

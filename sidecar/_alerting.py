@@ -333,6 +333,12 @@ def _event_time(action: Action, alertname: str, view: View, now: float) -> float
     return now
 
 
+def counted(n: int, noun: str) -> str:
+    """``n`` and ``noun``, plural unless one: "1 attempt", "2 attempts" (alert texts and
+    the drawings)."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def _short(run_id: str) -> str:
     return run_id if len(run_id) <= 12 else run_id[:8] + "…"
 
@@ -419,7 +425,7 @@ def build_card(alertname: str, view: View, run_url: str) -> dict[str, Any]:
     run_id = str(view.get("run_id") or "")
     if alertname == sc.ALERT_COMPENSATION_STARTED:
         decide = [
-            f"Nothing yet: the agent is undoing {len(pending)} step(s) by itself; act if "
+            f"Nothing yet: the agent is undoing {counted(len(pending), 'step')} by itself; act if "
             f"{sc.ALERT_COMPENSATION_FAILED} follows"
         ]
     elif alertname == sc.ALERT_COMPENSATION_FAILED:
@@ -435,8 +441,9 @@ def build_card(alertname: str, view: View, run_url: str) -> dict[str, Any]:
     else:
         decide = [
             f"The agent died mid-run: from a process with its tools, `saga-otel recover "
-            f"{run_id} --tools MODULE:REGISTRY` undoes the {len(stack)} pending "
-            f"compensation(s); or undo by hand and `saga-sidecar runs resolve {run_id} "
+            f"{run_id} --tools MODULE:REGISTRY` undoes the pending "
+            f"{counted(len(stack), 'compensation')}; or undo by hand and "
+            f"`saga-sidecar runs resolve {run_id} "
             f"--note ...` (API: POST {run_url}/resolve)"
         ]
     card = EscalationCard(
@@ -484,7 +491,7 @@ def _describe(alertname: str, view: View, action: Action) -> tuple[str, str]:
     run = _short(str(view.get("run_id") or "?"))
     failed = _failed_step(view)
     stack = view.get("stack") or []
-    pending = f"{len(stack)} compensation{'s' if len(stack) != 1 else ''} pending"
+    pending = f"{counted(len(stack), 'compensation')} pending"
     if action is Action.RESOLVE:
         resolution = view.get("resolution")
         revived = view.get("revived")

@@ -40,6 +40,7 @@ from ._alerting import (
     CLEARING_STATUSES,
     RuleConfig,
     build_card,
+    counted,
     open_alerts,
     render_card,
 )
@@ -182,7 +183,7 @@ def history(rows: list[AlertHistoryRow]) -> list[HistoryEntry]:
         key = (row.alertname, row.action)
         sink = f"{row.sink}: {row.state}"
         if row.state != "delivered" and row.attempts:
-            sink += f" after {row.attempts} attempt(s)"
+            sink += f" after {counted(row.attempts, 'attempt')}"
         if row.last_error and row.state != "delivered":
             sink += f" ({row.last_error})"
         found = entries.get(key)

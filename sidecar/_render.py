@@ -14,6 +14,7 @@ from rich.text import Text
 from saga_otel import semconv as sc
 from saga_otel.records import EscalationCard, is_pivot
 
+from ._alerting import counted
 from ._views import CompensationView, RunView
 
 _STATUS_STYLE = {
@@ -162,13 +163,15 @@ def render_run(
             comps = step["compensations"]
             ok = step["compensated"]
             comp_text = _call(step["compensation"]) if step["compensation"] else "?()"
+            # The call on a line of its own: at 80 columns a long one wrapped mid-count.
             line = Text.assemble(
                 _mark(ok),
-                f" #{step['index']} {step['name']}: {comp_text}",
-                (f"  {len(comps)} attempt(s)", "dim"),
+                f" #{step['index']} {step['name']}",
+                (f"  {counted(len(comps), 'attempt')}", "dim"),
+                f"\n    {comp_text}",
             )
             if not ok:
-                line.append(f"\n   last error: {comps[-1]['error']}", style="red")
+                line.append(f"\n    last error: {comps[-1]['error']}", style="red")
             parts.append(line)
         if not unwound:
             parts.append(Text("(no compensation has run yet)", style="dim"))
@@ -177,7 +180,8 @@ def render_run(
     parts.append(Rule("LEFT ON THE STACK (top first)", align="left"))
     if stack and status == "completed":
         # A completed run keeps its undo records for the record, not to run them.
-        parts.append(Text(f"  {len(stack)} undo record(s) kept; the run completed, none will run"))
+        kept = counted(len(stack), "undo record")
+        parts.append(Text(f"  {kept} kept; the run completed, none will run"))
     elif stack:
         if status == "stuck":
             parts.append(Text("  past the pivot: a person decides about these", style="red"))

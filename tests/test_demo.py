@@ -34,7 +34,7 @@ def test_demo_tells_the_whole_story() -> None:
     assert "ledger, Act 2 only (2 entries)" in out and "net +0 for order 4921 in Act 2" in out
     # Act 3: killed, orphan alert with the stack, recovered from another process.
     assert "SagaRunOrphaned (critical) at the webhook" in out
-    assert "rebuilt the stack from the spans (1 undo(s), top first)" in out
+    assert "rebuilt the stack from the spans (1 undo, top first)" in out
     assert re.search(r'1\. reverse_credit\(credit_id="cr_\d+_4921"\)  undoes #1 issue_credit', out)
     assert "SagaRunOrphaned resolved at the webhook" in out
     assert "status RECOVERED" in out

@@ -73,6 +73,7 @@ def test_recover_from_another_process_marks_the_run_recovered_and_never_repeats(
 
     first = cli_recover(sc, run_id, url)
     assert first.returncode == 0, first.stderr
+    assert f"run {run_id}: recovered (1 compensation run)" in first.stdout
     assert "✓ reverse_credit" in first.stdout
     wait_until(lambda: status(sc, run_id) == "recovered", what="recovered")
     assert w.balance(4921) == 0

@@ -16,6 +16,7 @@ from sidecar._alerting import (
     Action,
     AlertEvent,
     RuleConfig,
+    counted,
     dedup_key,
     evaluate,
     is_open,
@@ -127,6 +128,10 @@ def names(events: list[AlertEvent], action: Action) -> list[str]:
 # --- the four alerts ---------------------------------------------------------------------
 
 
+def test_counts_are_written_in_words() -> None:
+    assert [counted(n, "attempt") for n in (0, 1, 2)] == ["0 attempts", "1 attempt", "2 attempts"]
+
+
 def test_compensation_started_fires_when_unwinding_begins() -> None:
     events = evaluate(view(), view(**UNWINDING), now=105.2)
     assert len(events) == 1
@@ -157,6 +162,7 @@ def test_compensation_started_fires_when_unwinding_begins() -> None:
     card = json.loads(event.annotations["escalation_card"])
     assert card["will_undo"] == ["undo tag_ticket", "undo issue_credit"]
     assert card["done"] == ["issue_credit (compensable)", "tag_ticket (compensable)"]
+    assert card["decide"][0].startswith("Nothing yet: the agent is undoing 2 steps by itself")
     assert "Will be undone" in event.annotations["escalation_card_text"]
 
 

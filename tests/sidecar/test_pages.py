@@ -116,8 +116,8 @@ async def test_the_run_url_opens_the_page_in_a_browser_and_json_for_clients(
     # The drawing of `runs show`: forward steps with class, the unwind with marks, what is left.
     assert "#3 notify_billing (compensable)" in text
     assert "UNWIND (reverse order)" in text
-    assert "✓ #2 update_ticket: restore_ticket" in text
-    assert "✗ #1 issue_credit: reverse_credit" in text
+    assert re.search(r"✓ #2 update_ticket  1 attempt\s+restore_ticket\(", text), text
+    assert re.search(r"✗ #1 issue_credit  2 attempts\s+reverse_credit\(", text), text
     assert "LEFT ON THE STACK" in text
     # The card as text, not JSON.
     assert "needs a person: compensation_failed" in text

@@ -46,6 +46,11 @@ def test_compensation_failed_run() -> None:
     assert "✓ #2 update_ticket" in out
     assert "✗ #1 issue_credit" in out
     assert "last error: HTTPError: 500 from billing" in out
+    # Each undo's attempts, counted in words, its call on the next line.
+    unwind = out.split("UNWIND (reverse order)")[1].split("LEFT ON THE STACK")[0]
+    assert "✓ #2 update_ticket  1 attempt\n" in unwind
+    assert "✗ #1 issue_credit  2 attempts\n    reverse_credit(" in unwind
+    assert "(s)" not in out
     left = out.split("LEFT ON THE STACK")[1]
     assert 'reverse_credit(credit_id="cr_1")' in left
     assert "ESCALATED: compensation_failed" in out
