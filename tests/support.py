@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import shutil
+import sqlite3
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from saga_otel.testing import AlertReceiver, SidecarProcess, start_sidecar
 
@@ -15,6 +18,7 @@ __all__ = [
     "SidecarProcess",
     "install_node_agent",
     "resent_cut_by_the_kill",
+    "sql_on",
     "start_sidecar",
     "wait_until",
 ]
@@ -90,3 +94,34 @@ def resent_cut_by_the_kill(pager: AlertReceiver, killed_by: float) -> dict[tuple
         )
         assert first <= killed_by, (dedup_key, status, first, killed_by)
     return twice
+
+
+Sql = Callable[..., list[tuple[Any, ...]]]
+
+
+@contextmanager
+def sql_on(db: str) -> Iterator[Sql]:
+    """``run(text, rows=None)`` on the sidecar database ``db`` (a SQLite file or a
+    ``postgresql://`` URL) in autocommit, with ``?`` placeholders on both backends: the
+    rows a query returns, or an executemany of ``rows``."""
+    if "://" in db:
+        import psycopg
+
+        conn: Any = psycopg.connect(db, autocommit=True)
+        mark = "%s"
+    else:
+        conn = sqlite3.connect(db, isolation_level=None)
+        mark = "?"
+
+    def run(text: str, rows: list[tuple[Any, ...]] | None = None) -> list[tuple[Any, ...]]:
+        text = text.replace("?", mark)
+        if rows is not None:
+            conn.cursor().executemany(text, rows)
+            return []
+        cur = conn.execute(text)
+        return list(cur.fetchall()) if cur.description else []
+
+    try:
+        yield run
+    finally:
+        conn.close()

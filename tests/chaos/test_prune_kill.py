@@ -15,16 +15,14 @@ from __future__ import annotations
 import json
 import random
 import signal
-import sqlite3
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
+from support import sql_on
 
 from sidecar._backends import open_store
 from sidecar._storage import parse_db
@@ -47,34 +45,6 @@ def _rid(old: bool, i: int) -> str:
     return f"{'0' if old else 'f'}{i:031x}"
 
 
-@contextmanager
-def _connect(db: str) -> Iterator[Callable[..., list[tuple[Any, ...]]]]:
-    """``run(sql, rows=None)`` on ``db`` in autocommit, ``?`` placeholders on both
-    backends; ``rows`` makes it an executemany."""
-    if "://" in db:
-        import psycopg
-
-        conn: Any = psycopg.connect(db, autocommit=True)
-        mark = "%s"
-    else:
-        conn = sqlite3.connect(db, isolation_level=None)
-        mark = "?"
-
-    def run(text: str, rows: list[tuple[Any, ...]] | None = None) -> list[tuple[Any, ...]]:
-        text = text.replace("?", mark)
-        if rows is not None:
-            cur = conn.cursor()
-            cur.executemany(text, rows)
-            return []
-        cur = conn.execute(text)
-        return list(cur.fetchall()) if cur.description else []
-
-    try:
-        yield run
-    finally:
-        conn.close()
-
-
 def _fill(db: str) -> None:
     """The store's own schema, with OLD runs put away past the retention and KEPT within."""
     open_store(parse_db(db)).close()
@@ -82,7 +52,7 @@ def _fill(db: str) -> None:
     runs = [(True, i, now - 2 * RETENTION + i * 0.01) for i in range(OLD)]
     runs += [(False, i, now - 60) for i in range(KEPT)]
     data = bytes(range(256)) * 2
-    with _connect(db) as run:
+    with sql_on(db) as run:
         run("BEGIN")
         run(
             "INSERT INTO run_index(run_id, started_at, status, saga, last_seen) "
@@ -128,7 +98,7 @@ def _fill(db: str) -> None:
 def _check(db: str) -> int:
     """Every run is whole or gone, the kept ones whole, waiting alerts kept: the number
     of old runs left."""
-    with _connect(db) as run:
+    with sql_on(db) as run:
         index = {r for (r,) in run("SELECT run_id FROM run_index")}
         spans = dict(run("SELECT run_id, count(*) FROM spans GROUP BY run_id"))
         owners = {r for (r,) in run("SELECT run_id FROM run_owners WHERE put_away = 1")}
@@ -158,7 +128,7 @@ def _check(db: str) -> int:
 
 
 def _old_left(db: str) -> int:
-    with _connect(db) as run:
+    with sql_on(db) as run:
         ((n,),) = run("SELECT count(*) FROM run_index WHERE run_id < 'f'")
     return int(n)
 
