@@ -119,6 +119,18 @@ SECTIONS = [
         "SAGA_CHAOS_OUTAGE_S",
     ),
     (
+        "silent_sink",
+        "Silent sink",
+        "Two webhook sinks; one accepts every connection, reads the request and never "
+        "answers (`--alert-timeout 120s`). Four unwinding runs raise and resolve "
+        "SagaCompensationStarted. The other sink must get every alert while the silent one "
+        "still holds its first request, the agent's runs must be acknowledged, the silent "
+        "sink must get one request at a time; once it answers again on its port, every "
+        "alert it missed arrives once, each resolve after its fire.",
+        "tests/chaos/test_outages.py",
+        "",
+    ),
+    (
         "fuzz",
         "Fuzzing the OTLP intake",
         "Hypothesis generates protobuf bodies (random bytes, valid requests with hostile "
@@ -217,6 +229,8 @@ def main() -> int:
             "upgrade_kill": "version 4 as it was or a whole version 5 after each kill",
             "upgrade_kill_postgresql": "version 4 as it was or a whole version 5 after each kill",
             "sink_outage": "every alert delivered, once per dedup key and status",
+            "silent_sink": "the other sink served meanwhile; every alert delivered once "
+            "after it answered",
             "fuzz": "no crash, no 5xx, memory flat",
             "compensation_failures": "retries carried every transient failure; "
             "every permanent one escalated",

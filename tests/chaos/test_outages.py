@@ -167,3 +167,111 @@ def test_sidecar_killed_under_load_loses_no_acknowledged_span(
         if second is not None:
             second.stop()
         pager.stop()
+
+
+class SilentSink:
+    """A sink that accepts every connection, reads what is sent and never answers."""
+
+    def __init__(self) -> None:
+        import socket
+        import threading
+
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = int(self._listener.getsockname()[1])
+        self.connections: list[socket.socket] = []
+        self.bytes_read = 0
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/alerts"
+
+    def _accept(self) -> None:
+        import threading
+
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            with self._lock:
+                self.connections.append(conn)
+            threading.Thread(target=self._read, args=(conn,), daemon=True).start()
+
+    def _read(self, conn: Any) -> None:
+        while True:
+            try:
+                data = conn.recv(65536)
+            except OSError:
+                return
+            if not data:
+                return
+            with self._lock:
+                self.bytes_read += len(data)
+
+    def close(self) -> None:
+        import contextlib
+        import socket
+
+        # shutdown() first: a bare close() leaves a socket open while a thread is
+        # blocked in its accept() or recv().
+        for sock in (self._listener, *self.connections):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+
+def test_a_silent_sink_delays_only_its_own_alerts(
+    sidecar_process: Any, world: tuple[World, str], chaos_results: dict[str, Any]
+) -> None:
+    """A sink that takes the connection and never answers (a hung proxy, a stopped VM)
+    holds up its own deliveries only: the other sink gets every alert meanwhile, the
+    agents are acknowledged, and once the silent one answers again it gets each alert
+    once, each resolve after its fire."""
+    silent = SilentSink()
+    pager = AlertReceiver()
+    # Each request to the silent sink waits out the whole timeout: longer than the wait
+    # below for the other sink, so alerts queued behind it would never make that wait.
+    sc = sidecar_process(
+        "--webhook", silent.url, "--webhook", pager.url,
+        "--alert-timeout", "120s", "--alert-retry-max", "2s",
+    )  # fmt: skip
+    proc = agent(sc.otlp, world[1], runs=4)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0
+    runs = [json.loads(line)["run_id"] for line in out.splitlines()]
+    assert len(runs) == 4
+    expected = {
+        (f"saga-otel/SagaCompensationStarted/{r}", s) for r in runs for s in ("firing", "resolved")
+    }
+    try:
+        wait_until(lambda: expected <= set(pager.keys()), timeout=60, what="the other sink")
+        assert all(n == 1 for n in pager.keys().values()), pager.keys()
+        assert silent.bytes_read > 0, "the sidecar never tried the silent sink"
+        assert len(silent.connections) <= 2, "one request at a time to a silent sink"
+        # It answers again (on the same port): what it holds is delivered, once each.
+        port = silent.port
+        silent.close()
+        back = AlertReceiver(port)
+        try:
+            wait_until(lambda: expected <= set(back.keys()), timeout=120, what="the silent sink")
+            time.sleep(1.0)  # nothing more may come
+            keys = back.keys()
+            assert set(keys) == expected and all(n == 1 for n in keys.values()), keys
+            with back.lock:
+                order = [(a["dedup_key"], a["status"]) for a in back.alerts]
+            for r in runs:
+                key = f"saga-otel/SagaCompensationStarted/{r}"
+                assert order.index((key, "firing")) < order.index((key, "resolved"))
+            chaos_results["silent_sink"] = {
+                "alerts": len(expected),
+                "other_sink_delivered_while_silent": len(pager.keys()),
+                "silent_sink_connections": len(silent.connections),
+                "delivered_once_after_it_answered": sum(keys.values()),
+            }
+        finally:
+            back.stop()
+    finally:
+        silent.close()
+        pager.stop()
