@@ -131,6 +131,17 @@ SECTIONS = [
         "",
     ),
     (
+        "stalled_database",
+        "Stalled database (PostgreSQL)",
+        "The sidecar's PostgreSQL backends are SIGSTOPped (a hung disk, a lock held by hand) "
+        "while an agent's request waits for its commit. `/healthz` and `/metrics` must keep "
+        "answering and show the wait (`intake_waiting_s`, "
+        "`saga_sidecar_intake_waiting_seconds`, which `SagaSidecarIntakeStalled` watches); "
+        "after SIGCONT the request is committed and answered 200 and the gauge is back to 0.",
+        "tests/chaos/test_outages.py",
+        "",
+    ),
+    (
         "fuzz",
         "Fuzzing the OTLP intake",
         "Hypothesis generates protobuf bodies (random bytes, valid requests with hostile "
@@ -231,6 +242,7 @@ def main() -> int:
             "sink_outage": "every alert delivered, once per dedup key and status",
             "silent_sink": "the other sink served meanwhile; every alert delivered once "
             "after it answered",
+            "stalled_database": "the wait shown while stalled; nothing lost after",
             "fuzz": "no crash, no 5xx, memory flat",
             "compensation_failures": "retries carried every transient failure; "
             "every permanent one escalated",

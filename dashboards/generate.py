@@ -315,12 +315,21 @@ def build() -> dict[str, Any]:
             )
         )
         .with_panel(
+            _stat(
+                "Intake waiting",
+                "How long the oldest agent request has waited for the sidecar's database "
+                "commit (0: none waits). See the SagaSidecarIntakeStalled runbook.",
+                "s",
+                _query(f"max({sc.M_SIDECAR_INTAKE_WAITING})", "waiting"),
+            )
+        )
+        .with_panel(
             _timeseries(
                 "Alert delay p99",
                 "99th percentile time from the event to a delivered alert, by sink.",
                 "s",
                 _query(_quantile(0.99, sc.M_SIDECAR_ALERT_DELAY, "sink"), "{{sink}}"),
-                width=16,
+                width=12,
             )
         )
     )

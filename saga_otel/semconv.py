@@ -239,6 +239,9 @@ M_SIDECAR_FORWARD_DROPPED: Final = "saga_sidecar_forward_dropped_spans_total"
 M_SIDECAR_ALERTS: Final = "saga_sidecar_alerts_total"
 M_SIDECAR_ALERT_DELAY: Final = "saga_sidecar_alert_delay_seconds"
 M_SIDECAR_OUTBOX_DEPTH: Final = "saga_sidecar_outbox_depth"
+# How long the oldest OTLP request still waiting for its commit has waited (0: none):
+# grows while the database is stalled (agents' acks time out meanwhile).
+M_SIDECAR_INTAKE_WAITING: Final = "saga_sidecar_intake_waiting_seconds"
 # spans_refused{transport, reason=bad_run_id|foreign_trace|not_owner|stale_token|
 # conflicting_duplicate}: saga spans refused by the ownership, fencing and id rules
 # (also counted as outcome=rejected in spans_received).

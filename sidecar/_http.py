@@ -632,15 +632,24 @@ def build_api_app(service: Service) -> web.Application:
 
         return handle
 
+    def intake_waiting(sidecar: Service) -> float:
+        now = sidecar.clock()
+        return max(0.0, now - sidecar.oldest_waiting(now))
+
     async def healthz(request: web.Request) -> web.Response:
         sidecar = request.app[SERVICE]
         return web.json_response(
-            {"status": "ok", "runs": len(sidecar.state), "in_flight": sidecar.in_flight}
+            {
+                "status": "ok",
+                "runs": len(sidecar.state),
+                "in_flight": sidecar.in_flight,
+                "intake_waiting_s": round(intake_waiting(sidecar), 3),
+            }
         )
 
     async def metrics(request: web.Request) -> web.Response:
         sidecar = request.app[SERVICE]
-        body = sidecar.metrics.render(sidecar.state)
+        body = sidecar.metrics.render(sidecar.state, intake_waiting(sidecar))
         resp = web.Response(body=body)
         resp.headers["Content-Type"] = CONTENT_TYPE_LATEST
         return resp

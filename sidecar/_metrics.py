@@ -39,6 +39,12 @@ class SidecarMetrics:
             ["transport", "route"],
             registry=self.registry,
         )
+        self.intake_waiting = Gauge(
+            sc.M_SIDECAR_INTAKE_WAITING,
+            "Seconds the oldest OTLP request still waiting for its commit has waited (0: none "
+            "waits); grows while the database is stalled, as agents' acknowledgements wait.",
+            registry=self.registry,
+        )
         self.forward_dropped = Counter(
             sc.M_SIDECAR_FORWARD_DROPPED,
             "Spans not re-exported to the --forward upstream (queue full or upstream failed).",
@@ -68,8 +74,9 @@ class SidecarMetrics:
             for reason in SPAN_REFUSAL_REASONS:
                 self.spans_refused.labels(transport=transport, reason=reason)
 
-    def render(self, state: RunState) -> bytes:
+    def render(self, state: RunState, intake_waiting: float = 0.0) -> bytes:
         # Run gauges are computed at scrape time: cheaper than tracking every change.
+        self.intake_waiting.set(intake_waiting)
         for name, count in state.counts().items():
             self.runs.labels(state=name).set(count)
         self.orphaned_runs.set(state.orphaned_unresolved())

@@ -1101,7 +1101,7 @@ class Sidecar:
             if not judge or (self._db_thread is not None and not self.leading):
                 continue
             now = self.clock()
-            waiting_since = next(iter(self._unfolded.values()), now)
+            waiting_since = self.oldest_waiting(now)
             read_from = now if self._db_thread is None else self._read_from
             waiting = now - waiting_since > gate.slack
             if waiting and not stalled:  # once per episode
@@ -1113,6 +1113,12 @@ class Sidecar:
                 )
             stalled = waiting
             self.tick(as_of=judged_as_of(now, waiting_since, read_from))
+
+    def oldest_waiting(self, now: float) -> float:
+        """When the oldest request still waiting for its commit arrived (``now``: none):
+        what the orphan tick judges up to, and how long the intake has been stalled
+        (``/healthz``, the intake gauge)."""
+        return next(iter(self._unfolded.values()), now)
 
     def _require_store(self) -> Store:
         if self.store is None:

@@ -76,6 +76,10 @@ class Service(Protocol):
 
     def leave(self) -> None: ...
 
+    def oldest_waiting(self, now: float) -> float:
+        """When the oldest request still waiting for its commit arrived (``now``: none)."""
+        ...
+
     async def ingest(
         self, decoded: Decoded, transport: str, body: bytes | None = None, content_type: str = ""
     ) -> Decoded:

@@ -5,18 +5,23 @@ SAGA_CHAOS_OUTAGE_S sets how long the sink stays down (default 30 s).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+import psycopg
 import pytest
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from support import (
     AlertReceiver,
     SidecarProcess,
@@ -28,6 +33,9 @@ from support import (
 from examples.world import World
 from examples.world_server import serve_world
 
+sys.path.insert(0, str(Path(__file__).parents[1] / "sidecar"))
+from sidecar_testkit import open_run
+
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(900)]
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,8 +43,6 @@ OUTAGE = float(os.environ.get("SAGA_CHAOS_OUTAGE_S", "30"))
 
 
 def free_port() -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -173,9 +179,6 @@ class SilentSink:
     """A sink that accepts every connection, reads what is sent and never answers."""
 
     def __init__(self) -> None:
-        import socket
-        import threading
-
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = int(self._listener.getsockname()[1])
         self.connections: list[socket.socket] = []
@@ -188,8 +191,6 @@ class SilentSink:
         return f"http://127.0.0.1:{self.port}/alerts"
 
     def _accept(self) -> None:
-        import threading
-
         while True:
             try:
                 conn, _ = self._listener.accept()
@@ -211,9 +212,6 @@ class SilentSink:
                 self.bytes_read += len(data)
 
     def close(self) -> None:
-        import contextlib
-        import socket
-
         # shutdown() first: a bare close() leaves a socket open while a thread is
         # blocked in its accept() or recv().
         for sock in (self._listener, *self.connections):
@@ -275,3 +273,84 @@ def test_a_silent_sink_delays_only_its_own_alerts(
     finally:
         silent.close()
         pager.stop()
+
+
+def _gauge(api: str, name: str) -> float:
+    for line in httpx.get(f"{api}/metrics", timeout=5).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} missing from /metrics")
+
+
+def test_a_stalled_database_shows_on_healthz_and_metrics_and_loses_nothing(
+    tmp_path: Path, postgres: Any, chaos_results: dict[str, Any]
+) -> None:
+    """PostgreSQL stops answering (its backends SIGSTOPped: a hung disk, a lock held by
+    hand): the requests waiting for their commit show as the intake's age on /healthz
+    and /metrics (saga_sidecar_intake_waiting_seconds, which the SagaSidecarIntakeStalled
+    rule watches) while both still answer; once it answers again the waiting request is
+    committed and acknowledged and the age is back to 0."""
+    name = postgres.create()
+    url = postgres.url(name)
+    sc = start_sidecar(tmp_path, db=url)
+    stopped: list[int] = []
+    try:
+        first, second = open_run(), open_run()
+
+        def post(run: Any) -> int:
+            return httpx.post(
+                f"{sc.otlp}/v1/traces",
+                content=encode_spans(run.spans()).SerializeToString(),
+                headers={"Content-Type": "application/x-protobuf"},
+                timeout=120,
+            ).status_code
+
+        assert post(first) == 200
+        assert httpx.get(f"{sc.api}/healthz", timeout=5).json()["intake_waiting_s"] == 0
+        with psycopg.connect(postgres.url(), autocommit=True) as conn:
+            stopped = [
+                int(pid)
+                for (pid,) in conn.execute(
+                    "SELECT pid FROM pg_stat_activity WHERE datname = %s", (name,)
+                ).fetchall()
+            ]
+        assert stopped, "the sidecar holds no connection to its database"
+        stopped_once = list(stopped)
+        for pid in stopped:
+            os.kill(pid, signal.SIGSTOP)
+        answers: list[int] = []
+        sender = threading.Thread(target=lambda: answers.append(post(second)), daemon=True)
+        sender.start()
+        wait_until(
+            lambda: _gauge(sc.api, "saga_sidecar_intake_waiting_seconds") > 2,
+            timeout=60,
+            what="the intake's wait on /metrics",
+        )
+        health = httpx.get(f"{sc.api}/healthz", timeout=5)
+        assert health.status_code == 200 and health.json()["intake_waiting_s"] > 2
+        shown = health.json()["intake_waiting_s"]
+        assert answers == [], "answered while the database was stopped"
+        for pid in stopped:
+            os.kill(pid, signal.SIGCONT)
+        stopped = []
+        sender.join(120)
+        assert answers == [200]
+        wait_until(
+            lambda: _gauge(sc.api, "saga_sidecar_intake_waiting_seconds") == 0,
+            timeout=30,
+            what="the gauge back to 0",
+        )
+        for run in (first, second):
+            view = httpx.get(f"{sc.api}/runs/{run.run_id}", timeout=5).json()
+            assert len(view["steps"]) == 2, view
+        chaos_results["stalled_database"] = {
+            "backends_stopped": len(stopped_once),
+            "intake_waiting_s_shown": shown,
+            "answer_after_resume": answers[0],
+            "lost": 0,
+        }
+    finally:
+        for pid in stopped:
+            os.kill(pid, signal.SIGCONT)
+        sc.stop()
+        postgres.drop(name)

@@ -38,6 +38,7 @@ PANELS = {
     "Alerts sent",
     "Orphaned runs",
     "Outbox depth",
+    "Intake waiting",
     "Alert delay p99",
 }
 
