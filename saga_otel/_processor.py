@@ -404,7 +404,7 @@ class SagaSpanProcessor(SpanProcessor):
                 self._down = False
                 self._safe_log(
                     "info",
-                    "saga.export.recovered",
+                    sc.EV_EXPORT_RECOVERED,
                     message="sidecar reachable again; steps wait for acknowledgement again",
                     endpoint=self.endpoint,
                 )

@@ -279,6 +279,7 @@ EV_UNWIND: Final = "saga.unwind.started"
 EV_ESCALATION: Final = "saga.escalation"
 EV_EXPORT_FAILED: Final = "saga.export.failed"
 EV_EXPORT_FAILOVER: Final = "saga.export.failover"
+EV_EXPORT_RECOVERED: Final = "saga.export.recovered"
 EV_TELEMETRY_ERROR: Final = "saga.telemetry.error"
 
 # --- alerts (sidecar) -------------------------------------------------------
