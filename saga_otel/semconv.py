@@ -228,7 +228,7 @@ M_EXPORT_FAILURES: Final = "saga_export_failures_total"
 M_TELEMETRY_ERRORS: Final = "saga_telemetry_errors_total"
 
 # --- sidecar metrics -------------------------------------------------------
-# Labels: spans_received{transport=http|grpc, outcome=accepted|ignored|rejected};
+# Labels: spans_received{transport=http|grpc, outcome=accepted|ignored|rejected|unavailable};
 # runs{state}; request_duration{transport, route}; alerts{alertname, sink,
 # outcome=delivered|retried|failed}; alert_delay{sink}. No run id, ever.
 M_SIDECAR_SPANS_RECEIVED: Final = "saga_sidecar_spans_received_total"

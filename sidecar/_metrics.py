@@ -18,7 +18,8 @@ class SidecarMetrics:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.spans_received = Counter(
             sc.M_SIDECAR_SPANS_RECEIVED,
-            "Spans received, by transport (http, grpc) and outcome (accepted, ignored, rejected).",
+            "Spans received, by transport (http, grpc) and outcome (accepted, ignored, rejected, "
+            "unavailable: not stored, answered 503 for the exporter to resend).",
             ["transport", "outcome"],
             registry=self.registry,
         )
@@ -69,7 +70,7 @@ class SidecarMetrics:
         for state in ALL_STATES:
             self.runs.labels(state=state)
         for transport in ("http", "grpc"):
-            for outcome in ("accepted", "ignored", "rejected"):
+            for outcome in ("accepted", "ignored", "rejected", "unavailable"):
                 self.spans_received.labels(transport=transport, outcome=outcome)
             for reason in SPAN_REFUSAL_REASONS:
                 self.spans_refused.labels(transport=transport, reason=reason)

@@ -560,12 +560,22 @@ class Sidecar:
 
         Returns ``decoded`` less the spans the ownership, fencing and id rules refused
         (counted in its ``rejected`` and ``errors``: answer with those). The spans are
-        committed before this returns.
+        committed before this returns; spans not stored (StoreError) are counted
+        ``unavailable``, so a failing database shows on /metrics, not only in the log.
 
         Group commit (the policy: ``_groups.py``): the request joins the newest group;
         SQLite commits each group in a loop callback (``_commit_inline``), PostgreSQL
         takes them under the intake lock (``_take_groups``).
         """
+        try:
+            return await self._ingest(decoded, transport, body, content_type)
+        except StoreError:
+            self._spans_counter(transport, "unavailable").inc(len(decoded.spans))
+            raise
+
+    async def _ingest(
+        self, decoded: Decoded, transport: str, body: bytes | None, content_type: str
+    ) -> Decoded:
         store = self.store
         if store is None:
             raise StoreError("the sidecar is not running: start it before sending spans")

@@ -181,11 +181,16 @@ async def test_a_failed_group_commit_fails_every_request_and_folds_none(sidecar:
         blocker.close()
     assert all(isinstance(g, StoreError) for g in got), got
     assert all(sidecar.state.view(r.run_id) is None for r in runs)
+    # Counted where an operator looks: the spans not stored, answered 503.
+    unavailable = {"transport": "http", "outcome": "unavailable"}
+    sample = sidecar.metrics.registry.get_sample_value
+    assert sample("saga_sidecar_spans_received_total", unavailable) == 6
     assert not sidecar._groups  # nothing left waiting
     # The agents retry (a 503 asks them to): now everything is taken.
     again = await asyncio.gather(*(sidecar.ingest(_decoded(r.spans()), "http") for r in runs))
     assert [d.rejected for d in again] == [0, 0, 0]
     assert _stored(sidecar.db_path) == 6
+    assert sample("saga_sidecar_spans_received_total", unavailable) == 6
 
 
 def test_a_write_transaction_failing_mid_way_is_rolled_back_whatever_failed(
