@@ -567,17 +567,9 @@ class Sidecar:
         SQLite commits each group in a loop callback (``_commit_inline``), PostgreSQL
         takes them under the intake lock (``_take_groups``).
         """
-        try:
-            return await self._ingest(decoded, transport, body, content_type)
-        except StoreError:
-            self._spans_counter(transport, "unavailable").inc(len(decoded.spans))
-            raise
-
-    async def _ingest(
-        self, decoded: Decoded, transport: str, body: bytes | None, content_type: str
-    ) -> Decoded:
         store = self.store
         if store is None:
+            self._spans_counter(transport, "unavailable").inc(len(decoded.spans))
             raise StoreError("the sidecar is not running: start it before sending spans")
         if not decoded.spans:  # nothing to screen or store: answered at once
             return self._fold(decoded, transport, body, content_type, {}, self.clock(), set())
@@ -593,6 +585,9 @@ class Sidecar:
         unfolded[answer] = self.clock()
         try:
             return await answer
+        except StoreError:  # not stored: the exporter resends after our 503
+            self._spans_counter(transport, "unavailable").inc(len(decoded.spans))
+            raise
         finally:
             del unfolded[answer]
 
