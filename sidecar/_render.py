@@ -6,7 +6,9 @@ import json
 import time
 from datetime import datetime, tzinfo
 
-from rich.console import Group, RenderableType
+from rich.console import Console, ConsoleOptions, RenderableType, RenderResult
+from rich.constrain import Constrain
+from rich.measure import Measurement
 from rich.rule import Rule
 from rich.table import Table
 from rich.text import Text
@@ -230,4 +232,17 @@ def render_run(
     resolution = view["resolution"]
     if resolution:
         parts.append(Text(f"resolved {_when(resolution['at'])}: {resolution['note']}", "green"))
-    return Group(*parts)
+    return _Drawing(parts, table)
+
+
+class _Drawing:
+    """The run's parts, its section rules as wide as the step table (at least 60
+    columns): on a wide console (a pipe gets 200) they would otherwise run to its edge."""
+
+    def __init__(self, parts: list[RenderableType], table: Table) -> None:
+        self._parts, self._table = parts, table
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        width = max(60, Measurement.get(console, options, self._table).maximum)
+        for part in self._parts:
+            yield Constrain(part, width) if isinstance(part, Rule) else part

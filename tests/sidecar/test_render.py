@@ -64,3 +64,15 @@ def test_stuck_run() -> None:
     assert "UNWIND" not in out
     assert "#0 issue_credit" in out.split("LEFT ON THE STACK")[1]
     assert "(cannot be undone)" in out
+
+
+def test_section_rules_are_as_wide_as_the_step_table_on_a_wide_console() -> None:
+    """Piped, `runs show` prints 200 columns wide (no id cut): the rules stop where the
+    drawing does instead of running to the console's edge."""
+    console = Console(record=True, width=200)
+    console.print(render_run(view_of(compensation_failed_run())))
+    lines = console.export_text().splitlines()
+    table = len(next(line for line in lines if line.startswith("┏")))
+    rules = [line for line in lines if line.startswith(("UNWIND", "LEFT ON THE STACK"))]
+    assert len(rules) == 2 and table < 120
+    assert all(len(line.rstrip()) == table for line in rules), (table, rules)
