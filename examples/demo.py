@@ -30,6 +30,9 @@ from typing import Any
 
 import httpx
 from rich.console import Console
+from rich.markup import escape
+from rich.padding import Padding
+from rich.text import Text
 
 from examples.world import World
 from examples.world_server import serve_world
@@ -84,14 +87,19 @@ def show(api: str, run_id: str) -> None:
     subprocess.run([str(BIN / "saga-sidecar"), "runs", "show", run_id, "--api", api], check=True)
 
 
+def say(markup: str, indent: int = 2) -> None:
+    """A line indented as a block: when it wraps, it wraps under itself, not at column 0."""
+    console.print(Padding(Text.from_markup(markup), (0, 0, 0, indent), expand=False))
+
+
 def show_alert(alert: dict[str, Any], since: float, what: str) -> None:
     ann = alert.get("annotations", {})
     delay = (alert["_received"] - since) * 1000
-    console.print(
-        f"  [bold]{alert['alertname']}[/] ({alert['severity']}) at the webhook "
+    say(
+        f"[bold]{alert['alertname']}[/] ({alert['severity']}) at the webhook "
         f"{delay:.0f} ms after {what}"
     )
-    console.print(f"    {ann.get('description') or ann.get('summary')}")
+    say(escape(str(ann.get("description") or ann.get("summary"))), 4)
 
 
 def call_text(tool: str, args: dict[str, Any]) -> str:
@@ -223,8 +231,8 @@ def main() -> None:
                 timeout=30,
             )
             delay = (resolved["_received"] - recovered_at) * 1000
-            console.print(
-                f"  [bold]SagaRunOrphaned[/] resolved at the webhook {delay:.0f} ms after "
+            say(
+                f"[bold]SagaRunOrphaned[/] resolved at the webhook {delay:.0f} ms after "
                 "recover started: the run is recovered, nobody needs to act"
             )
             show(sc["api"], run_id)
