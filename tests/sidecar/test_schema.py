@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import json
-import sqlite3
 import subprocess
 import sys
 from pathlib import Path
 
-import psycopg
 import pytest
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from sidecar_testkit import (
@@ -19,6 +17,7 @@ from sidecar_testkit import (
     db_for,
     settings_for,
 )
+from support import sql_on
 
 from saga_otel import semconv as sc
 from sidecar import Sidecar, StoreError
@@ -136,32 +135,16 @@ EVENT = {
 
 def _execute(where: str, script: str, rows: list[tuple[str, tuple[object, ...]]]) -> None:
     """Run ``script`` (DDL) then ``rows`` (SQL with ? marks, arguments) on the database."""
-    if where.startswith("postgresql://"):
-        with psycopg.connect(where) as conn:
-            for statement in filter(str.strip, script.split(";")):
-                conn.execute(statement)
-            for sql, args in rows:
-                conn.execute(sql.replace("?", "%s"), args)
-        return
-    db = sqlite3.connect(where)
-    try:
-        db.executescript(script)
-        for sql, args in rows:
-            db.execute(sql, args)
-        db.commit()
-    finally:
-        db.close()
+    with sql_on(where) as run:
+        for statement in statements(script):
+            run(statement)
+        for text, args in rows:
+            run(text, [args])
 
 
 def _rows(where: str, query: str) -> list[tuple[object, ...]]:
-    if where.startswith("postgresql://"):
-        with psycopg.connect(where) as conn:
-            return [tuple(r) for r in conn.execute(query).fetchall()]
-    db = sqlite3.connect(where)
-    try:
-        return db.execute(query).fetchall()
-    finally:
-        db.close()
+    with sql_on(where) as run:
+        return [tuple(r) for r in run(query)]
 
 
 def _make_v1(where: str, backend: str) -> str:
