@@ -364,6 +364,10 @@ class _Run:
     def has_ended(self) -> bool:
         return bool(self.run_spans)
 
+    def needs_person(self) -> bool:
+        """Stuck, compensation failed or orphaned, and no person has resolved it yet."""
+        return self.status in NEEDS_PERSON and self.resolution is None
+
 
 def _copier(cls: type[_Run]) -> Callable[[_Run], _Run]:
     """``cls``'s field-by-field copy as one straight-line function (a run is copied per
@@ -605,7 +609,7 @@ class RunState:
                 continue
             if until is not None and run.started_at > until:
                 continue
-            if needs_person and (run.status not in NEEDS_PERSON or run.resolution is not None):
+            if needs_person and not run.needs_person():
                 continue
             out.append(self._summary(run))
         out.sort(key=_summary_key, reverse=True)
@@ -1258,11 +1262,17 @@ class RunState:
         return Liveness(alive, last, window, run.status)
 
     def prunable(self, now: float, retention: float) -> list[str]:
-        """Finished (ended or resolved) runs with no activity for ``retention`` seconds."""
+        """Finished (ended or resolved) runs with no activity for ``retention`` seconds.
+
+        A run still waiting for a person (stuck, compensation failed or orphaned, and not
+        resolved) is never pruned, however old: its alert keeps firing until someone
+        resolves it, and resolving needs the run."""
         return [
             r.run_id
             for r in self._runs.values()
-            if (r.has_ended() or r.resolution is not None) and now - r.last_seen > retention
+            if (r.has_ended() or r.resolution is not None)
+            and not r.needs_person()
+            and now - r.last_seen > retention
         ]
 
     def stale_instances(self, now: float, retention: float) -> list[str]:
@@ -1286,11 +1296,7 @@ class RunState:
         ``among`` only, when given (those still here)."""
         runs = self._runs
         found = runs.values() if among is None else (runs[r] for r in among if r in runs)
-        return [
-            r.run_id
-            for r in found
-            if r.run_spans and (r.status not in NEEDS_PERSON or r.resolution is not None)
-        ]
+        return [r.run_id for r in found if r.run_spans and not r.needs_person()]
 
     def index_row(self, run_id: str) -> tuple[float, RunStatus, str, float] | None:
         """(started_at, status, saga, last_seen) of a run, for the store's index of runs

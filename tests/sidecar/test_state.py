@@ -273,6 +273,15 @@ def test_prune_forgets_finished_runs_past_retention_only() -> None:
     assert done.run_id not in state and running.run_id in state
 
 
+def test_prune_keeps_runs_waiting_for_a_person_until_resolved() -> None:
+    state = RunState(idle_timeout=10_000)
+    stuck, failed = stuck_run(), compensation_failed_run()
+    state.apply(records(stuck.spans()) + records(failed.spans()), T)
+    assert state.prunable(T + 365 * 86400.0, retention=100) == []
+    assert state.resolve(stuck.run_id, "finished by hand", T + 1)
+    assert state.prunable(T + 365 * 86400.0, retention=100) == [stuck.run_id]
+
+
 def test_keep_before_gives_before_views() -> None:
     state = RunState()
     spans = records(stuck_run().spans())

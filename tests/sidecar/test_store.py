@@ -16,6 +16,7 @@ from sidecar_testkit import (
     TICKET,
     FakeClock,
     RunScript,
+    compensated_run,
     export_http,
     open_run,
     settings_for,
@@ -83,12 +84,18 @@ async def test_restart_keeps_orphan_marks_and_resolutions(tmp_path: Path) -> Non
 async def test_prune_removes_finished_runs_from_memory_and_disk(tmp_path: Path) -> None:
     clock = FakeClock()
     settings = settings_for(tmp_path, retention=100.0, idle_timeout=1e6)
-    done, running = stuck_run(), open_run()
+    done, waiting, running = compensated_run(), stuck_run(), open_run()
     async with Sidecar(settings, clock=clock) as sc_:
-        await export_http(sc_, done.spans() + running.spans())
+        await export_http(sc_, done.spans() + waiting.spans() + running.spans())
         assert sc_.prune() == []
         clock.now += 101
+        # The stuck run waits for a person, however old: pruning it would leave its page
+        # firing with no run left to resolve.
         assert sc_.prune() == [done.run_id]
+        clock.now += 10 * 86400.0
+        assert sc_.prune() == [] and waiting.run_id in sc_.state
+        assert await sc_.resolve(waiting.run_id, "refunded by hand") is not None
+        assert sc_.prune() == [waiting.run_id]
     store = open_store(settings.database)
     try:
         assert {s.run_id for s in store.spans()} == {running.run_id}
@@ -96,6 +103,7 @@ async def test_prune_removes_finished_runs_from_memory_and_disk(tmp_path: Path) 
         store.close()
     async with Sidecar(settings, clock=clock) as sc_:
         assert done.run_id not in sc_.state and running.run_id in sc_.state
+        assert waiting.run_id not in sc_.state
 
 
 def test_store_ignores_duplicate_spans(tmp_path: Path) -> None:
