@@ -203,7 +203,7 @@ def _origin_ok(request: web.Request) -> bool:
         return False
     origin = request.headers.get("Origin")
     if origin is None:
-        return True  # not a browser form: the bearer check already ran
+        return True  # not sent by a page: the bearer check decides
     return origin != "null" and origin.partition("://")[2] == request.host
 
 
@@ -218,16 +218,44 @@ def _basic_password(header: str) -> str | None:
     return decoded.partition(":")[2]
 
 
-def browser_auth(service: Service) -> Middleware:
-    """Outer API middleware: a browser's Basic credentials become the API's bearer token.
+_SAFE_METHODS: Final = frozenset({"GET", "HEAD", "OPTIONS"})
 
-    The bearer check itself stays the API's (inner) middleware. A 401 to a browser
-    is a small page with a Basic challenge, so the browser asks for the token.
+
+def _cross_site_refusal(request: web.Request) -> web.Response:
+    why = (
+        f"this sidecar refuses a {request.method} sent by another site's page "
+        f"(Origin {request.headers.get('Origin')!r}, Sec-Fetch-Site "
+        f"{request.headers.get('Sec-Fetch-Site')!r})"
+    )
+    if wants_html(request.headers.get("Accept", "")):
+        return _page(
+            "error.html",
+            status=403,
+            title="Refused: not from this sidecar's page",
+            message=f"The resolve form must be sent from this sidecar's own run page: {why}.",
+        )
+    return web.json_response(
+        {"error": f"{why}: call the API from a script or the CLI, not from a web page"},
+        status=403,
+    )
+
+
+def browser_auth(service: Service) -> Middleware:
+    """Outer API middleware: a browser's Basic credentials become the API's bearer token,
+    and a state-changing request from another site's page is refused.
+
+    The origin check covers every POST of the API, JSON routes included: a browser
+    sends its Basic credentials (or, on loopback without a token, none are needed) with
+    a cross-site form, and a ``text/plain`` form can carry a JSON body. The bearer check
+    itself stays the API's (inner) middleware. A 401 to a browser is a small page with
+    a Basic challenge, so the browser asks for the token.
     """
     token = service.settings.token
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.method not in _SAFE_METHODS and not _origin_ok(request):
+            return _cross_site_refusal(request)
         if not token:
             return await handler(request)
         password = _basic_password(request.headers.get("Authorization", ""))
@@ -369,14 +397,6 @@ async def run_page(
 async def resolve(request: web.Request) -> web.StreamResponse:
     service = request.app[SERVICE]
     run_id = request.match_info["run_id"]
-    if not _origin_ok(request):
-        return _page(
-            "error.html",
-            status=403,
-            title="Refused: not from this sidecar's page",
-            message="The resolve form must be sent from this sidecar's own run page "
-            f"(Origin {request.headers.get('Origin')!r} is another site).",
-        )
     try:
         form = await request.post()
     except web.HTTPRequestEntityTooLarge:

@@ -330,6 +330,41 @@ async def test_with_a_token_pages_need_it_as_the_api_does(tmp_path: Path, clock:
         assert any(r.action == "resolve" for r in service.outbox.rows())
 
 
+@pytest.mark.parametrize("route", ["resolve", "lease", "lease/release"])
+async def test_a_cross_site_page_cannot_post_to_the_json_api(
+    tmp_path: Path, clock: FakeClock, route: str
+) -> None:
+    """A page elsewhere can make the browser send its Basic credentials with a
+    ``text/plain`` form whose body is JSON: the API's own POSTs are refused like the
+    resolve form; a script (no Origin) and the sidecar's own page still get through."""
+    token = "s3cret-token"
+    sidecar = Sidecar(settings_for(tmp_path, token=token), clock=clock)
+    install_alerting(sidecar, AlertSettings(log_sink=True))
+    async with sidecar:
+        run = stuck_run()
+        await export_http(sidecar, run.spans(), headers={"Authorization": f"Bearer {token}"})
+        url = f"{api(sidecar)}/runs/{run.run_id}/{route}"
+        body = '{"note": "forged", "holder": "evil", "token": "x"}'
+        forged = {
+            **_basic(token), "Content-Type": "text/plain", "Origin": "http://evil.example",
+            "Sec-Fetch-Site": "cross-site",
+        }  # fmt: skip
+        async with aiohttp.ClientSession() as s:
+            async with s.post(url, data=body, headers=forged) as r:
+                assert r.status == 403, await r.text()
+                why = (await r.json())["error"]
+                assert "another site" in why and "http://evil.example" in why
+            view = sidecar.state.view(run.run_id)
+            assert view is not None and view["resolution"] is None and view["recovery"] is None
+            # The same request from a script, then from the sidecar's own origin, is heard.
+            same = {"Origin": f"http://127.0.0.1:{sidecar.api_port}"}
+            for extra in ({}, same):
+                async with s.post(
+                    url, data=body, headers={**_basic(token), "Content-Type": "text/plain", **extra}
+                ) as r:
+                    assert r.status != 403, (extra, await r.text())
+
+
 async def _run_urls(service: AlertService, run_id: str) -> set[str]:
     for _ in range(500):
         urls = {
