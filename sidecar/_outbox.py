@@ -77,8 +77,9 @@ _DELAY_BUCKETS: Final = (
 class Backoff:
     """Delay before retry number ``failures`` (from 1): exponential, capped, with jitter.
 
-    A sink's Retry-After wins over the computed delay (capped at ``max_retry_after``
-    so a bad header cannot park alerts for a day).
+    A sink's Retry-After lengthens the computed delay, never shortens it (a
+    ``Retry-After: 0`` or a date in the past must not turn retries into a busy loop),
+    and is capped at ``max_retry_after`` so a bad header cannot park alerts for a day.
     """
 
     initial: float = 0.5
@@ -97,9 +98,7 @@ class Backoff:
             raise ConfigError(f"backoff jitter {self.jitter} must be within 0..1")
 
     def delay(self, failures: int, rng: random.Random, retry_after: float | None = None) -> float:
-        if retry_after is not None:
-            return min(max(retry_after, 0.0), self.max_retry_after)
-        return backoff_seconds(
+        computed = backoff_seconds(
             failures,
             initial=self.initial,
             multiplier=self.multiplier,
@@ -107,6 +106,9 @@ class Backoff:
             jitter_ratio=self.jitter,
             rng=rng,
         )
+        if retry_after is None:
+            return computed
+        return max(computed, min(retry_after, self.max_retry_after))
 
 
 @dataclass(frozen=True, slots=True)

@@ -222,7 +222,11 @@ def test_routing_parse_errors_name_the_fix() -> None:
 async def test_retries_503_and_429_with_backoff_then_delivers_once(
     tmp_path: Path, receiver: Receiver
 ) -> None:
-    receiver.script += [(503, "busy", {}), (429, "slow", {"Retry-After": "7"}), (503, "", {})]
+    receiver.script += [
+        (503, "busy", {}),
+        (429, "slow", {"Retry-After": "7"}),
+        (503, "", {"Retry-After": "0"}),  # must not retry at once: the backoff still holds
+    ]
     sleeps: list[float] = []
 
     async def sleep(delay: float) -> None:
@@ -247,7 +251,7 @@ async def test_retries_503_and_429_with_backoff_then_delivers_once(
     assert len(receiver.bodies) == 4  # three refusals, one acceptance
     assert receiver.bodies[-1]["event_action"] == "trigger"
     assert [r.state for r in box.rows()] == [DELIVERED]
-    # Exponential with jitter, and the server's Retry-After honoured as is.
+    # Exponential with jitter; the server's Retry-After lengthens a delay, never shortens it.
     assert 1.0 <= sleeps[0] <= 1.5
     assert sleeps[1] == 7.0
     assert 4.0 <= sleeps[2] <= 6.0
