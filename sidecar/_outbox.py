@@ -43,7 +43,7 @@ from ._backends import alert_rows, open_alert_store
 from ._errors import ConfigError, StoreError
 from ._log import get_logger
 from ._outbox_sql import DELIVERED, FAILED, HELD, PENDING
-from ._sinks import SINK_KINDS, DeliveryRejected, DeliveryRetry, Sink
+from ._sinks import SINK_KINDS, DeliveryRejected, DeliveryRetry, Sink, shown_sink, shown_url
 from ._storage import (
     AlertStore,
     AlertTx,
@@ -482,7 +482,7 @@ class Outbox:
                 await self._settle(row.id, FAILED, str(exc), False)
                 log.error(
                     "sidecar.alert.rejected",
-                    sink=sink.name,
+                    sink=shown_sink(sink.name),
                     action=row.action,
                     dedup_key=row.dedup_key,
                     error=str(exc),
@@ -502,7 +502,7 @@ class Outbox:
                     # in saga_sidecar_alerts_total{outcome="retried"}.
                     log.warning(
                         "sidecar.sink.down",
-                        sink=sink.name,
+                        sink=shown_sink(sink.name),
                         action=row.action,
                         dedup_key=row.dedup_key,
                         error=f"{type(exc).__name__}: {exc}",
@@ -512,7 +512,9 @@ class Outbox:
                 await self._sleep(delay)
             else:
                 if failures:
-                    log.info("sidecar.sink.up", sink=sink.name, failed_attempts=failures)
+                    log.info(
+                        "sidecar.sink.up", sink=shown_sink(sink.name), failed_attempts=failures
+                    )
                 failures = 0
                 self._count(row.event.alertname, sink.kind, OUTCOME_DELIVERED)  # as above
                 if self.metrics is not None:
@@ -566,7 +568,7 @@ class Outbox:
                 await sink.send(_load(text))
             except Exception as exc:
                 error = f"{type(exc).__name__}: {exc}"
-                log.warning("sidecar.alert.resend_failed", sink=sink.name, error=error)
+                log.warning("sidecar.alert.resend_failed", sink=shown_sink(sink.name), error=error)
                 # Try again next interval; the first delivery already succeeded.
             await self.call(self._store.touch_sent, row_id, self._clock())
 
@@ -650,13 +652,20 @@ def _history_row(r: HistoryRecord) -> AlertHistoryRow:
         summary = str(json.loads(r.event)["annotations"].get("summary", ""))
     except (ValueError, KeyError, TypeError, AttributeError):
         summary = ""
+    # For people: a webhook's URL can hold its secret (rows written before errors hid it
+    # quote it in full too).
+    sink = str(r.sink)
+    url = sink.partition(":")[2]
+    error = r.last_error
+    if error and "://" in url:
+        error = error.replace(url, shown_url(url))
     return AlertHistoryRow(
         float(r.created_at),
         str(r.alertname),
         str(r.action),
-        str(r.sink),
+        shown_sink(sink),
         str(r.state),
         int(r.attempts),
-        r.last_error,
+        error,
         summary,
     )

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 from typing import Any, ClassVar, Final, Protocol, TextIO
+from urllib.parse import urlsplit
 
 import aiohttp
 import structlog
@@ -74,6 +75,28 @@ def iso(ts: float) -> str:
     return datetime.fromtimestamp(ts, UTC).isoformat().replace("+00:00", "Z")
 
 
+def shown_url(url: str) -> str:
+    """``url`` fit to show in logs, errors and pages: scheme, host and port only.
+
+    Webhook URLs often carry their secret in the path or query (Slack's and Teams'
+    incoming webhooks do), and any URL may carry a password as user info; those
+    parts become ``…``. The full URL stays in the configuration and the sink's
+    identity (the outbox's ``sink`` column), which never leave the machine.
+    """
+    parts = urlsplit(url)
+    if not parts.scheme or not parts.netloc:
+        return "…" if url else url
+    host = parts.netloc.rpartition("@")[2]
+    rest = parts.path not in ("", "/") or parts.query or parts.fragment
+    return f"{parts.scheme}://{host}{'/…' if rest else ''}"
+
+
+def shown_sink(name: str) -> str:
+    """A sink's name (``kind:url``, or ``log``) with its URL as :func:`shown_url` shows it."""
+    kind, sep, url = name.partition(":")
+    return f"{kind}:{shown_url(url)}" if sep and "://" in url else name
+
+
 def parse_retry_after(value: str | None, now: float) -> float | None:
     """Seconds from a Retry-After header (delta seconds or an HTTP date)."""
     if not value:
@@ -105,6 +128,7 @@ class _Http:
 
     async def post(self, url: str, body: Any, what: str) -> None:
         now = datetime.now(UTC).timestamp()
+        where = shown_url(url)  # errors are logged and shown on the run page
         try:
             async with self.session().post(url, json=body) as resp:
                 if 200 <= resp.status < 300:
@@ -113,16 +137,18 @@ class _Http:
                 text = (await resp.text(errors="replace"))[:_MAX_BODY_IN_ERROR]
                 if resp.status == 429 or resp.status >= 500:
                     raise DeliveryRetry(
-                        f"{what} at {url} answered {resp.status}: {text}",
+                        f"{what} at {where} answered {resp.status}: {text}",
                         parse_retry_after(resp.headers.get("Retry-After"), now),
                     )
                 raise DeliveryRejected(
-                    f"{what} at {url} refused the alert with {resp.status}: {text}; this will "
+                    f"{what} at {where} refused the alert with {resp.status}: {text}; this will "
                     "not pass on retry, check the sink's URL and credentials (routing key)"
                 )
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            # aiohttp's own text can quote the URL (an invalid URL, a redirect's target).
+            told = str(exc).replace(url, where)
             raise DeliveryRetry(
-                f"{what} at {url} unreachable: {type(exc).__name__}: {exc}"
+                f"{what} at {where} unreachable: {type(exc).__name__}: {told}"
             ) from exc
 
     async def close(self) -> None:

@@ -24,7 +24,16 @@ from sidecar._alert_settings import AlertSettings
 from sidecar._alerting import Action, AlertEvent, evaluate
 from sidecar._backends import open_store
 from sidecar._errors import ConfigError, StoreError
-from sidecar._outbox import DELIVERED, FAILED, PENDING, AlertMetrics, Backoff, Outbox, Routing
+from sidecar._outbox import (
+    DELIVERED,
+    FAILED,
+    PENDING,
+    AlertMetrics,
+    Backoff,
+    Outbox,
+    Routing,
+    alert_history,
+)
 from sidecar._outbox_sql import COUNT_IN_STATE, FIRING, PRUNE_RUN_ALERTS
 from sidecar._sinks import DeliveryRetry, PagerDutySink, WebhookSink
 from sidecar._storage import DbTarget, PutAway
@@ -258,6 +267,35 @@ async def test_retries_503_and_429_with_backoff_then_delivers_once(
     labels = {"alertname": sc.ALERT_COMPENSATION_STARTED, "sink": "pagerduty"}
     assert registry.get_sample_value(sc.M_SIDECAR_ALERTS, {**labels, "outcome": "retried"}) == 3
     assert registry.get_sample_value(sc.M_SIDECAR_ALERTS, {**labels, "outcome": "delivered"}) == 1
+
+
+async def test_a_webhook_urls_secret_stays_out_of_logs_and_the_run_page(
+    tmp_path: Path, receiver: Receiver, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Slack's and Teams' incoming webhooks carry their secret in the URL's path.
+    url = f"http://127.0.0.1:{receiver.port}/services/T0/B0/XSECRETX?token=QSECRETQ"
+    receiver.script += [(503, "busy", {}), (400, "no such hook", {})]
+    db = db_for(tmp_path / "db")
+    metrics = AlertMetrics.create(CollectorRegistry())
+    box = Outbox(db, [WebhookSink(url)], metrics=metrics, sleep=no_sleep)
+    box.add([fire("r1")])
+    with caplog.at_level(logging.INFO, logger="sidecar.alerts"):
+        await box.start()
+        try:
+            assert await box.wait_idle()
+        finally:
+            await box.stop()
+    assert len(receiver.bodies) == 2  # the 503 retried, the 400 refused for good
+    shown = f"webhook:http://127.0.0.1:{receiver.port}/…"
+    (row,) = alert_history(db, "r1")
+    assert row.sink == shown and row.last_error is not None and "no such hook" in row.last_error
+    logged = [
+        (r.getMessage(), r.__dict__.get("sink"), r.__dict__.get("error")) for r in caplog.records
+    ]
+    assert {m for m, _, _ in logged} >= {"sidecar.sink.down", "sidecar.alert.rejected"}
+    assert all(sink == shown for _, sink, _ in logged if sink is not None)
+    for text in [repr(row), *map(repr, logged)]:
+        assert "SECRET" not in text, text
 
 
 async def test_400_is_not_retried_and_is_logged_with_the_answer(

@@ -20,6 +20,8 @@ from sidecar._sinks import (
     PagerDutySink,
     WebhookSink,
     parse_retry_after,
+    shown_sink,
+    shown_url,
 )
 
 
@@ -202,3 +204,44 @@ def test_retry_after_forms() -> None:
     assert parse_retry_after("Thu, 01 Jan 1970 00:00:30 GMT", now=10.0) == 20.0
     assert parse_retry_after("soon", now=0.0) is None
     assert parse_retry_after(None, now=0.0) is None
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("https://hooks.slack.com/services/T0/B0/XSECRETX", "https://hooks.slack.com/…"),
+        ("https://example.com/hook?token=QSECRETQ", "https://example.com/…"),
+        ("http://user:PSECRETP@127.0.0.1:9093", "http://127.0.0.1:9093"),
+        ("http://127.0.0.1:9093/", "http://127.0.0.1:9093"),
+        ("https://events.pagerduty.com/v2/enqueue", "https://events.pagerduty.com/…"),
+        ("not a url with SECRET", "…"),
+        ("", ""),
+    ],
+)
+def test_urls_are_shown_without_path_query_or_password(url: str, shown: str) -> None:
+    assert shown_url(url) == shown
+    assert shown_sink(f"webhook:{url}") == (
+        f"webhook:{shown}" if "://" in url else f"webhook:{url}"
+    )
+    assert shown_sink("log") == "log"
+
+
+async def test_a_sinks_errors_name_its_url_without_the_secret(receiver: Receiver) -> None:
+    receiver.script += [(503, "busy", {}), (400, "no such hook", {})]
+    secret = f"http://127.0.0.1:{receiver.port}/services/XSECRETX"
+    sink = WebhookSink(secret)
+    try:
+        with pytest.raises(DeliveryRetry) as retry:
+            await sink.send(fire_and_resolve()[0])
+        with pytest.raises(DeliveryRejected) as rejected:
+            await sink.send(fire_and_resolve()[0])
+    finally:
+        await sink.close()
+    gone = WebhookSink(f"http://127.0.0.1:{free_port()}/services/XSECRETX")
+    try:
+        with pytest.raises(DeliveryRetry) as unreachable:
+            await gone.send(fire_and_resolve()[0])
+    finally:
+        await gone.close()
+    for err in (retry.value, rejected.value, unreachable.value):
+        assert "SECRET" not in str(err) and "http://127.0.0.1:" in str(err), str(err)
