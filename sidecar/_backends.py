@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ._pgstore import PgAlertStore, PgStore, pg_history
 from ._storage import AlertStore, DbTarget, HistoryRecord, Store
-from ._store import SqliteAlertStore, SqliteStore, sqlite_history
+from ._store import SqliteAlertStore, SqliteStore, hold_file, sqlite_history
 
 
 def open_store(target: DbTarget) -> Store:
@@ -16,6 +16,16 @@ def open_store(target: DbTarget) -> Store:
     if target.backend == "postgresql":
         return PgStore(target)
     return SqliteStore(target)
+
+
+def hold_database(target: DbTarget) -> int | None:
+    """Claim the database for this serving process: a SQLite file's lock (one sidecar a
+    file, ``hold_file``), the descriptor to close when serving stops; None on
+    PostgreSQL, which any number of replicas share."""
+    if target.backend == "postgresql":
+        return None
+    assert target.path is not None
+    return hold_file(target.path)
 
 
 def open_alert_store(target: DbTarget) -> AlertStore:

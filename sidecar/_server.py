@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import functools
 import json
+import os
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -34,7 +35,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from saga_otel import semconv as sc
 
-from ._backends import open_store
+from ._backends import hold_database, open_store
 from ._errors import SidecarError, StoreError
 from ._forward import Forwarder, cancel
 from ._groups import GROUPS_IN_A_ROW, Groups, Pending, Screened, deliver, screen_in_order, settle
@@ -181,6 +182,7 @@ class Sidecar:
         self._presence: dict[str, int] = {}
         # A store that is not inline (PostgreSQL): its calls, one at a time, in order.
         self._db_thread: ThreadPoolExecutor | None = None
+        self._held: int | None = None  # the SQLite file's lock while serving it
         self._intake = asyncio.Lock()
         # Group commit (_groups.py): the requests waiting, in groups, for their
         # transaction; on PostgreSQL the task taking them (_take_groups).
@@ -261,14 +263,19 @@ class Sidecar:
             return
         self.settings.validate()
         target = self.database
-        if target.backend == "sqlite":
-            self.store = open_store(target)
-            self._rebuild()
-        else:
-            self.store = await asyncio.to_thread(open_store, target)
-            self._db_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="saga-db")
-            # Nothing listens yet: the state is ours alone while the thread folds it.
-            await self._call(self._rebuild)
+        self._held = hold_database(target)
+        try:
+            if target.backend == "sqlite":
+                self.store = open_store(target)
+                self._rebuild()
+            else:
+                self.store = await asyncio.to_thread(open_store, target)
+                self._db_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="saga-db")
+                # Nothing listens yet: the state is ours alone while the thread folds it.
+                await self._call(self._rebuild)
+        except BaseException:
+            self._release()
+            raise
         self._started = True
         try:
             host = self.settings.host
@@ -360,6 +367,12 @@ class Sidecar:
             if self.store is not None:
                 self.store.close()
                 self.store = None
+        self._release()
+
+    def _release(self) -> None:
+        if self._held is not None:
+            os.close(self._held)  # the file's lock goes with it (see hold_file)
+            self._held = None
 
     # --- the database, inline or on its thread -----------------------------------
 

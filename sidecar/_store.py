@@ -10,6 +10,7 @@ Both implement the interfaces of ``_storage.py``; the PostgreSQL backend is
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import sqlite3
 import stat
@@ -205,6 +206,37 @@ def migrate(db: sqlite3.Connection, where: str) -> int:
 
 def _target(where: DbTarget | Path) -> DbTarget:
     return where if isinstance(where, DbTarget) else DbTarget("sqlite", path=where)
+
+
+def hold_file(path: Path) -> int:
+    """Hold ``{path}.lock`` for as long as this process serves ``path``; the descriptor to
+    close when it stops.
+
+    One sidecar per SQLite file: the store is the file's only writer (its filter of runs
+    put away trusts that), so a second ``serve`` on the same file stops at start with
+    an error instead of writing behind the first one's back. ``flock`` is dropped by
+    the kernel when the holder dies, SIGKILL included, so a restart never waits for a
+    lock a dead process left. Readers (``saga-sidecar runs``) take no lock.
+    """
+    prepare_db_file(path, warn=False)
+    lock = Path(f"{path}.lock")
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as exc:
+        raise StoreError(
+            f"cannot open {str(lock)!r} next to the database: {exc}; pass a writable path "
+            "with --db (SAGA_SIDECAR_DB)"
+        ) from exc
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        os.close(fd)
+        raise StoreError(
+            f"another sidecar already serves the database {str(path)!r} (it holds "
+            f"{str(lock)!r}): stop it, or give this one its own file with --db; for several "
+            "processes sharing runs use PostgreSQL (docs/scaling.md)"
+        ) from exc
+    return fd
 
 
 def prepare_db_file(path: Path, *, warn: bool = True) -> None:

@@ -6,13 +6,16 @@ from __future__ import annotations
 import logging
 import os
 import sqlite3
+import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
 
+import httpx
 import pytest
+from sidecar_testkit import start_sidecar
 from test_outbox import unwinding, view
 
 from sidecar import _putaway_filter, _store
@@ -275,3 +278,29 @@ def test_a_prune_batch_has_the_wal_checkpointed_at_once(
         assert _backfilled(path) > 0
     finally:
         store.close()
+
+
+def test_a_second_serve_on_the_same_file_stops_at_start(tmp_path: Path) -> None:
+    """One sidecar a SQLite file (the store is its only writer): a second ``serve`` says
+    which file and what to do instead, and the first serves on; once the first is
+    SIGKILLed the file is free at once (the kernel drops the lock with the process)."""
+    db = tmp_path / "sidecar.db"
+    first, ports = start_sidecar(db)
+    try:
+        saga_sidecar = str(Path(sys.executable).parent / "saga-sidecar")
+        argv = [saga_sidecar, "serve", "--db", str(db), "--log-level", "error"]
+        argv += ["--otlp-http-port", "0", "--otlp-grpc-port", "0", "--api-port", "0"]
+        second = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        assert second.returncode == 1, second.stderr
+        lines = second.stderr.strip().splitlines()
+        assert len(lines) == 1 and "Traceback" not in second.stderr, second.stderr
+        assert "another sidecar already serves" in lines[0] and str(db) in lines[0]
+        assert "--db" in lines[0] and "PostgreSQL" in lines[0]
+        health = httpx.get(f"http://127.0.0.1:{ports['api']}/healthz", timeout=10)
+        assert health.status_code == 200  # the first one never noticed
+    finally:
+        first.kill()
+        first.wait()
+    again, _ = start_sidecar(db)  # would fail if a dead holder kept the lock
+    again.terminate()
+    assert again.wait(timeout=30) == 0
