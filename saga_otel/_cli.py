@@ -28,7 +28,7 @@ from saga_otel._recovery import (
     recover_with_hints,
 )
 from saga_otel._registry import ToolRegistry
-from saga_otel.records import RetryPolicy, RunStatus
+from saga_otel.records import RetryPolicy, RunStatus, describe_error, exception_text
 
 ENV_TOOLS = "SAGA_OTEL_TOOLS"
 ENV_OTLP = "SAGA_OTEL_SIDECAR_ENDPOINT"
@@ -62,7 +62,7 @@ def _load_object(spec: str) -> Any:
     try:
         return getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
-        raise _BadTools(f"cannot load {spec!r}: {exc}") from exc
+        raise _BadTools(f"cannot load {spec!r}: {exception_text(exc)}") from exc
 
 
 def load_registry(spec: str) -> ToolRegistry:
@@ -76,19 +76,21 @@ def load_registry(spec: str) -> ToolRegistry:
     try:
         obj: Any = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
-        raise _BadTools(f"cannot load {spec!r}: {exc}") from exc
+        raise _BadTools(f"cannot load {spec!r}: {exception_text(exc)}") from exc
     if callable(obj) and not isinstance(obj, ToolRegistry):
         try:
             obj = obj()
         except TypeError as exc:
             raise _BadTools(
-                f"{spec!r} is a callable that needs arguments ({exc}); point at a "
+                f"{spec!r} is a callable that needs arguments ({exception_text(exc)}); point at a "
                 "ToolRegistry or a factory that takes none"
             ) from exc
         except SagaError as exc:  # e.g. an MCP registry whose server is down
-            raise _BadTools(f"{spec!r} could not build the registry: {exc}") from exc
+            raise _BadTools(
+                f"{spec!r} could not build the registry: {exception_text(exc)}"
+            ) from exc
         except Exception as exc:  # the user's factory: its error, in one line
-            raise _BadTools(f"the factory {spec!r} failed: {type(exc).__name__}: {exc}") from exc
+            raise _BadTools(f"the factory {spec!r} failed: {describe_error(exc)}") from exc
     if not isinstance(obj, ToolRegistry):
         raise _BadTools(f"{spec!r} is a {type(obj).__name__}, not a ToolRegistry")
     return obj
@@ -234,14 +236,14 @@ def _mcp_tools(args: argparse.Namespace) -> int:
     try:
         from saga_otel.adapters import mcp as adapter
     except ImportError as exc:
-        print(f"saga-otel: {exc}", file=sys.stderr)
+        print(f"saga-otel: {exception_text(exc)}", file=sys.stderr)
         return 2
     declare: Any = None
     if args.declare:
         try:
             declare = _load_object(args.declare)
         except _BadTools as exc:
-            parser.error(f"--declare: {exc}")
+            parser.error(f"--declare: {exception_text(exc)}")
         if callable(declare):
             declare = declare()
         if not isinstance(declare, dict) or not all(
@@ -253,10 +255,13 @@ def _mcp_tools(args: argparse.Namespace) -> int:
             adapter.review_command(server, declare, unannotated=args.unannotated)
         )
     except SagaError as exc:
-        print(f"saga-otel: {exc}", file=sys.stderr)
+        print(f"saga-otel: {exception_text(exc)}", file=sys.stderr)
         return 2
     except Exception as exc:  # the server did not start or speak MCP: one line, not a trace
-        print(f"saga-otel: cannot list the tools of {' '.join(server)!r}: {exc}", file=sys.stderr)
+        print(
+            f"saga-otel: cannot list the tools of {' '.join(server)!r}: {exception_text(exc)}",
+            file=sys.stderr,
+        )
         return 2
     print(adapter.review(rows))
     if refusal is not None:
@@ -281,7 +286,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         tools = load_registry(args.tools_spec)
     except _BadTools as exc:
-        rec.error(f"--tools: {exc}")
+        rec.error(f"--tools: {exception_text(exc)}")
     if args.force and not (args.reason or "").strip():
         rec.error("--force needs --reason '...': say why; it is recorded on the run")
     token: str | None = args.token
@@ -310,15 +315,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except NothingToRecoverError as exc:
         if args.as_json:
             outcome = {"run_id": run_id, "outcome": "nothing_to_do", "status": exc.status}
-            print(json.dumps({**outcome, "message": str(exc)}))
+            print(json.dumps({**outcome, "message": exception_text(exc)}))
         else:
-            print(f"saga-otel: {exc}")
+            print(f"saga-otel: {exception_text(exc)}")
         return EXIT_NOTHING_TO_DO
     except RecoveryRefusedError as exc:
-        print(f"saga-otel: {exc}", file=sys.stderr)
+        print(f"saga-otel: {exception_text(exc)}", file=sys.stderr)
         return EXIT_REFUSED
     except SagaError as exc:
-        print(f"saga-otel: {exc}", file=sys.stderr)
+        print(f"saga-otel: {exception_text(exc)}", file=sys.stderr)
         return EXIT_ERROR
     finally:
         export.shutdown()

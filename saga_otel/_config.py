@@ -32,6 +32,7 @@ from saga_otel._presence import Presence
 from saga_otel._processor import DEFAULT_MAX_SPAN_BYTES, SagaSpanProcessor
 from saga_otel._state import STATE
 from saga_otel._transport import Compression, TransportSettings
+from saga_otel.records import exception_text
 
 __all__ = ["ENV_SIDECAR_ENDPOINT", "SidecarExport", "configure", "instance_id"]
 
@@ -160,7 +161,8 @@ def _resolve_tls() -> ssl.SSLContext | None:
     except (OSError, ssl.SSLError) as exc:
         names = ", ".join(f"{n}={v!r}" for n, v in (x for x in (ca, cert, key) if x))
         raise ConfigurationError(
-            f"cannot load the TLS files named by {names}: {exc}; point them at PEM files"
+            f"cannot load the TLS files named by {names}: {exception_text(exc)}; "
+            "point them at PEM files"
         ) from exc
     return context
 

@@ -55,6 +55,7 @@ from saga_otel.records import (
     StepClass,
     StepRecord,
     describe_error,
+    exception_text,
     is_pivot,
 )
 
@@ -566,7 +567,9 @@ class _Core:
                     )
         except Exception as exc:  # the do succeeded: never retry it for a bad undo
             comp = None
-            why = str(exc) if isinstance(exc, ConfigurationError) else describe_error(exc)
+            why = (
+                exception_text(exc) if isinstance(exc, ConfigurationError) else describe_error(exc)
+            )
             unstorable = (
                 f"the undo {t.compensate!r} of step {t.name!r} (index {index}) could not be "
                 f"stored: {why}. The do ran once and is not retried; the run unwinds what it can "

@@ -19,6 +19,7 @@ import httpx
 
 from saga_otel import semconv as sc
 from saga_otel._errors import RecoveryError
+from saga_otel.records import describe_error
 
 DEFAULT_LEASE_TTL_S = 30.0
 # The bounds the sidecar accepts for a lease's ttl_s.
@@ -67,7 +68,7 @@ class ApiTarget:
             return httpx.post(self.url(run_id, suffix), json=body, headers=self.headers, timeout=10)
         except httpx.HTTPError as exc:
             raise RecoveryError(
-                f"cannot reach the sidecar at {self.base} ({type(exc).__name__}: {exc}); start "
+                f"cannot reach the sidecar at {self.base} ({describe_error(exc)}); start "
                 f"it with `saga-sidecar serve` or {self.flag_hint}"
             ) from exc
 

@@ -29,7 +29,13 @@ from saga_otel._errors import ConfigurationError
 from saga_otel._outcome import AsyncMode, Mode, Outcome, Script, SyncMode, _immediate, _pending
 from saga_otel._registry import CallInfo
 from saga_otel._telemetry import Attempt, Instrumentation, RunTelemetry
-from saga_otel.records import Compensation, StepClass, describe_error, is_pivot
+from saga_otel.records import (
+    Compensation,
+    StepClass,
+    describe_error,
+    exception_text,
+    is_pivot,
+)
 
 #: Bound on one undo's arguments as JSON (as Saga's max_undo_bytes default).
 MAX_UNDO_BYTES = 64 * 1024
@@ -193,7 +199,7 @@ class _Observer:
                 )
         except ConfigurationError as exc:
             self.instr.swallowed("compensation_recipe", exc)
-            return None, str(exc)
+            return None, exception_text(exc)
         size = len(comp.args_json().encode())
         if size > MAX_UNDO_BYTES:
             return None, f"its arguments are {size} bytes of JSON, over {MAX_UNDO_BYTES}"

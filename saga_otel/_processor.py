@@ -53,7 +53,7 @@ from saga_otel._frozen import fast_init
 from saga_otel._logging import Logger, default_logger
 from saga_otel._transport import Poster, TransportSettings, partial_rejections, retry_after
 from saga_otel._wire import encode
-from saga_otel.records import backoff_seconds
+from saga_otel.records import backoff_seconds, describe_error
 
 __all__ = ["DEFAULT_MAX_SPAN_BYTES", "SagaSpanProcessor", "export_failures_counter"]
 
@@ -394,7 +394,7 @@ class SagaSpanProcessor(SpanProcessor):
         except Exception as exc:  # refused, reset, timed out: the sidecar may come back
             if self._fail_over(None):
                 return "retry", 0.0
-            self._note_down(f"{type(exc).__name__}: {exc}", batch, unreachable=True)
+            self._note_down(describe_error(exc), batch, unreachable=True)
             return "retry", None
         code = resp.status
         if 200 <= code < 300:

@@ -38,7 +38,7 @@ from saga_otel._leasing import (
     take_lease,
 )
 from saga_otel._registry import ToolRegistry
-from saga_otel.records import Compensation, RetryPolicy, SagaReport
+from saga_otel.records import Compensation, RetryPolicy, SagaReport, describe_error
 
 ENV_SIDECAR_API = "SAGA_OTEL_SIDECAR_API"
 DEFAULT_SIDECAR_API = "http://127.0.0.1:4320"
@@ -147,7 +147,7 @@ def _get(api: ApiTarget, url: str, params: dict[str, str | int]) -> httpx.Respon
         return httpx.get(url, params=params, headers=api.headers, timeout=10.0)
     except httpx.HTTPError as exc:
         raise RecoveryError(
-            f"cannot reach the sidecar at {api.base} ({type(exc).__name__}: {exc}); start it "
+            f"cannot reach the sidecar at {api.base} ({describe_error(exc)}); start it "
             f"with `saga-sidecar serve` or {api.flag_hint}"
         ) from exc
 

@@ -38,7 +38,7 @@ from prometheus_client import CollectorRegistry
 from saga_otel import semconv as sc
 from saga_otel._logging import default_logger, emitter
 from saga_otel._metrics import SagaMetrics, metrics_for
-from saga_otel.records import Compensation, StepClass, describe_error
+from saga_otel.records import Compensation, StepClass, describe_error, exception_text
 
 _VERSION = "0.1.0"
 
@@ -131,17 +131,14 @@ def bounded_stack(exc: BaseException, frames: int = STACK_FRAMES) -> str:
 def exception_only(exc: BaseException) -> str:
     """``"".join(traceback.format_exception_only(exc))``, without building a
     ``TracebackException`` (and its walk of the cause chain) for the plain case: an
-    exception with no notes, not a syntax error or a group, whose ``str()`` works."""
+    exception with no notes, not a syntax error or a group."""
     kind = type(exc)
     if (
         issubclass(kind, (SyntaxError, BaseExceptionGroup))
         or getattr(exc, "__notes__", None) is not None
     ):
         return "".join(traceback.format_exception_only(exc))
-    try:
-        text = str(exc)
-    except Exception:  # traceback's own placeholder for a broken __str__
-        return "".join(traceback.format_exception_only(exc))
+    text = exception_text(exc)
     module = kind.__module__
     name = kind.__qualname__
     if module not in ("__main__", "builtins"):
@@ -159,7 +156,7 @@ def record_error(span: Span, exc: BaseException) -> None:
         "exception",
         {
             "exception.type": name,
-            "exception.message": str(exc),
+            "exception.message": exception_text(exc),
             "exception.stacktrace": bounded_stack(exc),
             "exception.escaped": "False",
         },
@@ -458,12 +455,14 @@ class Instrumentation:
             ending: dict[str, Any] = {sc.SAGA_RUN_STATUS: status}
             if failed_step is not None and status != sc.STATUS_COMPLETED:
                 ending[sc.SAGA_RUN_FAILED_STEP] = failed_step
-            run.span.set_attributes(ending)  # one pass through the SDK's attribute cleaning
-            if status == sc.STATUS_COMPLETED:
-                run.span.set_status(_OK)
-            else:
-                run.span.set_status(Status(StatusCode.ERROR, f"run ended {status}"))
-            run.span.end()
+            try:
+                run.span.set_attributes(ending)  # one pass through the SDK's attribute cleaning
+                if status == sc.STATUS_COMPLETED:
+                    run.span.set_status(_OK)
+                else:
+                    run.span.set_status(Status(StatusCode.ERROR, f"run ended {status}"))
+            finally:
+                run.span.end()  # as an attempt's: never left open
 
         self._guard("span", close)
         self._guard("metric", lambda: self._child(self.metrics.runs_in_progress, self.saga).dec())
@@ -552,15 +551,17 @@ class Instrumentation:
     def _finish_attempt(self, scope: Attempt, elapsed: float, exc: BaseException | None) -> None:
         span, kind = scope.span, scope._kind
         try:
-            if scope.extra:
-                span.set_attributes(scope.extra)
-            if exc is None:
-                span.set_status(_OK)
-            else:
-                record_error(span, exc)
-                span.set_attribute(sc.ERROR_TYPE, type(exc).__qualname__)
-                span.set_status(Status(StatusCode.ERROR, describe_error(exc)))
-            span.end()
+            try:
+                if scope.extra:
+                    span.set_attributes(scope.extra)
+                if exc is None:
+                    span.set_status(_OK)
+                else:
+                    record_error(span, exc)
+                    span.set_attribute(sc.ERROR_TYPE, type(exc).__qualname__)
+                    span.set_status(Status(StatusCode.ERROR, describe_error(exc)))
+            finally:
+                span.end()  # a span left open is never exported: end it whatever failed above
         except Exception as err:  # telemetry must never break the agent
             self.swallowed("span", err)
         outcome = "ok" if exc is None else "error"

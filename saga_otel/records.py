@@ -317,8 +317,24 @@ class CompensationOutcome:
         }
 
 
+#: What an exception reads as when its ``str()`` fails: the traceback module's own placeholder.
+UNPRINTABLE = "<exception str() failed>"
+
+
+def exception_text(exc: BaseException) -> str:
+    """``str(exc)``, total: the one rule for an exception's text in this library.
+
+    An exception whose ``__str__`` raises (or returns no string) reads as
+    :data:`UNPRINTABLE`, so reporting it never replaces it or breaks the run.
+    """
+    try:
+        return str(exc)
+    except BaseException:  # as traceback's _safe_string: whatever a broken __str__ raises
+        return UNPRINTABLE
+
+
 def describe_error(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
+    return f"{type(exc).__name__}: {exception_text(exc)}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,6 +30,7 @@ from saga_otel import (
     ToolRegistry,
     current_call,
 )
+from saga_otel.records import exception_text
 
 IDEMPOTENCY_PARAM = "idempotency_key"
 _PATH_ROOTS = ("args", "result", "snapshot")
@@ -42,7 +43,7 @@ class ToolErrorUnwind(SagaError):
 
     @classmethod
     def of(cls, name: str, exc: BaseException) -> ToolErrorUnwind:
-        return cls(f"tool {name!r} failed ({exc}) and unwind_on_tool_error is set")
+        return cls(f"tool {name!r} failed ({exception_text(exc)}) and unwind_on_tool_error is set")
 
 
 ArgsSpec = Mapping[str, Any] | Callable[[CallInfo], Mapping[str, Any]]

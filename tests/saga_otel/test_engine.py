@@ -33,6 +33,7 @@ from saga_otel import (
     tool,
 )
 from saga_otel import semconv as sc
+from saga_otel._heartbeat import open_run_ids
 from saga_otel.testing import Captured, FailureInjector, InjectedFailure, capture, span_attrs
 
 
@@ -741,3 +742,54 @@ async def test_a_long_run_unwinds_without_deep_recursion(cap: Captured, mode: Dr
             raise InjectedFailure("late")
     assert undone == list(reversed(range(1200)))
     assert run.report is not None and run.report.status is RunStatus.COMPENSATED
+
+
+# -- an interrupt or a cancellation at any moment still closes the run ----------------
+def _run_ended(cap: Captured, run_id: str) -> None:
+    """The run's span was exported (so ended) once, and the process no longer holds it open."""
+    assert len(cap.spans(phase="run", run_id=run_id)) == 1
+    assert run_id not in open_run_ids()
+
+
+class Unprintable(Exception):
+    """An exception whose text cannot be had: its __str__ raises."""
+
+    def __str__(self) -> str:
+        raise ValueError("no text")
+
+
+@pytest.mark.parametrize("where", ["tool", "agent"])
+async def test_an_exception_whose_str_raises_unwinds_and_propagates_unchanged(
+    cap: Captured, mode: Driver, where: str
+) -> None:
+    log: list[str] = []
+    err = Unprintable("x")
+
+    def fails() -> None:
+        raise err
+
+    tools = [
+        *_three_writes(log, lambda n: log.append("undo b")),
+        tool("convergent", name="fails")(mode.fn(fails)),
+    ]
+    run = mode.run(cap.saga("x", tools=tools))
+    with pytest.raises(Unprintable) as info:
+        async with run:
+            await run.call("write_a")
+            await run.call("write_b")
+            if where == "tool":
+                await run.call("fails")
+            raise err
+    assert info.value is err  # the same object, not an error raised while describing it
+    assert log == ["a", "b", "undo b", "undo a"]
+    report = run.report
+    assert report is not None and report.status is RunStatus.COMPENSATED
+    assert report.error is err
+    assert report.failed_step == ("fails" if where == "tool" else "(agent)")
+    # Every span the run started was ended (exported): the failed do's too.
+    assert len(cap.spans(phase="do")) == (3 if where == "tool" else 2)
+    assert len(cap.spans(phase="compensate")) == 2 and len(cap.spans(phase="unwind")) == 1
+    if where == "tool":
+        failed = cap.spans(phase="do")[-1]
+        assert failed.status.description == "Unprintable: <exception str() failed>"
+    _run_ended(cap, run.run_id)

@@ -211,6 +211,27 @@ async def test_broken_telemetry_never_changes_the_outcome(mode: Driver) -> None:
     assert cap.metric("saga_telemetry_errors_total", kind="span") > 0
 
 
+def test_a_span_is_ended_even_when_recording_its_error_fails(
+    cap: Captured, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from saga_otel import _telemetry
+    from saga_otel._telemetry import Instrumentation
+
+    def broken(span: Any, exc: BaseException) -> None:
+        raise RuntimeError("cannot record")
+
+    monkeypatch.setattr(_telemetry, "record_error", broken)
+    instr = Instrumentation(
+        "s", tracer_provider=cap.provider, registry=cap.registry, logger=cap.logger
+    )
+    err = ValueError("the step failed")
+    with pytest.raises(ValueError) as info, instr.attempt(instr.start_run(), "do", "x", index=0):
+        raise err
+    assert info.value is err
+    assert len(cap.spans(phase="do")) == 1  # exported, so ended: an open span is never sent
+    assert cap.metric("saga_telemetry_errors_total", kind="span") == 1
+
+
 # -- observed() on the user's own runner --------------------------------------------
 class CreditStep:
     """A user's existing saga step, with do and compensate (sync)."""
