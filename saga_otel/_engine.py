@@ -491,6 +491,12 @@ class _Core:
                     f"pre-flight validation of {name!r} rejected run {self.run_id}: "
                     f"{describe_error(exc)}; fix the input, nothing was changed"
                 ) from exc
+            except BaseException as exc:
+                # A cancellation or an interrupt mid-validation: nothing was changed yet,
+                # so the run closes rejected, and what stopped it propagates as it came.
+                self.reject(name, exc)
+                self.close()
+                raise
 
     # -- forward -----------------------------------------------------------------
     def call(

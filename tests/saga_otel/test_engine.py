@@ -751,6 +751,48 @@ def _run_ended(cap: Captured, run_id: str) -> None:
     assert run_id not in open_run_ids()
 
 
+@pytest.mark.parametrize("how", ["cancel", "timeout"])
+async def test_a_cancellation_during_validation_closes_the_run_and_propagates(
+    cap: Captured, how: str
+) -> None:
+    # Async only: a cancellation arrives while an async validate awaits.
+    started = asyncio.Event()
+
+    async def check() -> None:
+        started.set()
+        await asyncio.Event().wait()  # never answers
+
+    @tool("compensable", compensate="undo", compensate_args=lambda i: {}, validate=check)
+    async def write() -> None:
+        raise AssertionError("never reached: the validation did not pass")
+
+    @tool("convergent")
+    async def undo() -> None:
+        pass
+
+    run = cap.saga("x", tools=[write, undo]).run(validate=[("write", {})])
+    holder: dict[str, Any] = {}
+
+    async def agent() -> None:
+        async with asyncio.timeout(None) as deadline:
+            holder["deadline"] = deadline
+            async with run:
+                await run.call("write")
+
+    task = asyncio.ensure_future(agent())
+    await started.wait()
+    if how == "cancel":
+        task.cancel()
+    else:
+        holder["deadline"].reschedule(asyncio.get_running_loop().time())
+    with pytest.raises(asyncio.CancelledError if how == "cancel" else TimeoutError):
+        await task
+    assert run.report is not None and run.report.status is RunStatus.REJECTED
+    assert run.report.steps == () and run.report.failed_step == "write"
+    assert [s.end_time is not None for s in cap.spans(phase="validate")] == [True]
+    _run_ended(cap, run.run_id)
+
+
 class Unprintable(Exception):
     """An exception whose text cannot be had: its __str__ raises."""
 
