@@ -26,7 +26,16 @@ from prometheus_client import CollectorRegistry
 from saga_otel import _heartbeat
 from saga_otel import semconv as sc
 from saga_otel._errors import ConfigurationError
-from saga_otel._outcome import AsyncMode, Mode, Outcome, Script, SyncMode, _immediate, _pending
+from saga_otel._outcome import (
+    AsyncMode,
+    Mode,
+    Outcome,
+    Script,
+    SyncMode,
+    _immediate,
+    _pending,
+    is_async_callable,
+)
 from saga_otel._registry import CallInfo
 from saga_otel._telemetry import Attempt, Instrumentation, RunTelemetry
 from saga_otel.records import (
@@ -295,7 +304,7 @@ class _Observer:
 
 def _wrap(fn: Callable[..., Any], observer: _Observer, phase: str) -> Any:
     policy = observer.do if phase == sc.PHASE_DO else observer.compensate
-    if inspect.iscoroutinefunction(fn):
+    if is_async_callable(fn):
 
         @wrapt.decorator
         async def async_wrapper(wrapped: Any, _instance: Any, args: Any, kwargs: Any) -> Any:
@@ -305,7 +314,20 @@ def _wrap(fn: Callable[..., Any], observer: _Observer, phase: str) -> Any:
 
     @wrapt.decorator
     def sync_wrapper(wrapped: Any, _instance: Any, args: Any, kwargs: Any) -> Any:
-        return _immediate(policy(observer.sync_mode, wrapped, args, kwargs))()
+        out = _immediate(policy(observer.sync_mode, wrapped, args, kwargs))()
+        if inspect.isawaitable(out):
+            # The span closed before the awaitable ran: its outcome goes unobserved. The
+            # agent still gets its value unchanged; the miss is logged and counted.
+            observer.instr.swallowed(
+                "observed_awaitable",
+                ConfigurationError(
+                    f"observed step {observer.step!r} ({phase}) was called as a sync function "
+                    f"but returned {type(out).__name__}, so its span says ok whatever the "
+                    "awaitable does: make it `async def` (or its __call__), so observed() "
+                    "awaits it inside the span"
+                ),
+            )
+        return out
 
     return sync_wrapper(fn)
 

@@ -22,6 +22,7 @@ combinator. Scripts compose with ``yield from`` (:func:`retrying`).
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import time
 from abc import ABC, abstractmethod
@@ -35,6 +36,22 @@ R = TypeVar("R")
 
 # A policy as a generator: yields outcomes of its mode, receives their values, returns a T.
 Script = Generator["Outcome[Any]", Any, T]
+
+
+def is_async_callable(fn: object) -> bool:
+    """Whether calling ``fn`` gives a coroutine to await: the one rule for picking the
+    async path (tools, ``observed()``).
+
+    True for an ``async def`` function or method, an object whose ``__call__`` is
+    ``async def``, and a ``functools.partial`` of either.
+    """
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    if inspect.iscoroutinefunction(fn):
+        return True
+    if isinstance(fn, type) or inspect.isroutine(fn) or not callable(fn):
+        return False  # calling a class builds an object; a plain function was judged above
+    return inspect.iscoroutinefunction(type(fn).__call__)  # what a call runs, as Python does
 
 
 class Outcome(ABC, Generic[T]):

@@ -17,6 +17,7 @@ from typing import Any, overload
 
 from saga_otel._errors import ConfigurationError, UnknownToolError
 from saga_otel._frozen import fast_init
+from saga_otel._outcome import is_async_callable
 from saga_otel.records import Compensation, RetryPolicy, StepClass
 
 IDEMPOTENCY_PARAM = "idempotency_key"
@@ -84,7 +85,7 @@ class Tool:
             p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()
         )
         object.__setattr__(self, "accepts_idempotency_key", accepts)
-        object.__setattr__(self, "_is_async", inspect.iscoroutinefunction(self.fn))
+        object.__setattr__(self, "_is_async", is_async_callable(self.fn))
 
     @property
     def is_async(self) -> bool:

@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
-import pytest
+import functools
 
-from saga_otel import CallInfo, ConfigurationError, ToolRegistry, UnknownToolError, tool
+import pytest
+from prometheus_client import CollectorRegistry
+
+from saga_otel import (
+    CallInfo,
+    ConfigurationError,
+    Saga,
+    StepClass,
+    Tool,
+    ToolRegistry,
+    UnknownToolError,
+    tool,
+)
 
 
 def test_tool_declarations_are_checked() -> None:
@@ -48,3 +60,17 @@ def test_registry_refuses_two_tools_under_one_name() -> None:
     reg = ToolRegistry([tool("read", name="x")(lambda: 1)])
     with pytest.raises(ConfigurationError, match="already registered"):
         reg.register(tool("read", name="x")(lambda: 2))
+
+
+def test_a_callable_object_whose_call_is_async_is_an_async_tool() -> None:
+    class Fetch:
+        async def __call__(self) -> int:
+            return 1
+
+    for fn in (Fetch(), functools.partial(Fetch())):
+        t = Tool("fetch", fn, StepClass.READ)
+        assert t.is_async
+        saga = Saga("x", tools=[t], registry=CollectorRegistry())
+        # Refused before it runs, as any async tool in a sync run.
+        with pytest.raises(ConfigurationError, match="is async"), saga.run_sync() as run:
+            run.call("fetch")

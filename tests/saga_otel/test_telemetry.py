@@ -5,6 +5,7 @@ Engine and observed() behaviours run in both modes (the ``mode`` fixture).
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
@@ -488,3 +489,47 @@ def test_repeated_attempts_keep_their_attributes_and_order(cap: Captured) -> Non
     other = instr.start_run()
     run = other
     assert dict(do(1, 1))[sc.SAGA_RUN_ID] == other.run_id
+
+
+class AsyncUndo:
+    """A callable object whose ``__call__`` is ``async def``: observed() must await it."""
+
+    async def __call__(self) -> None:
+        raise ConnectionError("ledger down")
+
+
+@pytest.mark.parametrize("make", [AsyncUndo, lambda: functools.partial(AsyncUndo())])
+async def test_observed_awaits_a_callable_object_whose_call_is_async(make: Any) -> None:
+    cap = capture()
+    kw: dict[str, Any] = {
+        "saga": "refund",
+        "tracer_provider": cap.provider,
+        "registry": cap.registry,
+        "logger": cap.logger,
+    }
+    undo = observed(make(), step="issue_credit", phase="compensate", **kw)
+    with pytest.raises(ConnectionError), observed_run(**kw):
+        await undo()
+    assert cap.spans(phase="compensate")[0].status.status_code is StatusCode.ERROR
+    assert _one(cap, "run")[sc.SAGA_RUN_STATUS] == "compensation_failed"
+
+
+async def test_an_observed_sync_function_returning_an_awaitable_is_counted_not_broken() -> None:
+    cap = capture()
+
+    async def later() -> str:
+        return "done"
+
+    pending = later()
+
+    def starts() -> Any:
+        return pending  # a sync function handing back a coroutine: its outcome is unseen
+
+    wrapped = observed(
+        starts, saga="s", tracer_provider=cap.provider, registry=cap.registry, logger=cap.logger
+    )
+    out = wrapped()
+    assert out is pending and await out == "done"  # the agent's value, unchanged
+    assert cap.metric("saga_telemetry_errors_total", kind="observed_awaitable") == 1
+    [event] = cap.events(sc.EV_TELEMETRY_ERROR)
+    assert "'starts'" in event["error"] and "async def" in event["error"]
