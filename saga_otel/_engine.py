@@ -633,8 +633,8 @@ class _Core:
         span = self.instr.unwind(
             self.tel, self.state.failure or "", self.state.failed_step, decision.compensations
         )
-        yield mode.ack(span)
         escaped: list[BaseException] = []
+        yield from _acked(mode, span, escaped)
         for comp in decision.compensations:
             fence = self.fence  # a recovery's lease around each undo (see :class:`UndoFence`)
             if fence is not None:
@@ -679,7 +679,10 @@ class _Core:
             return
         self.compensation_ended(comp, True, tries, None)
         # Once the sidecar knows this undo is done, a recovery elsewhere will not repeat it.
-        yield mode.ack(span)
+        # An interrupt during this wait leaves the undo succeeded: it ran, and its span is
+        # queued before the run's. So the run may still end compensated; ending it
+        # compensation_failed would page a person to undo what is already undone.
+        yield from _acked(mode, span, escaped)
 
     def compensation_ended(
         self, comp: Compensation, ok: bool, attempts: int, exc: BaseException | None
@@ -869,6 +872,16 @@ def _step_record(
         error=error,
         undo_error=undo_error,
     )
+
+
+def _acked(mode: Mode, span: Any, escaped: list[BaseException]) -> Script[None]:
+    """An unwind's wait for the sidecar's ack: an interrupt during it (Ctrl-C, SystemExit)
+    is kept in ``escaped`` like one an undo raised, so the remaining undos still run and
+    the run closes before it propagates."""
+    try:
+        yield mode.ack(span)
+    except BaseException as exc:  # the wait itself never raises an Exception
+        escaped.append(exc)
 
 
 def _no_await(value: Any, name: str) -> Any:

@@ -28,6 +28,7 @@ from saga_otel import (
     StepRefusedError,
     ToolRegistry,
     ValidationRejectedError,
+    _acks,
     current_call,
     idempotency_key,
     tool,
@@ -834,4 +835,44 @@ async def test_an_exception_whose_str_raises_unwinds_and_propagates_unchanged(
     if where == "tool":
         failed = cap.spans(phase="do")[-1]
         assert failed.status.description == "Unprintable: <exception str() failed>"
+    _run_ended(cap, run.run_id)
+
+
+@pytest.mark.parametrize("at", ["unwind", "compensate"])
+async def test_an_interrupt_while_waiting_for_an_ack_still_runs_every_undo(
+    cap: Captured, mode: Driver, monkeypatch: pytest.MonkeyPatch, at: str
+) -> None:
+    # Ctrl-C while the unwind waits for the sidecar: on the unwind's own span, or on the
+    # first undo's.
+    interrupted: list[Any] = []
+
+    def ack(span: Any) -> bool:
+        attrs = getattr(span, "attributes", None) or {}
+        if not interrupted and attrs.get(sc.SAGA_PHASE) == at:
+            interrupted.append(span)
+            raise KeyboardInterrupt
+        return True
+
+    async def ack_async(span: Any) -> bool:
+        return ack(span)
+
+    monkeypatch.setattr(_acks, "wait_for_ack", ack)
+    monkeypatch.setattr(_acks, "wait_for_ack_async", ack_async)
+    log: list[str] = []
+    saga = cap.saga("x", tools=_three_writes(log, lambda n: log.append("undo b")))
+    agent_error = InjectedFailure("the agent failed")
+    run = mode.run(saga)
+    with pytest.raises(KeyboardInterrupt) as info:
+        async with run:
+            await run.call("write_a")
+            await run.call("write_b")
+            await run.call("write_c")
+            raise agent_error
+    assert len(interrupted) == 1
+    assert log == ["a", "b", "c", "undo c", "undo b", "undo a"]
+    report = run.report
+    assert report is not None
+    # Every undo ran and succeeded; only a wait for its acknowledgement was cut short.
+    assert report.status is RunStatus.COMPENSATED
+    assert report.error is agent_error and info.value.__cause__ is agent_error
     _run_ended(cap, run.run_id)
