@@ -806,7 +806,10 @@ class Run(_RunBase):
     cancellation. A compensation that raises (any ``BaseException``, including
     ``KeyboardInterrupt`` and ``SystemExit``) fails only that undo: the others
     still run, the run ends ``compensation_failed`` (escalated), and then that
-    exception propagates with the agent's error as its ``__cause__``.
+    exception propagates with the agent's error as its ``__cause__``. An interrupt
+    while the unwind waits for the sidecar's ack is held the same way (the undo it
+    waited on stays succeeded). A cancellation arriving during the unwind is
+    re-raised once the unwind is done.
     """
 
     def __init__(self, core: _Core) -> None:

@@ -140,7 +140,8 @@ class Mode(ABC):
 
     @abstractmethod
     def shield(self, o: Outcome[T]) -> Outcome[T]:
-        """Run ``o`` to its end even if the caller is cancelled meanwhile."""
+        """Run ``o`` to its end even if the caller is cancelled meanwhile; then the
+        caller's cancellation propagates."""
 
 
 def retrying(
@@ -284,13 +285,24 @@ class AsyncMode(Mode):
 
         async def run() -> T:
             task = asyncio.ensure_future(guarded())
+            cancelled: asyncio.CancelledError | None = None
             while not task.done():
                 try:
                     await asyncio.shield(task)
-                except asyncio.CancelledError:
+                except asyncio.CancelledError as exc:
                     # Our caller was cancelled; the shielded work goes on to its end.
-                    continue
+                    cancelled = exc
             ok, value = task.result()
+            if cancelled is not None and (
+                ok or isinstance(value, Exception | asyncio.CancelledError)
+            ):
+                # Re-delivered once the work is done: asyncio.timeout and TaskGroup count on
+                # the cancellation arriving, and the task must end cancelled. The work's
+                # error stays in the chain. An interrupt from the work (KeyboardInterrupt,
+                # SystemExit) still wins: it asks the process to stop, not the task.
+                if not ok:
+                    cancelled.__context__ = value
+                raise cancelled
             if not ok:
                 raise value
             result: T = value

@@ -876,3 +876,51 @@ async def test_an_interrupt_while_waiting_for_an_ack_still_runs_every_undo(
     assert report.status is RunStatus.COMPENSATED
     assert report.error is agent_error and info.value.__cause__ is agent_error
     _run_ended(cap, run.run_id)
+
+
+@pytest.mark.parametrize("how", ["cancel", "timeout"])
+async def test_a_cancellation_during_an_errors_unwind_propagates_after_it(
+    cap: Captured, how: str
+) -> None:
+    # Async only. The agent fails; while its unwind runs, the task is cancelled (or its
+    # timeout expires): the unwind finishes, then the cancellation is delivered.
+    log: list[str] = []
+    undoing = asyncio.Event()
+    gate = asyncio.Event()
+
+    async def slow_undo_b(n: int) -> None:
+        undoing.set()
+        await gate.wait()
+        log.append("undo b")
+
+    saga = cap.saga("x", tools=_three_writes(log, slow_undo_b))
+    run = saga.run()
+    agent_error = InjectedFailure("the agent failed")
+    holder: dict[str, Any] = {}
+
+    async def agent() -> None:
+        async with asyncio.timeout(None) as deadline:
+            holder["deadline"] = deadline
+            async with run:
+                await run.call("write_a")
+                await run.call("write_b")
+                await run.call("write_c")
+                raise agent_error
+
+    task = asyncio.ensure_future(agent())
+    await undoing.wait()
+    if how == "cancel":
+        task.cancel()
+    else:
+        holder["deadline"].reschedule(asyncio.get_running_loop().time())
+    # The timeout's callback runs on a later loop turn, and no event marks it.
+    while not task.cancelling():  # noqa: ASYNC110
+        await asyncio.sleep(0)
+    gate.set()
+    with pytest.raises(asyncio.CancelledError if how == "cancel" else TimeoutError):
+        await task
+    assert task.cancelled() is (how == "cancel")
+    assert log == ["a", "b", "c", "undo c", "undo b", "undo a"]
+    assert run.report is not None and run.report.status is RunStatus.COMPENSATED
+    assert run.report.error is agent_error
+    _run_ended(cap, run.run_id)

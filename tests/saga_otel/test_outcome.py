@@ -210,20 +210,65 @@ async def test_a_script_of_the_other_mode_is_refused_in_the_script() -> None:
 
 async def test_shield_finishes_the_work_when_the_caller_is_cancelled() -> None:
     m = AsyncMode()
-    done = asyncio.Event()
+    started, gate, done = asyncio.Event(), asyncio.Event(), asyncio.Event()
 
     async def slow() -> str:
-        await asyncio.sleep(0.05)
+        started.set()
+        await gate.wait()
         done.set()
         return "finished"
 
     task = asyncio.ensure_future(m.shield(m.call(slow))())
-    await asyncio.sleep(0.01)
+    await started.wait()
     task.cancel()
     await asyncio.sleep(0)
     task.cancel()  # twice: still shielded
-    assert await task == "finished"  # the shield swallowed both cancellations
-    assert done.is_set()
+    await asyncio.sleep(0)
+    gate.set()
+    with pytest.raises(asyncio.CancelledError):  # delivered once the work is done
+        await task
+    assert done.is_set() and task.cancelled()
+
+
+async def test_shield_redelivers_a_cancellation_over_the_works_error_not_an_interrupt() -> None:
+    m = AsyncMode()
+
+    async def cancelled_while(raised: BaseException) -> BaseException:
+        # The shield runs in this test's own task: asyncio re-raises an interrupt that
+        # ends a task out of the event loop itself.
+        me = asyncio.current_task()
+        assert me is not None
+        started, gate = asyncio.Event(), asyncio.Event()
+
+        async def work() -> None:
+            started.set()
+            await gate.wait()
+            raise raised
+
+        async def cancel_me() -> None:
+            await started.wait()
+            me.cancel()
+            await asyncio.sleep(0)
+            gate.set()
+
+        helper = asyncio.ensure_future(cancel_me())
+        try:
+            await m.shield(m.call(work))()
+        except BaseException as exc:
+            return exc
+        finally:
+            await helper
+            me.uncancel()  # this test's task goes on
+        raise AssertionError("the shield returned")
+
+    # The work's own error stays in the chain of the cancellation (asyncio.timeout
+    # turns that into TimeoutError; a TaskGroup sees its child cancelled).
+    error = ValueError("undo failed")
+    got = await cancelled_while(error)
+    assert isinstance(got, asyncio.CancelledError) and got.__context__ is error
+    # An interrupt from the work asks the process to stop: it is not demoted.
+    interrupt = KeyboardInterrupt()
+    assert await cancelled_while(interrupt) is interrupt
 
 
 async def test_shield_carries_an_interrupt_out_of_its_task() -> None:
