@@ -306,6 +306,11 @@ def configure(
     reach the sidecar through the user's own pipeline, if any) and durable
     waits return at once. Calling again replaces the previous setup.
 
+    The processor joins ``tracer_provider``, else the global SDK provider, else a
+    new one set as the global provider. A global provider that is not the SDK's
+    (``NoOpTracerProvider``, a vendor's) cannot be joined nor replaced: refused
+    with a :class:`ConfigurationError`.
+
     Sidecar replicas on one database: a list of URLs (or, in the variable, URLs
     separated by commas). Requests take them in turn; one that fails is skipped
     for ``retry_max`` seconds and its unacknowledged spans go at once to the next.
@@ -357,9 +362,20 @@ def configure(
         current = trace.get_tracer_provider()
         if isinstance(current, TracerProvider):
             provider = current  # the user's: we only add our processor to it
-        else:
+        elif isinstance(current, trace.ProxyTracerProvider):  # none set yet: ours becomes it
             provider = _own_provider()
             trace.set_tracer_provider(provider)
+        else:
+            # OpenTelemetry refuses to replace a global provider once set (it only logs a
+            # warning): ours would take spans nobody creates, and the sidecar gets nothing.
+            kind = type(current)
+            raise ConfigurationError(
+                f"the global tracer provider is {kind.__module__}.{kind.__qualname__}, not "
+                "an OpenTelemetry SDK TracerProvider, and cannot be replaced, so configure() "
+                "would export nothing: pass tracer_provider= an "
+                "opentelemetry.sdk.trace.TracerProvider (and use it for your spans), or call "
+                "configure() before anything sets a global tracer provider"
+            )
 
     processor: SagaSpanProcessor | None = None
     processor_transport = _transport(headers, request_timeout, compression)

@@ -608,6 +608,35 @@ def test_global_provider_made_with_resource_and_flushed_at_exit(receiver: Receiv
     assert len(got.resource[sc.SERVICE_INSTANCE_ID]) == 36  # a uuid4
 
 
+def test_configure_refuses_a_global_provider_it_can_neither_join_nor_replace() -> None:
+    # A fresh process: the global provider can be set only once per process. OpenTelemetry
+    # would refuse ours with a warning, and nothing would reach the sidecar.
+    script = textwrap.dedent(
+        """
+        from opentelemetry import trace
+        from opentelemetry.trace import NoOpTracerProvider
+        from saga_otel import ConfigurationError, configure
+        from saga_otel._state import STATE
+        trace.set_tracer_provider(NoOpTracerProvider())
+        try:
+            configure("http://127.0.0.1:9", ack_timeout=0.05)
+        except ConfigurationError as exc:
+            assert STATE.active is None  # nothing was set up
+            print(exc)
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=str(ROOT),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "opentelemetry.trace.NoOpTracerProvider" in done.stdout
+    assert "pass tracer_provider=" in done.stdout and "before" in done.stdout
+
+
 # --------------------------------------------------------------------------
 # the five kinds of run, over a real OTLP/HTTP export
 
