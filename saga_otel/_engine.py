@@ -712,16 +712,20 @@ class _Core:
             span_id=self.tel.span_id,
         )
         card = report.escalation_card()
-        if card is not None:
-            self.instr.escalate(self.tel, card.reason, card.to_dict())
-            for handler in self.saga.escalation_handlers:
-                try:
-                    handler(card, report)
-                except Exception as exc:  # a broken pager must not hide the escalation
-                    self.instr.swallowed("escalation_handler", exc)
-        self.instr.end_run(self.tel, s.status.value, report.failed_step)
-        _heartbeat.unregister_open_run(self.run_id)
-        self.report = report
+        try:
+            if card is not None:
+                self.instr.escalate(self.tel, card.reason, card.to_dict())
+                for handler in self.saga.escalation_handlers:
+                    try:
+                        handler(card, report)
+                    except Exception as exc:  # a broken pager must not hide the escalation
+                        self.instr.swallowed("escalation_handler", exc)
+        finally:
+            # A handler's interrupt (SystemExit, KeyboardInterrupt) propagates, but only
+            # once the run has ended: an open run would be paged orphaned forever.
+            self.instr.end_run(self.tel, s.status.value, report.failed_step)
+            _heartbeat.unregister_open_run(self.run_id)
+            self.report = report
         return report
 
     def whole(self, mode: Mode, body: Callable[[], Script[Any]]) -> Outcome[SagaReport]:

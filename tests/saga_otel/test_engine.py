@@ -924,3 +924,49 @@ async def test_a_cancellation_during_an_errors_unwind_propagates_after_it(
     assert run.report is not None and run.report.status is RunStatus.COMPENSATED
     assert run.report.error is agent_error
     _run_ended(cap, run.run_id)
+
+
+async def test_an_escalation_handler_that_raises_never_leaves_the_run_open(
+    cap: Captured, mode: Driver
+) -> None:
+    def undo_b_fails(n: int) -> None:
+        raise InjectedFailure("ledger down")  # the run ends compensation_failed: it pages
+
+    def pager_down(card: EscalationCard, report: SagaReport) -> None:
+        raise RuntimeError("pager down")
+
+    def exits(card: EscalationCard, report: SagaReport) -> None:
+        raise SystemExit(3)
+
+    agent_error = ValueError("the agent failed")
+
+    async def fail(run: Any) -> None:
+        async with run:
+            await run.call("write_a")
+            await run.call("write_b")
+            raise agent_error
+
+    def saga(handlers: list[Any]) -> Any:
+        return cap.saga(
+            "x",
+            tools=_three_writes([], undo_b_fails),
+            retry=RetryPolicy(attempts=1),
+            escalation_handlers=handlers,
+        )
+
+    # An Exception from a handler is swallowed and counted; the next handler still pages.
+    paged: list[EscalationCard] = []
+    run = mode.run(saga([pager_down, lambda card, report: paged.append(card)]))
+    with pytest.raises(ValueError) as info:
+        await fail(run)
+    assert info.value is agent_error and len(paged) == 1
+    assert cap.metric("saga_telemetry_errors_total", kind="escalation_handler") == 1
+    _run_ended(cap, run.run_id)
+    # A handler's interrupt propagates, but only once the run has ended.
+    run = mode.run(saga([exits]))
+    with pytest.raises(SystemExit):
+        await fail(run)
+    assert run.report is not None and run.report.status is RunStatus.COMPENSATION_FAILED
+    _run_ended(cap, run.run_id)
+    [run_span] = cap.spans(phase="run", run_id=run.run_id)
+    assert span_attrs(run_span)[sc.SAGA_RUN_STATUS] == "compensation_failed"
