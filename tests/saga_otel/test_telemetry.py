@@ -5,13 +5,15 @@ Engine and observed() behaviours run in both modes (the ``mode`` fixture).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from typing import Any
 
 import pytest
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 from opentelemetry.trace import StatusCode
-from saga_modes import Driver, run_refund, settle
+from saga_modes import Driver, refund_agent, run_refund, settle
 
 from examples.refund_tools import refund_tools
 from examples.release_saga import Release, release, validate_metadata
@@ -210,6 +212,41 @@ async def test_broken_telemetry_never_changes_the_outcome(mode: Driver) -> None:
     assert isinstance(report.error, ServiceDown)
     assert world.balance(4921) == 0
     assert cap.metric("saga_telemetry_errors_total", kind="span") > 0
+
+
+async def test_a_failing_span_processor_and_metrics_never_change_the_outcome(
+    mode: Driver,
+) -> None:
+    class Refusing(SpanProcessor):
+        """An exporter's processor whose on_end raises (the SDK lets it out of span.end)."""
+
+        def on_end(self, span: ReadableSpan) -> None:
+            raise RuntimeError("exporter gone")
+
+    class Broken:
+        """A metric whose every call raises."""
+
+        def __getattr__(self, name: str) -> Any:
+            raise RuntimeError(f"metrics backend gone ({name})")
+
+    cap = capture()
+    cap.provider.add_span_processor(Refusing())
+    world = World(mail_down=True)
+    saga = cap.saga("refund", tools=refund_tools(world))
+    live = saga.instr.metrics  # the count of swallowed errors stays real, to be read
+    saga.instr.metrics = dataclasses.replace(
+        live,
+        **{f.name: Broken() for f in dataclasses.fields(live) if f.name != "telemetry_errors"},
+    )
+    run = mode.run(saga)
+    with pytest.raises(ServiceDown) as info:
+        async with run:
+            await refund_agent(run)
+    assert run.report is not None and run.report.error is info.value
+    assert run.report.status is RunStatus.COMPENSATED
+    assert world.balance(4921) == 0
+    assert cap.metric("saga_telemetry_errors_total", kind="span") > 0
+    assert cap.metric("saga_telemetry_errors_total", kind="metric") > 0
 
 
 def test_a_span_is_ended_even_when_recording_its_error_fails(
