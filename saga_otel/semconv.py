@@ -249,6 +249,13 @@ M_SIDECAR_SPANS_REFUSED: Final = "saga_sidecar_spans_refused_total"
 # lease_requests{action=grant|renew|release, outcome=granted|forced|renewed|released|
 # agent_alive|held|not_holder|unknown_run|bad_request}
 M_SIDECAR_LEASE_REQUESTS: Final = "saga_sidecar_lease_requests_total"
+# series_overflowed{metric}: increments of a saga_stream_* metric whose label sets (saga,
+# service, step, tool names from the spans) had reached STREAM_MAX_SERIES: counted into
+# its series whose every label is STREAM_OVERFLOW, so a stream of new names (a run id
+# in a saga name, a hostile agent) cannot grow memory and /metrics without bound.
+M_SIDECAR_SERIES_OVERFLOWED: Final = "saga_sidecar_series_overflowed_total"
+STREAM_MAX_SERIES: Final = 2000
+STREAM_OVERFLOW: Final = "_overflow"
 
 # --- saga metrics the sidecar derives from the spans it receives --------------
 # The same story as the agent-side metrics above, for agents in any language: every

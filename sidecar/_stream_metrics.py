@@ -17,8 +17,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from saga_otel import semconv as sc
 from saga_otel.records import is_pivot
 
+from ._log import get_logger
 from ._otlp import SpanRecord
 from ._state import RunState, Transition
+
+log = get_logger("sidecar.metrics")
 
 # Statuses a run ends in (runs_finished{status}); orphaned is a counter of its own.
 FINISHED = frozenset(
@@ -47,11 +50,27 @@ class _GroupChildren(NamedTuple):
 
 
 class StreamMetrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
+    """The ``saga_stream_*`` metrics. Their labels come from the spans (saga, service,
+    step and tool names), so each metric holds at most ``max_series`` label sets; past
+    that, increments go to its series labelled ``_overflow`` throughout and are counted
+    in ``saga_sidecar_series_overflowed_total{metric}`` (logged once per metric)."""
+
+    def __init__(self, registry: CollectorRegistry, max_series: int = sc.STREAM_MAX_SERIES) -> None:
         self._seen: set[tuple[str, str]] = set()
         self._children: dict[tuple[Any, ...], Any] = {}
-        # A group key of spans() -> its children, bounded as the children are.
+        # A group key of spans() -> its children; as many as the children allow.
         self._groups: dict[tuple[Any, ...], _GroupChildren] = {}
+        self._max_series = max_series
+        self._seen_overflow = False  # the gauge's _overflow series, once needed, stays
+        self._series: dict[int, int] = {}  # id(metric) -> label sets made
+        self._overflow: dict[int, tuple[Any, Any]] = {}  # id(metric) -> (child, counter)
+        self.overflowed = Counter(
+            sc.M_SIDECAR_SERIES_OVERFLOWED,
+            f"Increments of a saga_stream_* metric past its {max_series} label sets, counted "
+            f"into its series labelled {sc.STREAM_OVERFLOW}.",
+            ["metric"],
+            registry=registry,
+        )
 
         def counter(name: str, doc: str, *labels: str) -> Counter:
             return Counter(name, doc, ["saga", "service", *labels], registry=registry)
@@ -109,6 +128,24 @@ class StreamMetrics:
             sc.M_STREAM_STEP_RETRIES, "Step attempts after the first.", "step", "phase"
         )
 
+        self._names = {
+            id(m): name
+            for name, m in (
+                (sc.M_STREAM_RUNS_STARTED, self.runs_started),
+                (sc.M_STREAM_RUNS_FINISHED, self.runs_finished),
+                (sc.M_STREAM_RUNS_IN_PROGRESS, self.runs_in_progress),
+                (sc.M_STREAM_RUNS_ORPHANED, self.runs_orphaned),
+                (sc.M_STREAM_UNWINDS, self.unwinds),
+                (sc.M_STREAM_UNWIND_DURATION, self.unwind_duration),
+                (sc.M_STREAM_COMPENSATIONS, self.compensations),
+                (sc.M_STREAM_COMPENSATION_FAILURES, self.compensation_failures),
+                (sc.M_STREAM_PIVOTS, self.pivots),
+                (sc.M_STREAM_STEPS, self.steps),
+                (sc.M_STREAM_STEP_DURATION, self.step_duration),
+                (sc.M_STREAM_STEP_RETRIES, self.step_retries),
+            )
+        }
+
     def spans(self, spans: Iterable[SpanRecord], state: RunState) -> None:
         """Count newly stored saga spans (folded into ``state`` already).
 
@@ -154,7 +191,9 @@ class StreamMetrics:
             n = len(durations)
             children = known.get(key)
             if children is None:
-                children = known[key] = self._group_children(key)
+                children = self._group_children(key)
+                if len(known) < 4 * self._max_series:  # past it: looked up each time
+                    known[key] = children
             counted, histogram, retried, extra_counted = children
             counted.inc(n)
             if histogram is not None:
@@ -187,12 +226,36 @@ class StreamMetrics:
 
     def _child(self, metric: Any, *labels: str) -> Any:
         # labels() costs more than the increment, per span on the intake path: keep the
-        # children (bounded by the label sets: sagas x services x steps).
+        # children, at most max_series a metric (see the class).
         key = (id(metric), *labels)
         found = self._children.get(key)
         if found is None:
+            made = self._series.get(id(metric), 0)
+            if made >= self._max_series:
+                return self._overflowed(metric, len(labels))
+            self._series[id(metric)] = made + 1
             found = self._children[key] = metric.labels(*labels)
         return found
+
+    def _overflowed(self, metric: Any, arity: int) -> Any:
+        """The series an increment past the cap goes to; counts it (not on the hot path:
+        only label sets never seen before get here)."""
+        entry = self._overflow.get(id(metric))
+        if entry is None:
+            name = self._names[id(metric)]
+            log.warning(
+                "sidecar.metrics.series_overflow",
+                metric=name,
+                max_series=self._max_series,
+                fix="a span attribute used as a label (saga, service, step or tool name) "
+                "takes a new value per run: keep names fixed (put ids in other attributes)",
+            )
+            entry = self._overflow[id(metric)] = (
+                metric.labels(*([sc.STREAM_OVERFLOW] * arity)),
+                self.overflowed.labels(metric=name),
+            )
+        entry[1].inc()
+        return entry[0]
 
     def transitions(self, transitions: Iterable[Transition], state: RunState) -> None:
         """Count status changes: runs started, finished by status, orphaned.
@@ -231,9 +294,19 @@ class StreamMetrics:
         # A (saga, service) once seen stays, at 0 when nothing is open: a panel shows a
         # flat line rather than no data. Bounded by sagas x services.
         counts = state.in_progress()
-        self._seen.update(counts)
+        overflow = 0
+        for key, n in counts.items():
+            if key in self._seen:
+                continue
+            if len(self._seen) < self._max_series:
+                self._seen.add(key)
+            else:
+                overflow += n
         for key in self._seen:
             self.runs_in_progress.labels(*key).set(counts.get(key, 0))
+        if overflow or self._seen_overflow:
+            self._seen_overflow = True
+            self.runs_in_progress.labels(sc.STREAM_OVERFLOW, sc.STREAM_OVERFLOW).set(overflow)
 
     @staticmethod
     def _labels(span: SpanRecord, state: RunState) -> tuple[str, str]:

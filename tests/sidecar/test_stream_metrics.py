@@ -89,3 +89,37 @@ async def test_runs_steps_and_compensations_are_counted_from_spans(
                     assert {"saga", "service"} <= set(sample.labels), sample
                     assert "run_id" not in sample.labels
                     assert done.run_id not in str(sample.labels)
+
+
+async def test_new_names_per_run_cannot_grow_the_metrics_without_bound(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    """An agent that puts an id in its saga name makes a new label set per run: each
+    stream metric stops at STREAM_MAX_SERIES label sets, the rest is counted (not lost)
+    in its ``_overflow`` series and in saga_sidecar_series_overflowed_total."""
+    cap, extra = sc.STREAM_MAX_SERIES, 150
+    runs = [completed_run(saga=f"refund-{i:05d}") for i in range(cap + extra)]
+    waiting = [open_run(saga=f"onboard-{i:05d}") for i in range(cap + extra)]
+    async with Sidecar(settings_for(tmp_path, idle_timeout=1e6), clock=clock) as sidecar:
+        spans = [s for r in runs + waiting for s in r.spans()]
+        for at in range(0, len(spans), 2000):
+            await export_http(sidecar, spans[at : at + 2000])
+        text = sidecar.metrics.render(sidecar.state).decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    over = {"saga": sc.STREAM_OVERFLOW, "service": sc.STREAM_OVERFLOW}
+    started = [s for s in families["saga_stream_runs_started"].samples if s.name.endswith("_total")]
+    assert len(started) == cap + 1  # cap label sets and the overflow one
+    assert sum(s.value for s in started) == 2 * (cap + extra)  # nothing lost
+    assert next(s.value for s in started if s.labels == over) == 2 * (cap + extra) - cap
+    steps = [s for s in families["saga_stream_steps"].samples if s.name.endswith("_total")]
+    assert len(steps) <= cap + 1
+    assert sum(s.value for s in steps) == 4 * len(runs) + 2 * len(waiting)
+    in_progress = families[sc.M_STREAM_RUNS_IN_PROGRESS].samples
+    assert len(in_progress) <= cap + 1
+    assert sum(s.value for s in in_progress) == len(waiting)  # every open run still shows
+    overflowed = {
+        s.labels["metric"]: s.value
+        for s in families["saga_sidecar_series_overflowed"].samples
+        if s.name.endswith("_total")
+    }
+    assert overflowed[sc.M_STREAM_RUNS_STARTED] == 2 * (cap + extra) - cap
