@@ -149,7 +149,7 @@ class Step:
 def _jsonable_result(info: CallInfo) -> Mapping[str, Any]:
     # Keep the result in the record when it is plain data, for people and recovery.
     try:
-        json.dumps(info.result)
+        json.dumps(info.result, allow_nan=False)  # the undo's arguments allow no NaN
     except (TypeError, ValueError):
         return {}
     return {} if info.result is None else {"result": info.result}

@@ -116,8 +116,15 @@ def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _no_constant(name: str) -> object:
+    # RFC 8259 JSON has no NaN or Infinity (Python's json reads them by default); an
+    # alert quoting such arguments would be refused by every sink that parses it.
+    raise ValueError(f"{name} is not JSON")
+
+
+_DECODER = json.JSONDecoder(parse_constant=_no_constant)
 # The scanner json.loads uses (typeshed types make_scanner's argument as itself).
-_scan = json.scanner.make_scanner(json.JSONDecoder())  # type: ignore[arg-type]
+_scan = json.scanner.make_scanner(_DECODER)  # type: ignore[arg-type]
 
 
 def _json(text: str) -> tuple[bool, object]:
@@ -130,7 +137,7 @@ def _json(text: str) -> tuple[bool, object]:
     except (StopIteration, ValueError, RecursionError):
         pass  # the plain way below decides (and says the same as ever)
     try:
-        return True, json.loads(text)
+        return True, _DECODER.decode(text)
     except (ValueError, RecursionError):  # nested thousands deep: not JSON we can read
         return False, None
 
@@ -187,7 +194,11 @@ def check(
             out.append(Problem(sc.SAGA_STEP_ATTEMPT, attempt, "counts from 1"))
         args = get(sc.SAGA_COMPENSATION_ARGS)
         if isinstance(args, str) and not isinstance(_json(args)[1], dict):
-            out.append(Problem(sc.SAGA_COMPENSATION_ARGS, args, "must be JSON object text"))
+            out.append(
+                Problem(
+                    sc.SAGA_COMPENSATION_ARGS, args, "must be JSON object text (no NaN or Infinity)"
+                )
+            )
     if phase == sc.PHASE_DO:
         cls = get(sc.SAGA_STEP_CLASS)
         if cls is not None and cls not in sc.STEP_CLASSES:

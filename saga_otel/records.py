@@ -61,7 +61,10 @@ class RunStatus(StrEnum):
     REJECTED = "rejected"
 
 
-_sorted_json = json.JSONEncoder(sort_keys=True).encode  # json.dumps(sort_keys=True), prebuilt
+# json.dumps(sort_keys=True, allow_nan=False), prebuilt. No NaN or Infinity: RFC 8259
+# JSON has neither, and the sidecar's sinks (PagerDuty, Alertmanager) refuse a body
+# holding one, so an alert quoting such an argument would never be delivered.
+_sorted_json = json.JSONEncoder(sort_keys=True, allow_nan=False).encode
 _from_json = json.JSONDecoder().decode
 
 
@@ -74,7 +77,7 @@ def _not_json(o: object) -> Any:
 _make_c_encoder = getattr(json.encoder, "c_make_encoder", None)
 _c_encoder = (
     _make_c_encoder(
-        None, _not_json, json.encoder.encode_basestring_ascii, None, ": ", ", ", True, False, True
+        None, _not_json, json.encoder.encode_basestring_ascii, None, ": ", ", ", True, False, False
     )
     if _make_c_encoder is not None
     else None
@@ -105,7 +108,7 @@ def _json_object_and_text(value: Mapping[str, Any], what: str) -> tuple[dict[str
         try:
             text = _sorted_json_fast(plain)
         except TypeError:  # keys of mixed types cannot be sorted before JSON makes them strings
-            text = _sorted_json(_from_json(json.dumps(plain)))
+            text = _sorted_json(_from_json(json.dumps(plain, allow_nan=False)))
         for k, v in plain.items():
             if type(k) is not str or type(v) not in _PLAIN:
                 return dict(_from_json(text)), text
@@ -113,7 +116,8 @@ def _json_object_and_text(value: Mapping[str, Any], what: str) -> tuple[dict[str
     except (TypeError, ValueError) as exc:
         raise ConfigurationError(
             f"arguments of {what} must be JSON-serialisable (plain str/int/float/bool/None, "
-            f"lists and dicts), got {value!r}: return plain references such as ids from the tool"
+            f"lists and dicts; no NaN or Infinity), got {value!r} ({exc}): return plain "
+            "references such as ids from the tool"
         ) from exc
 
 

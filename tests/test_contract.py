@@ -84,6 +84,13 @@ def test_an_unknown_step_class_is_refused_by_both_naming_value_and_fix() -> None
         ({sc.SAGA_STEP_ATTEMPT: 0}, sc.SAGA_STEP_ATTEMPT, 0),
         ({sc.SAGA_STEP_PIVOT: "yes"}, sc.SAGA_STEP_PIVOT, "yes"),
         ({sc.SAGA_COMPENSATION_ARGS: "[1]"}, sc.SAGA_COMPENSATION_ARGS, "[1]"),
+        # Python's json reads these; RFC 8259 JSON (and every sink) does not.
+        ({sc.SAGA_COMPENSATION_ARGS: '{"x": NaN}'}, sc.SAGA_COMPENSATION_ARGS, '{"x": NaN}'),
+        (
+            {sc.SAGA_COMPENSATION_ARGS: '{"a": [1, -Infinity]}'},
+            sc.SAGA_COMPENSATION_ARGS,
+            '{"a": [1, -Infinity]}',
+        ),
         ({sc.SAGA_PHASE: "dance"}, sc.SAGA_PHASE, "dance"),
     ],
 )

@@ -88,7 +88,11 @@ def test_backoff_seconds_grows_caps_and_spreads() -> None:
 
 
 _json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
     max_leaves=12,
 )
@@ -110,3 +114,12 @@ def test_compensation_refuses_what_json_cannot_hold() -> None:
         with pytest.raises(ConfigurationError, match="must be JSON-serialisable"):
             Compensation("undo", bad)
     assert Compensation("undo", {1: "a", "b": 2}).args == {"1": "a", "b": 2}
+
+
+@pytest.mark.parametrize("number", [float("nan"), float("inf"), float("-inf")])
+def test_compensation_refuses_numbers_json_has_no_form_for(number: float) -> None:
+    # Python's json would write NaN/Infinity; no sink that parses an alert would read it.
+    for args in ({"amount": number}, {"nested": [1, {"x": number}]}, {1: number}):
+        with pytest.raises(ConfigurationError, match="no NaN or Infinity") as info:
+            Compensation("undo", args)
+        assert "not JSON compliant" in str(info.value)  # the encoder's own words: which value
