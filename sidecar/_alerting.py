@@ -90,10 +90,13 @@ class AlertEvent:
     at: float
     starts_at: float
     details: Mapping[str, Any] = field(default_factory=dict)
+    # Which time this alert fires for the run (from 1): only SagaRunOrphaned fires again,
+    # for a run orphaned anew after its agent was heard from (the outbox numbers them).
+    episode: int = 1
 
     @property
     def dedup_key(self) -> str:
-        return dedup_key(self.alertname, self.run_id)
+        return dedup_key(self.alertname, self.run_id, self.episode)
 
     @property
     def firing(self) -> bool:
@@ -124,6 +127,7 @@ class AlertEvent:
             "at": self.at,
             "starts_at": self.starts_at,
             "details": dict(self.details),
+            "episode": self.episode,
         }
 
     @classmethod
@@ -138,6 +142,7 @@ class AlertEvent:
             at=float(data["at"]),
             starts_at=float(data["starts_at"]),
             details=dict(data.get("details") or {}),
+            episode=int(data.get("episode") or 1),
         )
 
 
@@ -146,9 +151,20 @@ def _resolve_overrides(annotations: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in annotations.items() if k in ("resolution",)}
 
 
-def dedup_key(alertname: str, run_id: str) -> str:
-    """Stable per run and alert: the same run never pages twice for one alert."""
-    return f"saga-otel/{alertname}/{run_id}"
+def dedup_key(alertname: str, run_id: str, episode: int = 1) -> str:
+    """Stable per run and alert (and episode: see AlertEvent.episode): the same run never
+    pages twice for one alert, on any sink, across restarts."""
+    # The episode goes with the alert's name, never after the run id: a run id may hold
+    # any printable character, "#2" included, and must not collide with another's key.
+    name = alertname if episode <= 1 else f"{alertname}#{episode}"
+    return f"saga-otel/{name}/{run_id}"
+
+
+def episode_of(key: str) -> int:
+    """The episode a :func:`dedup_key` names (1 for a key without one)."""
+    name = key.split("/", 2)[1] if key.count("/") >= 2 else ""
+    _, sep, n = name.partition("#")
+    return int(n) if sep and n.isdigit() else 1
 
 
 # --- predicates over one view -------------------------------------------------

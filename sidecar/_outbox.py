@@ -29,7 +29,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Final, NamedTuple, TypeVar
 
@@ -38,7 +38,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from saga_otel import semconv as sc
 from saga_otel.records import backoff_seconds
 
-from ._alerting import Action, AlertEvent
+from ._alerting import Action, AlertEvent, episode_of
 from ._backends import alert_rows, open_alert_store
 from ._errors import ConfigError, StoreError
 from ._log import get_logger
@@ -264,6 +264,8 @@ class Outbox:
             )
         with self._store.transaction() as tx:
             for event in events:
+                if event.alertname in _EPISODIC:
+                    event = _episode(tx, event)
                 for sink_name, row_event in self._targets(tx, event):
                     if self._insert(tx, sink_name, row_event, now):
                         inserted += 1
@@ -571,6 +573,26 @@ class Outbox:
                 log.warning("sidecar.alert.resend_failed", sink=shown_sink(sink.name), error=error)
                 # Try again next interval; the first delivery already succeeded.
             await self.call(self._store.touch_sent, row_id, self._clock())
+
+
+# Alerts a run may raise again once resolved: an orphaned run whose agent was heard
+# from (late, not dead) resolves, and if that agent then dies the run is orphaned anew,
+# a death that must page. Every other alert pages a run once.
+_EPISODIC: Final = frozenset({sc.ALERT_RUN_ORPHANED})
+
+
+def _episode(tx: AlertTx, event: AlertEvent) -> AlertEvent:
+    """``event`` numbered by what the outbox holds for its run: a fire after the last
+    episode resolved opens the next; a fire while it is open (a re-evaluation, a
+    restart) and a resolve belong to it. In the transaction that inserts it, so two
+    replicas number alike (the unique key drops the second copy)."""
+    actions: dict[int, set[str]] = {}
+    for key, action in tx.keys(event.alertname, event.run_id):
+        actions.setdefault(episode_of(key), set()).add(action)
+    last = max(actions, default=0)
+    if event.action is Action.FIRE and last and Action.RESOLVE.value in actions[last]:
+        return replace(event, episode=last + 1)
+    return replace(event, episode=last) if last > 1 else event
 
 
 def _nothing() -> None:

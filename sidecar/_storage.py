@@ -402,6 +402,10 @@ class AlertTx(Protocol):
         """Insert unless (dedup_key, action, sink) exists; True when inserted."""
         ...
 
+    def keys(self, alertname: str, run_id: str) -> list[tuple[str, str]]:
+        """(dedup_key, action) of every row of one alert of one run (its episodes)."""
+        ...
+
     def set_state(self, row_id: int, state: str, at: float) -> None: ...
 
     def resolve_fire(self, dedup_key: str, sink: str, at: float) -> None:

@@ -754,6 +754,14 @@ class _SqliteAlertTx:
         ).fetchall()
         return [(str(a), str(b), str(c)) for a, b, c in rows]
 
+    def keys(self, alertname: str, run_id: str) -> list[tuple[str, str]]:
+        rows = self._db.execute(
+            "SELECT DISTINCT dedup_key, action FROM alert_outbox WHERE run_id = ? "
+            "AND alertname = ?",
+            (run_id, alertname),
+        ).fetchall()
+        return [(str(k), str(a)) for k, a in rows]
+
     def insert(self, row: NewAlert) -> bool:
         cur = self._db.execute(
             "INSERT OR IGNORE INTO alert_outbox (dedup_key, action, sink, alertname, run_id, "

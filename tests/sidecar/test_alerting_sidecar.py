@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import socket
 import sqlite3
@@ -205,6 +206,43 @@ async def test_a_dead_agent_pages_orphaned_with_its_stack(
     assert orphaned["labels"]["step"] == "issue_credit"
     await api(sidecar, "POST", f"/runs/{run.run_id}/resolve", json={"note": "undone by hand"})
     await hook.wait(sc.ALERT_RUN_ORPHANED, "resolved")
+
+
+async def test_an_agent_late_once_then_dead_is_paged_both_times(
+    alerted: tuple[Sidecar, AlertService], hook: Hook, clock: FakeClock
+) -> None:
+    """Late (a long pause: orphaned, then heard from again, resolved), dead later: the
+    second orphaning pages anew, under its own key, and resolves on its own."""
+    sidecar, _ = alerted
+    run = open_run(instance="agent-8")
+    beat = functools.partial(heartbeat_spans, "agent-8", [run.run_id])
+    await export_http(sidecar, [*run.spans(), *beat(clock.now)])
+    clock.now += 1.0
+    await export_http(sidecar, beat(clock.now))
+    clock.now += 3.5  # a pause: three beats missed
+    sidecar.tick()
+    first = await hook.wait(sc.ALERT_RUN_ORPHANED, "firing")
+    await export_http(sidecar, beat(clock.now))  # it was only late
+    back = await hook.wait(sc.ALERT_RUN_ORPHANED, "resolved")
+    assert back["dedup_key"] == first["dedup_key"]
+    for _ in range(3):  # beating steadily again
+        clock.now += 1.0
+        await export_http(sidecar, beat(clock.now))
+        sidecar.tick()
+    clock.now += 3.5  # then it dies
+    sidecar.tick()
+    deadline = asyncio.get_running_loop().time() + 15.0
+    while len([g for g in hook.got if g["status"] == "firing"]) < 2:
+        assert asyncio.get_running_loop().time() < deadline, hook.seen()
+        await asyncio.sleep(0.005)
+    second = [g for g in hook.got if g["status"] == "firing"][1]
+    assert second["alertname"] == sc.ALERT_RUN_ORPHANED
+    assert second["dedup_key"] != first["dedup_key"] and run.run_id in second["dedup_key"]
+    await api(sidecar, "POST", f"/runs/{run.run_id}/resolve", json={"note": "undone by hand"})
+    while len([g for g in hook.got if g["status"] == "resolved"]) < 2:
+        assert asyncio.get_running_loop().time() < deadline, hook.seen()
+        await asyncio.sleep(0.005)
+    assert [g["dedup_key"] for g in hook.got if g["status"] == "resolved"][1] == second["dedup_key"]
 
 
 async def test_alert_metrics_are_on_the_sidecars_metrics_page(

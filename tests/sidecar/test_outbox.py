@@ -21,7 +21,7 @@ from sidecar_testkit import BOTH_BACKENDS, db_for
 from saga_otel import semconv as sc
 from sidecar._alert_service import AlertService
 from sidecar._alert_settings import AlertSettings
-from sidecar._alerting import Action, AlertEvent, evaluate
+from sidecar._alerting import Action, AlertEvent, dedup_key, evaluate
 from sidecar._backends import open_store
 from sidecar._errors import ConfigError, StoreError
 from sidecar._outbox import (
@@ -296,6 +296,42 @@ async def test_a_webhook_urls_secret_stays_out_of_logs_and_the_run_page(
     assert all(sink == shown for _, sink, _ in logged if sink is not None)
     for text in [repr(row), *map(repr, logged)]:
         assert "SECRET" not in text, text
+
+
+async def test_a_run_orphaned_again_after_its_agent_was_heard_pages_again(
+    tmp_path: Path,
+) -> None:
+    """Late once (orphaned, then heard from: resolved), dead later: the second orphaning
+    is a new page under its own key, and neither a re-evaluation of an open episode nor
+    one of another alert pages twice."""
+    orphaned = view("r1", status=sc.STATE_ORPHANED)
+    (late,) = evaluate(view("r1"), orphaned, now=2.0)
+    (heard,) = evaluate(orphaned, view("r1"), now=3.0)
+    (dead,) = evaluate(view("r1"), orphaned, now=9.0)
+    (recovered,) = evaluate(orphaned, view("r1", status=sc.STATE_RECOVERED), now=12.0)
+    (replayed,) = evaluate(None, orphaned, now=10.0)  # a restart while it is open
+    assert late.alertname == dead.alertname == sc.ALERT_RUN_ORPHANED
+    sink = FakeSink()
+    box = Outbox(db_for(tmp_path / "db"), [sink], sleep=no_sleep)
+    assert box.add([late]) == 1 and box.add([late]) == 0
+    assert box.add([heard]) == 1
+    assert box.add([dead]) == 1  # fired anew: the agent died after it was heard from
+    assert box.add([replayed, dead]) == 0  # the same episode, still open
+    assert box.add([fire("r1")]) == 1 and box.add([resolve("r1"), fire("r1")]) == 1
+    assert box.add([fire("r1")]) == 0  # every other alert pages a run once
+    assert box.add([recovered]) == 1
+    await box.start()
+    try:
+        assert await box.wait_idle()
+    finally:
+        await box.stop()
+    got = [(e.alertname, e.action.value, e.dedup_key) for e in sink.got]
+    first = f"saga-otel/{sc.ALERT_RUN_ORPHANED}/r1"
+    second = f"saga-otel/{sc.ALERT_RUN_ORPHANED}#2/r1"
+    orphan = [(a, k) for n, a, k in got if n == sc.ALERT_RUN_ORPHANED]
+    assert orphan == [("fire", first), ("resolve", first), ("fire", second), ("resolve", second)]
+    # A run id may hold "#": its key never collides with another run's episode.
+    assert dedup_key(sc.ALERT_RUN_ORPHANED, "r1#2") != second
 
 
 async def test_400_is_not_retried_and_is_logged_with_the_answer(
