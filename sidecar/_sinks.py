@@ -11,6 +11,7 @@ leaves the process.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import sys
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -223,6 +224,19 @@ class AlertmanagerSink(_HttpSink):
         )
 
 
+_PD_DEDUP_MAX: Final = 255  # PagerDuty's Events API v2 refuses a longer dedup_key (400)
+
+
+def pagerduty_dedup_key(key: str) -> str:
+    """``key`` as PagerDuty takes it: a key past 255 characters (a run id may have 256)
+    keeps its head and ends in a hash of the whole, the same for a fire and its resolve,
+    so a long run id's alert is not refused for good."""
+    if len(key) <= _PD_DEDUP_MAX:
+        return key
+    digest = hashlib.sha256(key.encode()).hexdigest()[:32]
+    return f"{key[: _PD_DEDUP_MAX - len(digest) - 1]}~{digest}"
+
+
 @dataclass
 class PagerDutySink(_HttpSink):
     KIND: ClassVar[str] = KIND_PAGERDUTY
@@ -237,7 +251,7 @@ class PagerDutySink(_HttpSink):
     def payload(self, event: AlertEvent) -> dict[str, Any]:
         body: dict[str, Any] = {
             "routing_key": self.routing_key,
-            "dedup_key": event.dedup_key,
+            "dedup_key": pagerduty_dedup_key(event.dedup_key),
             "event_action": "trigger" if event.firing else "resolve",
         }
         content: dict[str, Any] = {

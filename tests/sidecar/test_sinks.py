@@ -19,6 +19,7 @@ from sidecar._sinks import (
     LogSink,
     PagerDutySink,
     WebhookSink,
+    pagerduty_dedup_key,
     parse_retry_after,
     shown_sink,
     shown_url,
@@ -245,3 +246,17 @@ async def test_a_sinks_errors_name_its_url_without_the_secret(receiver: Receiver
         await gone.close()
     for err in (retry.value, rejected.value, unreachable.value):
         assert "SECRET" not in str(err) and "http://127.0.0.1:" in str(err), str(err)
+
+
+def test_a_long_run_ids_pagerduty_key_fits_and_stays_distinct() -> None:
+    # A run id may have 256 characters; PagerDuty refuses a dedup_key over 255 (a 400,
+    # which the outbox never retries: the page would be lost).
+    short = "saga-otel/SagaRunStuck/run-42"
+    assert pagerduty_dedup_key(short) == short
+    long_a = "saga-otel/SagaCompensationStarted/" + "a" * 255 + "1"
+    long_b = "saga-otel/SagaCompensationStarted/" + "a" * 255 + "2"
+    a, b = pagerduty_dedup_key(long_a), pagerduty_dedup_key(long_b)
+    assert len(a) == len(b) == 255 and a != b
+    assert a == pagerduty_dedup_key(long_a) and a.startswith("saga-otel/SagaCompensationStarted/")
+    (fire,) = evaluate(None, {**VIEW, "run_id": "r" * 256}, now=10.5)
+    assert len(PagerDutySink("k").payload(fire)["dedup_key"]) == 255
