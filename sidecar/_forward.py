@@ -44,9 +44,14 @@ class Forwarder:
         self.sent = 0
         self.dropped = 0
         self._down = False  # the upstream's last answer failed (logged once per outage)
+        self._stopped = False  # run() ended: nothing offered now would ever be sent
 
     def offer(self, body: bytes, content_type: str, spans: int) -> bool:
-        """Queue one request body; False (and counted) when the queue is full."""
+        """Queue one request body; False (and counted) when the queue is full or the
+        sender has stopped (a request answered while the sidecar shuts down)."""
+        if self._stopped:
+            self._drop(spans)
+            return False
         try:
             self._queue.put_nowait(_Item(body, content_type, spans))
         except asyncio.QueueFull:
@@ -63,15 +68,21 @@ class Forwarder:
         return self._queue.qsize()
 
     async def run(self) -> None:
-        async with aiohttp.ClientSession(timeout=self._timeout) as session:
-            try:
+        sending: _Item | None = None
+        try:
+            async with aiohttp.ClientSession(timeout=self._timeout) as session:
                 while True:
-                    item = await self._queue.get()
-                    await self._send(session, item)
-            finally:
-                # Whatever is still queued at shutdown is lost upstream: count it.
-                while not self._queue.empty():
-                    self._drop(self._queue.get_nowait().spans)
+                    sending = await self._queue.get()
+                    await self._send(session, sending)
+                    sending = None
+        finally:
+            # Whatever is lost upstream at shutdown is counted: the request cut mid-send,
+            # what still waits in the queue, and (see offer) what comes after.
+            self._stopped = True
+            if sending is not None:
+                self._drop(sending.spans)
+            while not self._queue.empty():
+                self._drop(self._queue.get_nowait().spans)
 
     async def _send(self, session: aiohttp.ClientSession, item: _Item) -> None:
         headers = {"Content-Type": item.content_type, **self._headers}

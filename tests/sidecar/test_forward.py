@@ -15,6 +15,7 @@ from sidecar_testkit import FakeClock, completed_run, export_http, settings_for
 
 from saga_otel import semconv as sc
 from sidecar import Sidecar
+from sidecar._forward import Forwarder, cancel
 
 
 class Upstream:
@@ -110,3 +111,21 @@ async def test_upstream_errors_count_as_drops(tmp_path: Path, upstream: Any) -> 
     async with Sidecar(settings_for(tmp_path, forward=url), clock=FakeClock()) as sc_:
         await export_http(sc_, completed_run().spans())
         await wait_for(lambda: sc_.forwarder is not None and sc_.forwarder.dropped == 5)
+
+
+async def test_what_shutdown_cuts_is_counted(upstream: Any) -> None:
+    """Stopping with the upstream hung: the request in the sender, those in the queue and
+    any offered afterwards (a request answered while the ports close) are all counted
+    as dropped, none silently lost."""
+    up, url = upstream
+    up.gate.clear()
+    counted: list[int] = []
+    fwd = Forwarder(url, queue_size=8, on_drop=counted.append)
+    task = asyncio.create_task(fwd.run())
+    assert fwd.offer(b"a", "application/x-protobuf", 3)
+    await wait_for(lambda: fwd.pending == 0)  # the sender holds it; the upstream hangs
+    assert fwd.offer(b"b", "application/x-protobuf", 4)
+    assert fwd.offer(b"c", "application/x-protobuf", 5)
+    await cancel(task)
+    assert not fwd.offer(b"d", "application/x-protobuf", 6)
+    assert sorted(counted) == [3, 4, 5, 6] and fwd.dropped == 18 and fwd.sent == 0
