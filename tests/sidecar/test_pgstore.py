@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import psycopg
 import pytest
@@ -184,6 +185,17 @@ async def test_losing_the_database_is_503_with_retry_after_then_heals(
                 assert down.status_code == 503 and down.headers["Retry-After"]
                 assert postgres.password not in down.text
                 assert second.run_id not in sidecar.state  # not folded: not stored
+                # The same over gRPC: UNAVAILABLE (an exporter retries it), nothing folded.
+                target = f"127.0.0.1:{sidecar.otlp_grpc_port}"
+                async with grpc.aio.insecure_channel(target) as channel:
+                    export = channel.unary_unary(
+                        "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
+                    )
+                    with pytest.raises(grpc.aio.AioRpcError) as refused:
+                        await export(body(second), timeout=30)
+                assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
+                assert postgres.password not in (refused.value.details() or "")
+                assert second.run_id not in sidecar.state
                 admin.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true')
                 for _ in range(100):  # the pool reconnects by itself
                     again = await client.post(url, content=body(second), headers=headers)

@@ -176,12 +176,19 @@ async def test_token_guards_every_endpoint(tmp_path: Path, clock: FakeClock) -> 
                 assert resp.status == 200
         async with grpc.aio.insecure_channel(f"127.0.0.1:{sc_.otlp_grpc_port}") as ch:
             call = ch.unary_unary("/opentelemetry.proto.collector.trace.v1.TraceService/Export")
-            try:
-                await call(body)
-            except grpc.aio.AioRpcError as exc:
-                assert exc.code() is grpc.StatusCode.UNAUTHENTICATED
-            else:
-                raise AssertionError("gRPC accepted a request without the token")
+            wrong = (
+                (),
+                (("authorization", "Bearer not-the-token"),),
+                (("authorization", token),),  # the token without its scheme
+                (("authorization", f"Basic {token}"),),
+            )
+            for metadata in wrong:
+                try:
+                    await call(body, metadata=metadata)
+                except grpc.aio.AioRpcError as exc:
+                    assert exc.code() is grpc.StatusCode.UNAUTHENTICATED, metadata
+                else:
+                    raise AssertionError(f"gRPC accepted a request with {metadata!r}")
             await call(body, metadata=(("authorization", f"Bearer {token}"),))
         run = stuck_run()
         from sidecar_testkit import export_grpc
