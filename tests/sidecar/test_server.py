@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 from pathlib import Path
 from typing import Any
@@ -63,6 +64,82 @@ async def test_http_overload_answers_429_with_retry_after(tmp_path: Path, clock:
                 await asyncio.sleep(0.01)
             else:
                 raise AssertionError("the receiving place was never given back")
+
+
+async def _stalled_body(port: int, declared: int, sent: int) -> asyncio.StreamWriter:
+    """A raw OTLP/HTTP request that sends its headers and ``sent`` body bytes, then stalls."""
+    _reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(
+        b"POST /v1/traces HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-protobuf\r\n"
+        + f"Content-Length: {declared}\r\n\r\n".encode()
+        + b"\x0a" * sent
+    )
+    await writer.drain()
+    return writer
+
+
+async def test_bodies_arriving_together_are_bounded_in_bytes_too(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    """Under the count bound, bodies being received hold at most --max-in-flight x
+    --max-body bytes together: two stalled bodies of 60 KB (of 64 KiB each, 2 x 64 KiB
+    allowed) leave no room for a third of 16 KiB, which gets 429; room again once one
+    of them goes."""
+    settings = settings_for(tmp_path, max_body=65536, max_in_flight=2, max_receiving=10)
+    async with Sidecar(settings, clock=clock) as sc_:
+        port = sc_.otlp_http_port
+        url = f"http://127.0.0.1:{port}/v1/traces"
+        stalled = [await _stalled_body(port, 65536, 60_000) for _ in range(2)]
+        third = b"\x0a" * 16384  # undecodable, but refused before decoding matters
+        headers = {"Content-Type": "application/x-protobuf"}
+        async with aiohttp.ClientSession() as s:
+            for _ in range(1000):
+                async with s.post(url, data=third, headers=headers) as resp:
+                    if resp.status == 429:
+                        assert resp.headers["Retry-After"] == "1"
+                        assert "request bytes" in await resp.text()
+                        break
+                await asyncio.sleep(0.01)
+            else:
+                raise AssertionError("120 KB of stalled bodies never refused 16 KiB more")
+            assert sc_.in_flight == 0  # receiving holds no in-flight slot
+            stalled[0].close()
+            for _ in range(1000):
+                async with s.post(url, data=third, headers=headers) as resp:
+                    if resp.status != 429:
+                        assert resp.status == 400  # read whole, then found undecodable
+                        break
+                await asyncio.sleep(0.01)
+            else:
+                raise AssertionError("the stalled body's bytes were never given back")
+        stalled[1].close()
+
+
+async def test_a_body_trickling_below_the_minimum_rate_is_cut(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    """A body that keeps arriving, but at 1 KiB/s against --body-min-rate 4 KiB/s, is cut
+    with 408 and its connection closed, long before --body-timeout (10 minutes here):
+    the test's own 60 s bound would fail first if only the timeout applied."""
+    settings = settings_for(tmp_path, body_min_rate=4096, body_timeout=600.0)
+    async with Sidecar(settings, clock=clock) as sc_:
+        reader, writer = await asyncio.open_connection("127.0.0.1", sc_.otlp_http_port)
+        writer.write(
+            b"POST /v1/traces HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-protobuf"
+            b"\r\nContent-Length: 1000000\r\n\r\n"
+        )
+        async with asyncio.timeout(60):
+            answer = asyncio.ensure_future(reader.read())
+            while not answer.done():
+                with contextlib.suppress(ConnectionError):
+                    writer.write(b"\x0a" * 256)
+                    await writer.drain()
+                await asyncio.wait({answer}, timeout=0.25)
+            head = answer.result()
+        assert head.startswith(b"HTTP/1.1 408"), head[:200]
+        assert b"--body-min-rate" in head
+        assert sc_.in_flight == 0
+        writer.close()
 
 
 async def test_tick_orphans_and_tells_listeners(tmp_path: Path, clock: FakeClock) -> None:
