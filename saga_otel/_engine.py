@@ -504,16 +504,35 @@ class _Core:
     ) -> Outcome[Any]:
         """One forward call: attempts with retries, the push, the durable ack."""
         t = self.tool(name)
-        if t.is_async and not mode.is_async:
-            raise ConfigurationError(
-                f"tool {name!r} is async and cannot run in a sync run: use "
-                "`async with saga.run()`, or register a sync function"
-            )
+        if not mode.is_async:
+            self._sync_ready(t)
         assert self.state is not None
         self.state, idx = st.begin_step(
             self.state, t.name, t.step_class, pivot=t.pivot, index=index
         )
         return mode.script(lambda: self._forward(mode, t, name, args, idx))
+
+    def _sync_ready(self, t: Tool) -> None:
+        """Refuse, before the do runs, a step a sync run could not finish: an async tool,
+        or a registered async undo (its every retry would fail in the unwind, after the
+        write it was meant to undo had happened)."""
+        if t.is_async:
+            raise ConfigurationError(
+                f"tool {t.name!r} is async and cannot run in a sync run: use "
+                "`async with saga.run()`, or register a sync function"
+            )
+        if t.compensate is None:
+            return
+        try:
+            undo = self.tool(t.compensate)
+        except Exception:  # not registered (yet): the unwind names it if it is needed
+            return
+        if undo.is_async:
+            raise ConfigurationError(
+                f"tool {t.name!r} is undone by {undo.name!r}, which is async and could not run "
+                "in this sync run's unwind: use `async with saga.run()`, or register a sync "
+                f"{undo.name!r}; nothing was run"
+            )
 
     def _forward(
         self, mode: Mode, t: Tool, name: str, args: Mapping[str, Any], idx: int

@@ -347,6 +347,36 @@ async def test_unknown_compensation_tool_fails_loudly_not_silently(
     assert "no tool named 'gone'" in (run.report.compensations_failed[0].error or "")
 
 
+def test_a_sync_run_refuses_async_tools_and_async_undos_before_any_write(
+    cap: Captured,
+) -> None:
+    """A sync run cannot await: an async tool, or a sync write whose registered undo is
+    async (every retry of that undo would fail in the unwind, after the write), is refused
+    by name before the do runs, and nothing is pushed."""
+    writes: list[str] = []
+
+    @tool("compensable", compensate="refund_async", compensate_args=lambda i: {})
+    def charge() -> None:
+        writes.append("charge")
+
+    @tool("convergent")
+    async def refund_async() -> None:
+        writes.append("refund")
+
+    @tool("convergent")
+    async def fetch() -> None:
+        writes.append("fetch")
+
+    saga = cap.saga("x", tools=[charge, refund_async, fetch])
+    told = {"charge": "'refund_async', which is async", "fetch": "'fetch' is async"}
+    for name, why in told.items():
+        with pytest.raises(ConfigurationError, match=why) as info, saga.run_sync() as run:
+            run.call(name)
+        assert "async with saga.run()" in str(info.value)
+        assert run.report is not None and run.report.compensations == ()
+    assert writes == []
+
+
 async def test_tools_see_their_call_context_and_idempotency_key(
     cap: Captured, mode: Driver
 ) -> None:
