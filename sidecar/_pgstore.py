@@ -557,6 +557,16 @@ class PgStore(_Pooled):
             with self._tx("clear orphan marks") as conn, conn.cursor() as cur:
                 cur.executemany("UPDATE run_marks SET orphaned_at = NULL WHERE run_id = %s", rows)
 
+    def clear_resolutions(self, run_ids: Iterable[str]) -> None:
+        rows = [(r,) for r in run_ids]
+        if rows:
+            with self._tx("clear lapsed resolutions") as conn, conn.cursor() as cur:
+                cur.executemany(
+                    "UPDATE run_marks SET resolution_note = NULL, resolution_at = NULL "
+                    "WHERE run_id = %s",
+                    rows,
+                )
+
     def resolve(self, run_id: str, note: str, at: float) -> None:
         with self._tx("store the resolution") as conn:
             conn.execute(

@@ -881,6 +881,7 @@ class Sidecar:
             counted = tuple(s for s in counted if (s.run_id, s.span_id) not in resent)
         stream.spans(counted, self.state)
         stream.transitions(applied.transitions, self.state)
+        self._lapsed(applied.transitions)
         revived = [t.run_id for t in applied.transitions if t.before == sc.STATE_ORPHANED]
         if revived:
             # Late, not dead: their agent spoke again after the orphan mark.
@@ -1070,6 +1071,7 @@ class Sidecar:
         if not transitions:
             return transitions
         self.metrics.stream.transitions(transitions, self.state)
+        self._lapsed(transitions)
         if self.store is not None:
             try:
                 self._submit(
@@ -1089,6 +1091,22 @@ class Sidecar:
                     before["status"] = t.before
                     self._notify(before, after, now)
         return transitions
+
+    def _lapsed(self, transitions: Iterable[Transition]) -> None:
+        """Forget, in the store too, the resolutions that lapsed (``_state._lapse``): a
+        restart must not bring back a resolution that would hide the run again."""
+        lapsed = [t.run_id for t in transitions if t.lapsed]
+        if not lapsed:
+            return
+        log.warning("sidecar.runs.resolution_lapsed", count=len(lapsed), run_ids=lapsed[:5])
+        if self.store is not None:
+            try:
+                self._submit("clear lapsed resolutions", self.store.clear_resolutions, lapsed)
+            except StoreError:
+                log.exception(
+                    "sidecar.resolutions.not_cleared",
+                    fix="a restart restores them: the run is hidden again until re-resolved",
+                )
 
     async def _tick_loop(self) -> None:
         loop = asyncio.get_running_loop()

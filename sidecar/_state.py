@@ -158,6 +158,8 @@ class Transition:
     before: RunStatus | None
     after: RunStatus
     at: float
+    # A person's resolution of the run lapsed with this change (see RunState._lapse).
+    lapsed: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -367,6 +369,18 @@ class _Run:
     def needs_person(self) -> bool:
         """Stuck, compensation failed or orphaned, and no person has resolved it yet."""
         return self.status in NEEDS_PERSON and self.resolution is None
+
+
+def _lapse(run: _Run) -> bool:
+    """A run that comes to need a person (stuck, compensation failed, orphaned) after a
+    person resolved it needs one again: what they resolved was an earlier situation (a
+    run resolved while it unwound, then its undo failed; an orphan resolved, its agent
+    back, then dead). The resolution goes, so the run's alerts fire and it is in the
+    review queue. True when there was one."""
+    if run.resolution is None:
+        return False
+    run.resolution = None
+    return True
 
 
 def _copier(cls: type[_Run]) -> Callable[[_Run], _Run]:
@@ -859,9 +873,11 @@ class RunState:
                 idle[run_id] = None
         transitions = []
         for run_id in changed:
-            status = runs[run_id].status
+            run = runs[run_id]
+            status = run.status
             if status != before_status[run_id]:
-                transitions.append(Transition(run_id, before_status[run_id], status, now))
+                lapsed = status in NEEDS_PERSON and _lapse(run)
+                transitions.append(Transition(run_id, before_status[run_id], status, now, lapsed))
         facts_changed: tuple[str, ...] = ()
         if keep_before:
             facts_changed = tuple(r for r in changed if _facts(runs[r]) != before_facts[r])
@@ -1135,7 +1151,9 @@ class RunState:
         before = run.status
         run.orphaned_at = now
         run.status = run.derive()
-        return [Transition(run_id, before, run.status, now)] if run.status != before else []
+        if run.status == before:
+            return []
+        return [Transition(run_id, before, run.status, now, _lapse(run))]
 
     def restore_orphaned(self, run_id: str, at: float) -> None:
         """Re-apply an orphan mark loaded from the store (no transition: it was reported)."""

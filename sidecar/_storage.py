@@ -268,6 +268,9 @@ class Store(Protocol):
 
     def resolve(self, run_id: str, note: str, at: float) -> None: ...
 
+    def clear_resolutions(self, run_ids: Iterable[str]) -> None:
+        """Drop the resolutions of runs that came to need a person again."""
+
     def delete_runs(self, run_ids: list[str]) -> None: ...
 
     def delete_instances(self, instances: list[str]) -> None: ...

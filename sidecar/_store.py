@@ -485,6 +485,12 @@ class SqliteStore:
             "UPDATE run_marks SET orphaned_at = NULL WHERE run_id = ?", [(r,) for r in run_ids]
         )
 
+    def clear_resolutions(self, run_ids: Iterable[str]) -> None:
+        self._marks(
+            "UPDATE run_marks SET resolution_note = NULL, resolution_at = NULL WHERE run_id = ?",
+            [(r,) for r in run_ids],
+        )
+
     def resolve(self, run_id: str, note: str, at: float) -> None:
         self._marks(
             "INSERT INTO run_marks(run_id, resolution_note, resolution_at) VALUES (?, ?, ?) "

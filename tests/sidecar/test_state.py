@@ -401,6 +401,47 @@ def test_an_orphaned_run_heard_from_again_runs_again_and_its_alert_resolves() ->
     assert again.after == sc.STATE_ORPHANED
 
 
+def test_a_resolution_lapses_when_the_run_comes_to_need_a_person_again() -> None:
+    """Resolved while it unwound, then its undo failed; resolved while orphaned, then its
+    agent came back and died: each time the run needs a person anew, its alert fires and
+    it is back in the review queue."""
+    from sidecar._alerting import Action, evaluate
+
+    state = RunState(idle_timeout=60)
+    failed = compensation_failed_run()
+    spans = records(failed.spans())
+    cut = next(i for i, s in enumerate(spans) if s.attributes[sc.SAGA_PHASE] == sc.PHASE_UNWIND)
+    state.apply(spans[: cut + 1], T)
+    assert state.status(failed.run_id) == sc.STATE_UNWINDING
+    assert state.resolve(failed.run_id, "watching it", T + 1)
+    applied = state.apply(spans[cut + 1 :], T + 2, keep_before=True)
+    (t,) = applied.transitions
+    assert (t.after, t.lapsed) == (sc.STATUS_COMPENSATION_FAILED, True)
+    before, after = state.view_before(applied, failed.run_id), state.view(failed.run_id)
+    assert after is not None and after["resolution"] is None
+    fired = [e.alertname for e in evaluate(before, after, T + 2) if e.action is Action.FIRE]
+    assert sc.ALERT_COMPENSATION_FAILED in fired
+    assert [r["run_id"] for r in state.summaries(needs_person=True)] == [failed.run_id]
+
+    state = RunState(idle_timeout=60)
+    orphan = open_run(instance="agent-b")
+    state.apply(records(orphan.spans()), T)
+    state.apply(beats([orphan.run_id], [T]), T)
+    state.apply(beats([orphan.run_id], [T + 1]), T + 1)  # learned: sends at once
+    (first,) = state.tick(T + 4.5)
+    assert (first.after, first.lapsed) == (sc.STATE_ORPHANED, False)
+    assert state.resolve(orphan.run_id, "restarted the agent", T + 5)
+    state.apply(beats([orphan.run_id], [T + 5, T + 6, T + 7]), T + 7)  # back
+    assert state.status(orphan.run_id) == sc.STATE_RUNNING
+    (second,) = state.tick(T + 60)  # then dead
+    assert (second.after, second.lapsed) == (sc.STATE_ORPHANED, True)
+    view = state.view(orphan.run_id)
+    assert view is not None and view["resolution"] is None
+    # A resolution given while the run needs a person holds while it stays so.
+    assert state.resolve(orphan.run_id, "undone by hand", T + 61)
+    assert state.tick(T + 120) == [] and state.view(orphan.run_id)["resolution"]  # type: ignore[index]
+
+
 def test_a_span_of_the_run_also_brings_it_back_but_a_strangers_heartbeat_does_not() -> None:
     state = RunState(idle_timeout=5)
     run = open_run(instance="agent-1")

@@ -17,6 +17,7 @@ from sidecar_testkit import (
     FakeClock,
     RunScript,
     compensated_run,
+    compensation_failed_run,
     export_http,
     open_run,
     settings_for,
@@ -104,6 +105,27 @@ async def test_prune_removes_finished_runs_from_memory_and_disk(tmp_path: Path) 
     async with Sidecar(settings, clock=clock) as sc_:
         assert done.run_id not in sc_.state and running.run_id in sc_.state
         assert waiting.run_id not in sc_.state
+
+
+async def test_a_lapsed_resolution_stays_lapsed_after_a_restart(tmp_path: Path) -> None:
+    """Resolved while it unwound, then its undo failed: the resolution lapsed in memory
+    and in the store, so a restart does not bring it back to hide the run."""
+    clock = FakeClock()
+    settings = settings_for(tmp_path)
+    run = compensation_failed_run()
+    spans = run.spans()
+    cut = next(i for i, s in enumerate(spans) if s.attributes[sc.SAGA_PHASE] == sc.PHASE_UNWIND)
+    async with Sidecar(settings, clock=clock) as sc_:
+        await export_http(sc_, spans[: cut + 1])
+        assert await sc_.resolve(run.run_id, "watching it") is not None
+        await export_http(sc_, spans[cut + 1 :])
+        view = sc_.state.view(run.run_id)
+        assert view is not None and view["resolution"] is None
+        await sc_.flush()
+    async with Sidecar(settings, clock=clock) as sc_:
+        view = sc_.state.view(run.run_id)
+        assert view is not None and view["status"] == sc.STATUS_COMPENSATION_FAILED
+        assert view["resolution"] is None
 
 
 def test_store_ignores_duplicate_spans(tmp_path: Path) -> None:
