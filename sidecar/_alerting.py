@@ -15,6 +15,7 @@ itself emits nothing.
 from __future__ import annotations
 
 import json
+import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
@@ -438,7 +439,9 @@ def build_card(alertname: str, view: View, run_url: str) -> dict[str, Any]:
     ]
     pending = [_comp_text(c) for c in stack]
     failed_step = view.get("failed_step")
-    run_id = str(view.get("run_id") or "")
+    # As the commands below quote it: a run id may hold any printable character (a
+    # space, `;`, `$(...)`) and a person pastes these lines into a shell.
+    run_id = shlex.quote(str(view.get("run_id") or ""))
     if alertname == sc.ALERT_COMPENSATION_STARTED:
         decide = [
             f"Nothing yet: the agent is undoing {counted(len(pending), 'step')} by itself; act if "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shlex
 from typing import Any
 
 import pytest
@@ -287,6 +288,22 @@ def test_orphaned_fires_with_the_stack_and_resolves_when_recovered() -> None:
     assert "went silent" in event.annotations["description"]
     resolved = evaluate(orphaned, view(status="recovered"), now=300.0)
     assert [(e.action, e.alertname) for e in resolved] == [(Action.RESOLVE, sc.ALERT_RUN_ORPHANED)]
+
+
+@pytest.mark.parametrize("status", ["orphaned", "stuck"])
+def test_the_cards_commands_quote_a_hostile_run_id_for_the_shell(status: str) -> None:
+    """A run id may hold any printable character; the card's commands are pasted into a
+    shell, so each quotes it: split as a shell would, the id is one word, unchanged."""
+    hostile = "ord-1; touch pwned $(id) 'q'"
+    bad = view(run_id=hostile, status=status, failed_step="post_ledger", ended_at=110.0)
+    (event,) = evaluate(view(run_id=hostile), bad, now=200.0)
+    lines = json.loads(event.annotations["escalation_card"])["decide"]
+    commands = [part for line in lines for part in line.split("`")[1::2]]
+    assert commands, lines
+    for command in commands:
+        words = shlex.split(command.replace("...", "x"))
+        assert hostile in words, (command, words)
+        assert "touch" not in words and "$(id)" not in words
 
 
 def test_a_person_resolving_the_run_resolves_all_its_alerts() -> None:
