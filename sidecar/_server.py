@@ -884,8 +884,14 @@ class Sidecar:
         self._lapsed(applied.transitions)
         revived = [t.run_id for t in applied.transitions if t.before == sc.STATE_ORPHANED]
         if revived:
-            # Late, not dead: their agent spoke again after the orphan mark.
-            log.warning("sidecar.runs.revived", count=len(revived), run_ids=revived[:5])
+            # Late, not dead: their agent spoke again after the orphan mark. Or a
+            # recoverer took the run up (its agent is still dead): the mark goes either way.
+            taken = [r for r in revived if self.state.recovering(r)]
+            late = [r for r in revived if r not in taken]
+            if late:
+                log.warning("sidecar.runs.revived", count=len(late), run_ids=late[:5])
+            if taken:
+                log.info("sidecar.runs.recovery_began", count=len(taken), run_ids=taken[:5])
             if self.store is not None:
                 try:
                     self._submit("clear orphan marks", self.store.clear_orphaned, revived)

@@ -351,6 +351,8 @@ class _Run:
         final = self.final_run_span()
         if self.recovering() or len(self.run_spans) >= 2:
             if final is None:
+                if self.orphaned_at is not None:
+                    return sc.STATE_ORPHANED  # its recoverer went quiet, its lease ended
                 # A second process took the run over and has not finished yet.
                 others = self.lowest_comp is not None or self.unwind is not None
                 return sc.STATE_UNWINDING if others else sc.STATE_RUNNING
@@ -526,6 +528,9 @@ class RunState:
         # Open runs that left the idle queue because their process heart-beats: the
         # heartbeat rule orphans them when that process dies.
         self._watched: dict[str, None] = {}
+        # Open runs a recoverer is unwinding, gone quiet past the idle timeout while its
+        # lease was live: judged again each tick, orphaned once the lease has ended.
+        self._recovering: dict[str, None] = {}
         self._instances: dict[str, _Watch] = {}
         # (due, instance) of the live watches, soonest first: a tick looks only at those
         # past due, not at every instance (retention keeps many; most died long ago).
@@ -550,6 +555,11 @@ class RunState:
     def status(self, run_id: str) -> RunStatus | None:
         run = self._runs.get(run_id)
         return run.status if run else None
+
+    def recovering(self, run_id: str) -> bool:
+        """Whether a process other than its owner (a recoverer) has written to the run."""
+        run = self._runs.get(run_id)
+        return run is not None and run.recovering()
 
     def counts(self) -> dict[str, int]:
         counts: dict[str, int] = dict.fromkeys(ALL_STATES, 0)
@@ -859,6 +869,13 @@ class RunState:
                 run.revived = Revived(run.orphaned_at, now)
                 run.orphaned_at = None
                 changed[run_id] = None
+        for run_id in changed:
+            run = touched[run_id]
+            if run.orphaned_at is not None and not run.has_ended() and run.recovering():
+                # A recoverer took it up: the mark goes (not revived: its agent is still
+                # dead), and the run is watched for quiet again; past the idle timeout
+                # with its lease ended it is orphaned anew (see _orphan).
+                run.orphaned_at = None
         idle = self._idle
         # Once per run, not per span: every run of the batch was seen at ``now``, so
         # their order among themselves in the idle queue does not matter.
@@ -869,6 +886,7 @@ class RunState:
                 run.last_seen = now
             idle.pop(run_id, None)
             self._watched.pop(run_id, None)
+            self._recovering.pop(run_id, None)
             if not run.has_ended() and run.orphaned_at is None:
                 idle[run_id] = None
         transitions = []
@@ -1140,14 +1158,25 @@ class RunState:
                 self._watched[run_id] = None
                 continue
             transitions.extend(self._orphan(run_id, now))
+        for run_id in list(self._recovering):  # few: runs recovered right now
+            transitions.extend(self._orphan(run_id, now))
         return transitions
 
     def _orphan(self, run_id: str, now: float) -> list[Transition]:
         self._idle.pop(run_id, None)
         self._watched.pop(run_id, None)
+        self._recovering.pop(run_id, None)
         run = self._runs[run_id]
-        if run.has_ended() or run.orphaned_at is not None or run.recovering():
+        if run.has_ended() or run.orphaned_at is not None:
             return []
+        if run.recovering():
+            # A recoverer holds it: quiet is fine while its lease lives (a long undo).
+            # Once the lease has ended (a recoverer dead, or gone without finishing) the
+            # run is orphaned again and pages: nobody is unwinding it.
+            lease = run.lease
+            if lease is not None and lease.live(now):
+                self._recovering[run_id] = None
+                return []
         before = run.status
         run.orphaned_at = now
         run.status = run.derive()
@@ -1328,6 +1357,7 @@ class RunState:
         for run_id in run_ids:
             self._runs.pop(run_id, None)
             self._idle.pop(run_id, None)
+            self._recovering.pop(run_id, None)
             self._watched.pop(run_id, None)
 
 

@@ -254,6 +254,29 @@ def test_orphaned_run_recovered_by_another_process() -> None:
     assert view is not None and view["stack"] == [] and view["instance"] == "agent-1"
 
 
+def test_a_recovery_whose_recoverer_dies_is_orphaned_again_once_its_lease_ends() -> None:
+    """The agent died; a recoverer took the lease and began; then it died too. While its
+    lease lives, quiet is a long undo; once the lease has ended nobody is unwinding the
+    run: it is orphaned again (a page), and a recovery can be granted anew."""
+    from sidecar._leases import Lease
+
+    state = RunState(idle_timeout=1)
+    first = open_run(instance="agent-1")
+    state.apply(records(first.spans()), T)
+    (orphaned,) = state.tick(T + 5)
+    assert orphaned.after == sc.STATE_ORPHANED
+    state.set_lease(Lease(first.run_id, "recoverer-7", 1, T + 5, expires_at=T + 40))
+    second = RunScript(instance="agent-2", run_id=first.run_id, t0=1_700_000_060.0)
+    second.compensate(1, "issue_credit", CREDIT[0], CREDIT[1])
+    state.apply(records(second.spans()), T + 6)
+    assert state.status(first.run_id) == sc.STATE_UNWINDING
+    assert state.tick(T + 20) == []  # quiet, but its lease lives: a long undo
+    assert state.tick(T + 39) == []
+    (again,) = state.tick(T + 41)  # the lease ended with nobody unwinding the run
+    assert (again.before, again.after) == (sc.STATE_UNWINDING, sc.STATE_ORPHANED)
+    assert state.tick(T + 100) == []  # once
+
+
 def test_failed_recovery_is_compensation_failed() -> None:
     state = RunState()
     state.apply(recovered_run(ok=False), T)
