@@ -341,6 +341,11 @@ class _Run:
             return sc.STATUS_COMPENSATION_FAILED
         return status
 
+    def undo_stands(self) -> bool:
+        """A pushed undo not yet done (the stack is not empty). Walks the steps: asked
+        only once a recoverer has ended the run, not per span."""
+        return any(s.compensation() is not None and not s.compensated() for s in self.steps)
+
     def effect_stands(self) -> bool:
         return bool(self.drops) or bool(self.unstorable_at)
 
@@ -356,6 +361,11 @@ class _Run:
                 # A second process took the run over and has not finished yet.
                 others = self.lowest_comp is not None or self.unwind is not None
                 return sc.STATE_UNWINDING if others else sc.STATE_RUNNING
+            if final.status == sc.STATUS_COMPENSATED and self.undo_stands():
+                # The recoverer says it undid all, but an undo is still on the stack (its
+                # agent came back and pushed one after the recoverer read the stack):
+                # an effect stands, and a person must know.
+                return sc.STATUS_COMPENSATION_FAILED
             return sc.STATE_RECOVERED if final.status in _RECOVERED_FROM else final.status
         if final is not None:
             return final.status

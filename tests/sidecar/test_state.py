@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from sidecar_testkit import (
     CREDIT,
+    TICKET,
     RunScript,
     compensated_run,
     compensation_failed_run,
@@ -275,6 +276,27 @@ def test_a_recovery_whose_recoverer_dies_is_orphaned_again_once_its_lease_ends()
     (again,) = state.tick(T + 41)  # the lease ended with nobody unwinding the run
     assert (again.before, again.after) == (sc.STATE_UNWINDING, sc.STATE_ORPHANED)
     assert state.tick(T + 100) == []  # once
+
+
+def test_a_recovery_that_ends_with_an_undo_still_on_the_stack_is_not_recovered() -> None:
+    """The agent came back while a recoverer worked and pushed another undo after the
+    recoverer had read the stack; the recoverer undid what it read and ended the run
+    compensated. That undo still stands: compensation_failed (a person), not recovered."""
+    state = RunState(idle_timeout=1)
+    first = open_run(instance="agent-1")
+    state.apply(records(first.spans()), T)
+    state.tick(T + 5)
+    back = RunScript(instance="agent-1", run_id=first.run_id, t0=1_700_000_006.0)
+    back.do(2, "update_ticket", "reversible", comp=TICKET)
+    state.apply(records(back.spans()), T + 6)
+    recoverer = RunScript(instance="agent-2", run_id=first.run_id, t0=1_700_000_007.0)
+    recoverer.compensate(1, "issue_credit", CREDIT[0], CREDIT[1])
+    recoverer.end(sc.STATUS_COMPENSATED)
+    state.apply(records(recoverer.spans()), T + 7)
+    assert state.status(first.run_id) == sc.STATUS_COMPENSATION_FAILED
+    view = state.view(first.run_id)
+    assert view is not None and [c["tool"] for c in view["stack"]] == [TICKET[0]]
+    assert [r["run_id"] for r in state.summaries(needs_person=True)] == [first.run_id]
 
 
 def test_failed_recovery_is_compensation_failed() -> None:
