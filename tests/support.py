@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import random
 import shutil
+import socket
 import sqlite3
 import subprocess
 import time
@@ -59,6 +61,30 @@ def install_node_agent() -> Path:
                 f"{done.stderr.strip()[-2000:]}"
             )
     return NODE_AGENT_DIR / "agent.mjs"
+
+
+def restart_port() -> int:
+    """A free loopback port for a server a test kills and restarts on the same port.
+
+    Outside the kernel's ephemeral range: a port bound with 0 comes from that range, and
+    between the kill and the restart any outgoing connection on the machine (an agent
+    retrying, a load generator) may take it as its source port, so the restart fails
+    "address in use" (seen once in a full run).
+    """
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(10000, max(10001, low))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free loopback port in 10000..{low - 1}")
 
 
 def wait_until(probe: Callable[[], object], timeout: float = 30.0, what: str = "") -> object:

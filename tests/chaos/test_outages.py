@@ -26,6 +26,7 @@ from support import (
     AlertReceiver,
     SidecarProcess,
     resent_cut_by_the_kill,
+    restart_port,
     start_sidecar,
     wait_until,
 )
@@ -40,12 +41,6 @@ pytestmark = [pytest.mark.chaos, pytest.mark.timeout(900)]
 
 ROOT = Path(__file__).resolve().parents[2]
 OUTAGE = float(os.environ.get("SAGA_CHAOS_OUTAGE_S", "30"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture
@@ -110,7 +105,7 @@ def test_sidecar_killed_under_load_loses_no_acknowledged_span(
     db_backend: str | None,
 ) -> None:
     pager = AlertReceiver()
-    ports = [str(free_port()) for _ in range(3)]
+    ports = [str(restart_port()) for _ in range(3)]
     args = ("--otlp-http-port", ports[0], "--otlp-grpc-port", ports[1], "--api-port", ports[2])
     first = start_sidecar(tmp_path, "--webhook", pager.url, *args, db=db_backend)
     second: SidecarProcess | None = None

@@ -30,6 +30,7 @@ from support import (
     AlertReceiver,
     SidecarProcess,
     resent_cut_by_the_kill,
+    restart_port,
     start_sidecar,
     wait_until,
 )
@@ -41,14 +42,6 @@ pytestmark = [pytest.mark.chaos, pytest.mark.timeout(300)]
 HERE = Path(__file__).parent
 ROOT = HERE.parent.parent
 LOAD_AGENTS, RUNS_EACH = 3, 12
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _agent(*args: str) -> subprocess.Popen[str]:
@@ -97,7 +90,7 @@ def test_three_replicas_one_killed_behave_as_one_sidecar(
     name = postgres.create()
     url = postgres.url(name)
     pager = AlertReceiver()
-    ports = [[str(_free_port()) for _ in range(3)] for _ in range(3)]
+    ports = [[str(restart_port()) for _ in range(3)] for _ in range(3)]
 
     def replica(i: int) -> SidecarProcess:
         http, grpc, api = ports[i]
