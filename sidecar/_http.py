@@ -7,6 +7,7 @@ import base64
 import binascii
 import hmac
 import json
+import math
 import time
 import zlib
 from collections.abc import Awaitable, Callable
@@ -17,6 +18,8 @@ import aiohttp
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 from prometheus_client import CONTENT_TYPE_LATEST, Histogram
+
+from saga_otel import semconv as sc
 
 from . import _jsontext as jsontext
 from ._errors import DecodeError, StoreError
@@ -478,15 +481,34 @@ def encode_cursor(started_at: float | None, run_id: str) -> str:
 
 
 def decode_cursor(text: str) -> tuple[float, str]:
+    """The (started_at, run_id) ``encode_cursor`` put in ``text``; DecodeError for any
+    other text, so a made-up cursor is a 400, not a page that reads as "no runs"."""
     try:
         raw = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
-        started_at, run_id = jsontext.loads(raw)
-        return float(started_at if started_at is not None else float("-inf")), str(run_id)
-    except (ValueError, TypeError, binascii.Error) as exc:
-        raise DecodeError(
-            f"cursor {text[:40]!r} is not one this API gave out: pass next_cursor from the "
-            "previous page unchanged"
-        ) from exc
+        value = jsontext.loads(raw)
+    except (ValueError, binascii.Error) as exc:
+        raise _bad_cursor(text, "it is not base64url of JSON") from exc
+    # Exactly what encode_cursor writes: [epoch seconds or null, the run id].
+    if not isinstance(value, list) or len(value) != 2:
+        raise _bad_cursor(text, f"it holds {value!r:.60}, not a [started_at, run_id] pair")
+    started_at, run_id = value
+    if started_at is not None and (
+        isinstance(started_at, bool)
+        or not isinstance(started_at, int | float)
+        or not math.isfinite(started_at)
+    ):
+        raise _bad_cursor(text, f"its started_at {started_at!r:.40} is not epoch seconds")
+    problem = sc.run_id_problem(run_id)
+    if problem is not None:
+        raise _bad_cursor(text, problem)
+    return float(started_at if started_at is not None else float("-inf")), run_id
+
+
+def _bad_cursor(text: str, why: str) -> DecodeError:
+    return DecodeError(
+        f"cursor {text[:40]!r} is not one this API gave out ({why}): pass next_cursor "
+        "from the previous page unchanged, or leave cursor out for the first page"
+    )
 
 
 def _shown(request: web.Request, doc: _Doc, *views: RunView | None) -> _Doc:

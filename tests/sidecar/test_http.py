@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import gzip
 import json
 import logging
@@ -375,6 +376,28 @@ async def test_list_filters_and_cursor_pagination(sidecar: Sidecar) -> None:
         status, body = await get_json(sidecar, f"/runs?{bad}")
         assert status == 400, bad
         assert body["error"]
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        '[NaN, "r1"]',
+        '[Infinity, "r1"]',
+        '[true, "r1"]',
+        '["1700000001.5", "r1"]',
+        "[1, 2]",
+        '[1700000001.0, ""]',
+        '{"1700000001.0": 0, "r1": 0}',
+    ],
+)
+async def test_a_cursor_the_api_never_gave_out_is_a_400(sidecar: Sidecar, raw: str) -> None:
+    # Each once answered 200 with no runs, which reads as "nothing more".
+    await export_http(sidecar, stuck_run(run_id="r1").spans())
+    cursor = base64.urlsafe_b64encode(raw.encode()).decode().rstrip("=")
+    status, body = await get_json(sidecar, f"/runs?cursor={cursor}")
+    assert status == 400, body
+    assert "is not one this API gave out" in body["error"]
+    assert "pass next_cursor from the previous page unchanged" in body["error"]
 
 
 async def test_metrics_endpoint(sidecar: Sidecar) -> None:
