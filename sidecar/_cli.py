@@ -354,6 +354,7 @@ def _fail(exc: SidecarError) -> click.ClickException:
 @click.option("--saga", default=None, help="Only runs of this saga.")
 @click.option("--needs-person", is_flag=True, help="Only unresolved failed/stuck/orphaned runs.")
 @click.option("--limit", type=int, default=50, show_default=True)
+@click.option("--cursor", default=None, help="Go on from where a listing stopped (it says so).")
 @click.option("--json", "as_json", is_flag=True, help="Print the API's JSON.")
 def list_runs(
     api: str,
@@ -362,10 +363,13 @@ def list_runs(
     saga: str | None,
     needs_person: bool,
     limit: int,
+    cursor: str | None,
     as_json: bool,
 ) -> None:
-    """List runs, newest first."""
+    """List runs, newest first, --limit at a time."""
     params: dict[str, Any] = {"limit": limit}
+    if cursor:
+        params["cursor"] = cursor
     if status:
         params["status"] = status
     if saga:
@@ -378,7 +382,18 @@ def list_runs(
         raise _fail(exc) from exc
     if as_json:
         click.echo(json.dumps(body, indent=2))
-        return
+    else:
+        _print_runs(body["runs"])
+    if body.get("next_cursor"):
+        # On stderr, so piped output stays rows; without it the oldest runs went unseen.
+        click.echo(
+            f"more runs than --limit {limit}: run the same command with "
+            f"--cursor {body['next_cursor']} for the next ones",
+            err=True,
+        )
+
+
+def _print_runs(runs: list[dict[str, Any]]) -> None:
     # Run ids are never cut (they are what the other commands take): at 80 columns the
     # start time goes under the id and the other columns wrap.
     now = time.time()
@@ -387,7 +402,7 @@ def list_runs(
     table.add_column("saga, status", overflow="fold")
     table.add_column("failed step", overflow="fold")
     table.add_column("left", justify="right", no_wrap=True)
-    for r in body["runs"]:
+    for r in runs:
         started = r["started_at"]
         at = "-" if started is None else f"{local_time(started)}\n{age(now - started)} ago"
         table.add_row(

@@ -182,6 +182,28 @@ async def test_runs_list_never_cuts_ids_and_times_are_local_iso_with_age(sidecar
     assert local in result.output and " ago" in result.output, result.output
 
 
+async def test_needs_person_past_the_limit_says_so_and_the_cursor_lists_the_rest(
+    sidecar: Sidecar,
+) -> None:
+    runs = [stuck_run(run_id=f"stuck-{i:02d}", t0=1_700_000_000.0 + i * 60) for i in range(52)]
+    await export_http(sidecar, [s for r in runs for s in r.spans()])
+
+    def rows(out: str) -> list[str]:
+        return [line.split()[0] for line in out.splitlines() if line.lstrip().startswith("stuck-")]
+
+    first = await cli(sidecar, "runs", "list", "--needs-person")
+    assert first.exit_code == 0, first.output
+    assert rows(first.stdout) == [f"stuck-{i:02d}" for i in range(51, 1, -1)]
+    # The hint is on stderr alone: piped, stdout stays rows.
+    assert "more runs" not in first.stdout
+    found = re.search(r"more runs than --limit 50: .* --cursor (\S+) ", first.stderr)
+    assert found, first.stderr
+    rest = await cli(sidecar, "runs", "list", "--needs-person", "--cursor", found[1])
+    assert rest.exit_code == 0, rest.output
+    assert rows(rest.stdout) == ["stuck-01", "stuck-00"]
+    assert rest.stderr == ""
+
+
 def test_serve_logs_json_lines_with_event_names_start_to_sigterm(tmp_path: Path) -> None:
     """One format: every stderr line is a JSON object with an event name, no repr."""
     import signal
