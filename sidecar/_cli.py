@@ -25,7 +25,7 @@ from ._alert_settings import alert_options, settings_from_options
 from ._errors import ApiError, SidecarError
 from ._log import configure as configure_logging
 from ._log import get_logger
-from ._render import age, local_time, render_run
+from ._render import age, local_time, printable_doc, render_run
 from ._settings import (
     DEFAULT_API_PORT,
     DEFAULT_FORWARD_QUEUE,
@@ -383,7 +383,7 @@ def list_runs(
     if as_json:
         click.echo(json.dumps(body, indent=2))
     else:
-        _print_runs(body["runs"])
+        _print_runs(printable_doc(body["runs"]))
     if body.get("next_cursor"):
         # On stderr, so piped output stays rows; without it the oldest runs went unseen.
         click.echo(
@@ -405,10 +405,11 @@ def _print_runs(runs: list[dict[str, Any]]) -> None:
     for r in runs:
         started = r["started_at"]
         at = "-" if started is None else f"{local_time(started)}\n{age(now - started)} ago"
+        # Text, not str: a str cell is rich markup, and "[link=...]" in a saga name is not.
         table.add_row(
             Text.assemble(r["run_id"], "\n", (at, "dim")),
-            f"{r['saga']}\n{r['status']}" + ("\n(resolved)" if r["resolved"] else ""),
-            r["failed_step"] or "",
+            Text(f"{r['saga']}\n{r['status']}" + ("\n(resolved)" if r["resolved"] else "")),
+            Text(r["failed_step"] or ""),
             str(r["stack_depth"]),
         )
     _console().print(table)
@@ -459,6 +460,7 @@ def stack(run_id: str, api: str, token: str | None, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(body, indent=2))
         return
+    body = printable_doc(body)
     click.echo(f"run {body['run_id']} ({body['status']}): {len(body['stack'])} left")
     for item in body["stack"]:
         click.echo(f"  #{item['index']} {item['step']}: {item['tool']} {json.dumps(item['args'])}")
@@ -478,4 +480,5 @@ def resolve(run_id: str, note: str, api: str, token: str | None) -> None:
         view = _on_run(api, token, "POST", run_id, "/resolve", json={"note": note})
     except SidecarError as exc:
         raise _fail(exc) from exc
+    view = printable_doc(view)
     click.echo(f"resolved {view['run_id']} ({view['status']}): {view['resolution']['note']}")

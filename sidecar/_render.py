@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 from datetime import datetime, tzinfo
+from typing import Any, Final, TypeVar, cast
 
 from rich.console import Console, ConsoleOptions, RenderableType, RenderResult
 from rich.constrain import Constrain
@@ -18,6 +19,35 @@ from saga_otel.records import EscalationCard, is_pivot
 
 from ._alerting import counted
 from ._views import CompensationView, RunView
+
+_T = TypeVar("_T")
+
+# What an agent sends is shown, never obeyed: characters that steer a terminal (C0
+# but tab and newline, DEL, C1: escape sequences, carriage returns) or reorder what
+# a person reads (bidi embeddings, overrides, isolates) become visible escapes.
+_ESCAPES: Final[dict[int, str]] = {
+    **{c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0)) if c not in (0x09, 0x0A)},
+    **{c: f"\\u{c:04x}" for c in (*range(0x202A, 0x202F), *range(0x2066, 0x206A))},
+}
+
+
+def printable(text: str) -> str:
+    """``text`` safe to print or draw: ``\\x1b`` for ESC, ``\\u202e`` for a bidi override."""
+    return text.translate(_ESCAPES)
+
+
+def printable_doc(doc: _T) -> _T:
+    """``doc`` (JSON: a run view, a summary, a stack) with every string, key or value,
+    made :func:`printable`. Run ids are printable by the contract: they stay as sent."""
+    value: Any = doc
+    if isinstance(value, str):
+        value = printable(value)
+    elif isinstance(value, dict):
+        value = {printable_doc(k): printable_doc(v) for k, v in value.items()}
+    elif isinstance(value, list):
+        value = [printable_doc(v) for v in value]
+    return cast(_T, value)
+
 
 _STATUS_STYLE = {
     sc.STATUS_COMPLETED: "green",
@@ -87,9 +117,11 @@ def render_run(
     """The diagram for one run view (the JSON of GET /runs/{id}).
 
     Times are local ISO-8601 with their age against ``now`` (default: the clock);
-    ``tz`` fixes the zone (tests, the README drawing).
+    ``tz`` fixes the zone (tests, the README drawing). Every text the agent sent is
+    drawn :func:`printable`.
     """
     now = time.time() if now is None else now
+    view = printable_doc(view)
 
     def _when(epoch: float | None) -> str:
         return when(epoch, now, tz)

@@ -236,6 +236,42 @@ def stuck_run(**kw: Any) -> RunScript:
     return r.end(sc.STATUS_STUCK, "close_ticket")
 
 
+# Text an agent could send to take over a terminal: clear screen, window title, a
+# hyperlink, concealed text, CR and erase-line (a fake line), a C1 CSI, bidi
+# override and isolate (a file name read backwards).
+ESC = "\x1b"
+STEERING_STEP = f"issue_credit{ESC}[2J{ESC}]0;pwned{ESC}\\{ESC}]8;;https://evil.example/{ESC}\\x"
+STEERING_TOOL = f"reverse_credit{ESC}[8m hidden{ESC}[0m"
+STEERING_ERROR = f"Boom{ESC}[2K\rfake: all good\x9b31m"
+STEERING_SAGA = "refund[bold]\u202egnp.exe"
+STEERING_DESCRIPTION = "reverse\u2067 it\x7f"
+
+
+def steering_run(**kw: Any) -> RunScript:
+    """A compensation_failed run whose every agent-sent text carries terminal controls."""
+    r = RunScript(saga=STEERING_SAGA, **kw)
+    comp = (STEERING_TOOL, {f"credit{ESC}[1mid": "cr_1"}, STEERING_DESCRIPTION)
+    r.do(0, STEERING_STEP, "compensable", comp=comp)
+    r.do(1, "notify", "compensable", ok=False, error=STEERING_ERROR)
+    stack = [{"step": STEERING_STEP, "index": 0, "tool": comp[0], "args": comp[1],
+              "description": comp[2]}]  # fmt: skip
+    r.unwind(STEERING_ERROR, "notify", stack)
+    r.compensate(0, STEERING_STEP, comp[0], comp[1], ok=False, error=STEERING_ERROR)
+    return r.end(sc.STATUS_COMPENSATION_FAILED, "notify")
+
+
+def steering(text: str) -> list[str]:
+    """The characters of ``text`` that a terminal obeys or that reorder what it shows."""
+    return [
+        c
+        for c in text
+        if (ord(c) < 0x20 and c not in "\n\t")
+        or 0x7F <= ord(c) < 0xA0
+        or 0x202A <= ord(c) <= 0x202E
+        or 0x2066 <= ord(c) <= 0x2069
+    ]
+
+
 def open_run(**kw: Any) -> RunScript:
     """A run whose process went away after two steps: no run span."""
     r = RunScript(**kw)

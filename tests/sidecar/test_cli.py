@@ -16,9 +16,12 @@ import pytest
 from click.testing import CliRunner, Result
 from sidecar_testkit import (
     BOTH_BACKENDS,
+    STEERING_SAGA,
     compensation_failed_run,
     completed_run,
     export_http,
+    steering,
+    steering_run,
     stuck_run,
 )
 
@@ -202,6 +205,30 @@ async def test_needs_person_past_the_limit_says_so_and_the_cursor_lists_the_rest
     assert rest.exit_code == 0, rest.output
     assert rows(rest.stdout) == ["stuck-01", "stuck-00"]
     assert rest.stderr == ""
+
+
+async def test_what_an_agent_sent_is_printed_with_its_terminal_controls_escaped(
+    sidecar: Sidecar,
+) -> None:
+    run = steering_run(run_id="run-ctl")
+    await export_http(sidecar, run.spans())
+    outputs = {}
+    for command in (["show", "run-ctl"], ["stack", "run-ctl"], ["list"],
+                    ["resolve", "run-ctl", "--note", "seen"]):  # fmt: skip
+        result = await cli(sidecar, "runs", *command, COLUMNS="200")
+        assert result.exit_code == 0, result.output
+        assert steering(result.output) == [], (command, result.output)
+        outputs[command[0]] = result.output
+    assert "issue_credit\\x1b[2J\\x1b]0;pwned" in outputs["show"]
+    assert "reverse_credit\\x1b[8m hidden" in outputs["show"]
+    assert "Boom\\x1b[2K\\x0dfake: all good\\x9b31m" in outputs["show"]
+    assert "reverse\\u2067 it\\x7f" in outputs["show"] and "credit\\x1b[1mid=" in outputs["show"]
+    assert (
+        "issue_credit\\x1b[2J" in outputs["stack"] and "reverse_credit\\x1b[8m" in outputs["stack"]
+    )
+    # Shown as sent, escaped: not taken as rich markup either.
+    assert "refund[bold]\\u202egnp.exe" in outputs["list"]
+    assert STEERING_SAGA.replace("\u202e", "\\u202e") in outputs["show"]
 
 
 def test_serve_logs_json_lines_with_event_names_start_to_sigterm(tmp_path: Path) -> None:

@@ -24,6 +24,8 @@ from sidecar_testkit import (
     export_http,
     open_run,
     settings_for,
+    steering,
+    steering_run,
     stuck_run,
 )
 
@@ -291,6 +293,28 @@ async def test_every_user_controlled_field_is_escaped(
     assert run_id in shown and "onerror=alert(2)" in shown
     assert "<script>alert('saga2')</script>" in visible(queue)
     assert "<script>alert('qstep')</script>" in visible(queue)
+
+
+def drawn(page: str) -> str:
+    """The run diagram of a run page, as text."""
+    found = re.search(r'<pre id="diagram">(.*?)</pre>', page, re.S)
+    assert found, page
+    return visible(found[1])
+
+
+async def test_the_diagram_shows_terminal_controls_as_escapes(
+    alerting_sidecar: tuple[Sidecar, AlertService],
+) -> None:
+    # The drawing is `runs show`'s, exported as HTML: the CLI's rule serves it too.
+    sidecar, _ = alerting_sidecar
+    await export_http(sidecar, steering_run(run_id="run-ctl").spans())
+    status, page, _ = await get(f"{api(sidecar)}/runs/run-ctl")
+    assert status == 200
+    diagram = drawn(page)
+    assert steering(diagram) == [], diagram
+    assert "issue_credit\\x1b[2J\\x1b]0;pwned" in diagram
+    assert "Boom\\x1b[2K\\x0dfake: all good\\x9b31m" in diagram
+    assert "refund[bold]\\u202egnp.exe" in diagram and "reverse\\u2067 it\\x7f" in diagram
 
 
 def _basic(password: str, user: str = "oncall") -> dict[str, str]:

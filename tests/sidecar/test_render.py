@@ -10,6 +10,7 @@ from sidecar_testkit import compensated_run, compensation_failed_run, stuck_run
 
 from sidecar import RunState, render_run
 from sidecar._otlp import extract
+from sidecar._render import printable
 
 
 def view_of(script: Any) -> dict[str, Any]:
@@ -76,3 +77,11 @@ def test_section_rules_are_as_wide_as_the_step_table_on_a_wide_console() -> None
     rules = [line for line in lines if line.startswith(("UNWIND", "LEFT ON THE STACK"))]
     assert len(rules) == 2 and table < 120
     assert all(len(line.rstrip()) == table for line in rules), (table, rules)
+
+
+def test_printable_escapes_what_steers_a_terminal_and_keeps_the_rest() -> None:
+    kept = "refund: crédit №7 ✓ 退款 [bold]\tnext\nline \\x1b"
+    assert printable(kept) == kept
+    assert printable("\x00\x1b[2J\r\x7f\x85\x9b") == "\\x00\\x1b[2J\\x0d\\x7f\\x85\\x9b"
+    bidi = "\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069"
+    assert printable(bidi) == "".join(f"\\u{ord(c):04x}" for c in bidi)
