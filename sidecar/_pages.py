@@ -129,11 +129,12 @@ def run_path(run_id: str) -> str:
     return f"/runs/{quote(run_id, safe='')}"
 
 
-def diagram(view: RunView) -> Markup:
+def diagram(view: RunView, now: float) -> Markup:
     """The run as ``saga-sidecar runs show`` draws it, as HTML (rich escapes the text).
 
     The card and the resolution have their own sections on the page, so they are
-    left out of the drawing.
+    left out of the drawing. Its times are UTC with ages against ``now`` (the service's
+    clock), as the rest of the page: the CLI's are local, the server's zone is no one's.
     """
     body = view.copy()
     body["escalation"] = body["resolution"] = None
@@ -144,7 +145,7 @@ def diagram(view: RunView) -> Markup:
         force_terminal=True,
         color_system="truecolor",
     )
-    console.print(render_run(body))
+    console.print(render_run(body, now=now, tz=UTC))
     return Markup(console.export_html(inline_styles=True, code_format="{code}"))
 
 
@@ -374,7 +375,7 @@ async def run_page(
         ended=when(view["ended_at"]),
         updated=when(view["updated_at"]),
         run_age=age(now - started) if started is not None else "-",
-        diagram=diagram(view),
+        diagram=diagram(view, now),
         card=card_text(view, run_url),
         recover=(
             recover_command(run_id, api, otlp)

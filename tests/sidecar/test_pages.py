@@ -6,7 +6,8 @@ import asyncio
 import base64
 import re
 import shlex
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -315,6 +316,30 @@ async def test_the_diagram_shows_terminal_controls_as_escapes(
     assert "issue_credit\\x1b[2J\\x1b]0;pwned" in diagram
     assert "Boom\\x1b[2K\\x0dfake: all good\\x9b31m" in diagram
     assert "refund[bold]\\u202egnp.exe" in diagram and "reverse\\u2067 it\\x7f" in diagram
+
+
+@pytest.fixture
+def kolkata(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The server's zone is +05:30 for the test."""
+    monkeypatch.setenv("TZ", "Asia/Kolkata")
+    time.tzset()
+    yield
+    monkeypatch.undo()
+    time.tzset()
+
+
+async def test_the_diagram_is_in_utc_with_ages_by_the_services_clock(
+    kolkata: None, alerting_sidecar: tuple[Sidecar, AlertService], clock: FakeClock
+) -> None:
+    sidecar, _ = alerting_sidecar
+    run = stuck_run(t0=clock.now - 100)
+    await export_http(sidecar, run.spans())
+    status, page, _ = await get(f"{api(sidecar)}/runs/{run.run_id}")
+    assert status == 200
+    # The page's facts, then the drawing: one zone, one clock.
+    assert "2023-11-14T22:13:20Z (1m 40s ago)" in visible(page)
+    assert "started 2023-11-14T22:13:20+00:00 (1m 40s ago)" in drawn(page), drawn(page)
+    assert "+05:30" not in page
 
 
 def _basic(password: str, user: str = "oncall") -> dict[str, str]:
