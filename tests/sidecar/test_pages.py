@@ -6,6 +6,7 @@ import asyncio
 import base64
 import re
 import shlex
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -32,6 +33,7 @@ from sidecar_testkit import (
 
 from saga_otel import semconv as sc
 from sidecar import Sidecar
+from sidecar import _pages as pages
 from sidecar._alert_service import AlertService, install_alerting
 from sidecar._alert_settings import AlertSettings
 from sidecar._pages import wants_html
@@ -340,6 +342,36 @@ async def test_the_diagram_is_in_utc_with_ages_by_the_services_clock(
     assert "2023-11-14T22:13:20Z (1m 40s ago)" in visible(page)
     assert "started 2023-11-14T22:13:20+00:00 (1m 40s ago)" in drawn(page), drawn(page)
     assert "+05:30" not in page
+
+
+async def test_a_large_runs_diagram_is_drawn_off_the_event_loop(
+    alerting_sidecar: tuple[Sidecar, AlertService],
+    clock: FakeClock,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Drawn on the loop, a run of 2,000 steps held every request for most of a second.
+    sidecar, _ = alerting_sidecar
+    run = RunScript(run_id="big")
+    for i in range(300):
+        run.do(i, "step", "compensable", comp=("undo", {"ref": f"r{i}"}, f"undo r{i}"))
+    run.do(300, "fin", "compensable", ok=False)
+    run.end(sc.STATUS_STUCK, "fin")
+    await export_http(sidecar, run.spans())
+    drawn_on: list[int] = []
+    real = pages.render_run
+
+    def spy(*args: Any, **kw: Any) -> Any:
+        drawn_on.append(threading.get_ident())
+        return real(*args, **kw)
+
+    monkeypatch.setattr(pages, "render_run", spy)
+    status, page, _ = await get(f"{api(sidecar)}/runs/big")
+    assert status == 200
+    assert drawn_on and threading.get_ident() not in drawn_on
+    # The same drawing as before, drawn elsewhere.
+    view = sidecar.state.view("big")
+    assert view is not None
+    assert f'<pre id="diagram">{pages.diagram(view, clock.now)}</pre>' in page
 
 
 def _basic(password: str, user: str = "oncall") -> dict[str, str]:
