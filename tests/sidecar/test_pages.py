@@ -330,8 +330,9 @@ def kolkata(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     time.tzset()
 
 
+@pytest.mark.usefixtures("kolkata")
 async def test_the_diagram_is_in_utc_with_ages_by_the_services_clock(
-    kolkata: None, alerting_sidecar: tuple[Sidecar, AlertService], clock: FakeClock
+    alerting_sidecar: tuple[Sidecar, AlertService], clock: FakeClock
 ) -> None:
     sidecar, _ = alerting_sidecar
     run = stuck_run(t0=clock.now - 100)
