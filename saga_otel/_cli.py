@@ -47,6 +47,7 @@ _EXIT_CODES = f"""exit codes:
   {EXIT_FAILED}  failed: an undo failed; the run is compensation_failed and escalated
   {EXIT_ERROR}  error: bad input, sidecar unreachable, tools missing, past the pivot
   {EXIT_REFUSED}  refused: the run's agent is alive, or another recoverer holds the lease
+     or took it over before this one finished (even if its undos ran)
   {EXIT_NOTHING_TO_DO}  nothing to do: the run already finished (completed, compensated, ...)"""
 
 

@@ -90,6 +90,7 @@ class HeldLease:
         self.api, self.run_id, self.holder, self.token, self.ttl = api, run_id, holder, token, ttl
         self.forced = bool(data.get("override")) and data["override"].get("by") == holder
         self._lost: str | None = None
+        self._taken_by: str | None = None  # who holds the lease now, when the sidecar says
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._renew_loop, name="saga-lease", daemon=True)
@@ -105,6 +106,8 @@ class HeldLease:
             body = _answer(resp)
             with self._lock:
                 self._lost = str(body.get("error") or f"HTTP {resp.status_code}")
+                holder = body.get("holder")
+                self._taken_by = holder if isinstance(holder, str) else None
 
     def _renew_loop(self) -> None:
         while not self._stop.wait(self.ttl / 3):
@@ -115,18 +118,22 @@ class HeldLease:
             if self._lost:
                 return
 
-    def check(self) -> None:
-        """Renew now; raise RecoveryRefusedError when the lease is no longer ours."""
+    def check(self, stopped: str = "Stopped before the next undo") -> None:
+        """Renew now; raise RecoveryRefusedError when the lease is no longer ours.
+
+        ``stopped`` says where the recovery stops, for the person reading the error.
+        """
         if self._lost is None:
             self._renew()
         with self._lock:
-            lost = self._lost
+            lost, taken_by = self._lost, self._taken_by
         if lost is not None:
             raise RecoveryRefusedError(
                 f"run {self.run_id!r}: this process lost its recovery lease (token "
-                f"{self.token}): {lost}. Stopped before the next undo; whoever holds the lease "
-                "now continues from what the sidecar acknowledged",
+                f"{self.token}): {lost}. {stopped}; whoever holds the lease now continues "
+                "from what the sidecar acknowledged",
                 reason="lease_lost",
+                holder=taken_by,
             )
 
     def release(self) -> None:

@@ -6,10 +6,11 @@ agent is alive, unless forced with a reason, and while another recoverer holds
 it), then fetches the stack again under the lease, resolves each record's tool
 by name in the caller's registry and unwinds it with the same retry policies,
 emitting the compensate spans under the same run id, in the same trace and
-with the lease's fencing token. Before each undo the lease is renewed; after a
-successful undo, recovery waits until the sidecar shows it acknowledged before
-moving on, so a recoverer that dies mid-unwind leaves the next one exactly the
-undos not yet acknowledged. Each undo carries the same idempotency key every
+with the lease's fencing token. Before and after each undo the lease is renewed
+(one lost meanwhile stops the recovery, even if the undo ran); after a successful
+undo, recovery waits until the sidecar shows it acknowledged before moving on,
+so a recoverer that dies mid-unwind leaves the next one exactly the undos not
+yet acknowledged. Each undo carries the same idempotency key every
 time, for the window no fence closes (an undo that ran but whose span was lost).
 """
 
@@ -312,8 +313,9 @@ def _failure_text(run_id: str, view: dict[str, Any], forced_reason: str | None) 
 
 
 class _LeaseFence:
-    """The recovery's fence around each undo: the lease is renewed before it, and a
-    successful undo is seen acknowledged by the sidecar before the next one starts."""
+    """The recovery's fence around each undo: the lease is renewed before it, a
+    successful undo is seen acknowledged by the sidecar, and the lease is renewed
+    again before the next undo or the run's close."""
 
     def __init__(self, lease: HeldLease, api: ApiTarget, run_id: str) -> None:
         self.lease, self.api, self.run_id = lease, api, run_id
@@ -323,7 +325,14 @@ class _LeaseFence:
 
     def after(self, comp: Compensation, ok: bool) -> None:
         if ok:
-            _confirm_undone(self.api, self.run_id, comp)
+            _confirm_undone(self.api, self.run_id, comp, self.lease)
+        # An undo can outlast the lease (a pause past its ttl) while another recoverer
+        # takes the run over, and the acknowledgement seen may be the other's: only a
+        # renewal now proves the run is still this recovery's to go on with or close.
+        self.lease.check(
+            f"Its undo {comp.tool} of step #{comp.index} ({comp.step}) ended, but the run is "
+            "no longer this process's: stopped without closing it"
+        )
 
 
 def _unwind(
@@ -368,16 +377,21 @@ def _unwind(
     return core.report
 
 
-def _confirm_undone(api: ApiTarget, run_id: str, comp: Compensation) -> None:
+def _confirm_undone(api: ApiTarget, run_id: str, comp: Compensation, lease: HeldLease) -> None:
     """Wait until the sidecar shows ``comp`` acknowledged as done, or stop the recovery.
 
     The exporter's ack says the request was answered, not that this span was kept
-    (a fenced span is refused in partial success): the run view is the proof.
+    (a fenced span is refused in partial success): the run view is the proof. A view
+    whose lease token is another's means the lease was lost: the span was refused,
+    so the wait stops at once (the caller's lease check reports it).
     """
     deadline = time.monotonic() + ACK_CONFIRM_TIMEOUT_S
     while True:
         try:
             view = _fetch(api, run_id)
+            held = (view.get("recovery") or {}).get("token")
+            if held is not None and held != lease.token:
+                return
             step = next((s for s in view.get("steps") or [] if s.get("index") == comp.index), None)
             if step is not None and step.get("compensated"):
                 return

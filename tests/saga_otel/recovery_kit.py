@@ -22,6 +22,7 @@ import contextlib
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -72,6 +73,22 @@ def registry() -> ToolRegistry:
             tool("convergent", name="undo_credit")(undo_credit),
         ]
     )
+
+
+# An in-process recoverer stalled mid-undo (a GC pause, a frozen VM): the first call
+# of paused_undo sets PAUSED and waits for GO; later calls (another recoverer's) run.
+PAUSED = threading.Event()
+GO = threading.Event()
+
+
+def paused_undo(credit_id: str, idempotency_key: str) -> None:
+    if not PAUSED.is_set():
+        PAUSED.set()
+        GO.wait(120)
+
+
+def paused_registry() -> ToolRegistry:
+    return ToolRegistry([tool("convergent", name="reverse_credit")(paused_undo)])
 
 
 def agent(otlp: str, run_ids: list[str]) -> None:

@@ -1,10 +1,12 @@
 """Recovery leases with real processes: one recoverer at a time, never behind a live
-agent, a killed recoverer followed by another, odd run ids, and every exit code.
+agent, a killed recoverer followed by another, a stalled one that lost its lease,
+odd run ids, and every exit code.
 
 Ground truth: the tools' own log (recovery_kit.py), never the sidecar's view."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -18,9 +20,16 @@ import httpx
 import pytest
 from support import SidecarProcess, wait_until
 
+from saga_otel import RunStatus, recover
 from saga_otel import semconv as sc
+from saga_otel._cli import EXIT_REFUSED
+from saga_otel._cli import main as cli
+from saga_otel._state import STATE
+from sidecar import Sidecar
 from sidecar._alerting import build_card, render_card
+from tests.saga_otel import recovery_kit as kit
 from tests.saga_otel.recovery_kit import BIN, ROOT, TOOLS, kit_env, race, start_agent, truth_lines
+from tests.sidecar.sidecar_testkit import FakeClock, export_http, open_run, settings_for
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -233,3 +242,46 @@ def test_recovering_a_run_whose_agent_ended_it_compensation_failed_blames_no_dea
         assert undos == [0, 1, 2]
     finally:
         kill(agent)
+
+
+async def test_a_recoverer_that_lost_its_lease_during_its_last_undo_exits_3(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Its undo ran, and the acknowledgement it then saw was the new holder's: still not
+    a recovery of its own, so it says who took over instead of reporting success."""
+    clock = FakeClock()  # the sidecar's: the test moves it past the lease's ttl
+    kit.PAUSED.clear()
+    kit.GO.clear()
+    try:
+        async with Sidecar(settings_for(tmp_path), clock=clock) as sidecar:
+            api = f"http://127.0.0.1:{sidecar.api_port}"
+            run = open_run(instance="agent-1")  # its stack: reverse_credit
+            await export_http(sidecar, run.spans())
+            clock.now += sidecar.settings.idle_timeout + 1
+            sidecar.tick()  # the agent is gone
+            # 600 s: its renewer (every 200 s) never beats the test's clock.
+            argv = ["recover", run.run_id, "--tools", f"{kit.__name__}:paused_registry",
+                    "--sidecar", api, "--otlp", f"http://127.0.0.1:{sidecar.otlp_http_port}",
+                    "--lease-ttl", "600"]  # fmt: skip
+            first = asyncio.ensure_future(asyncio.to_thread(cli, argv))
+            assert await asyncio.to_thread(kit.PAUSED.wait, 60), "the first undo never started"
+            clock.now += 601  # paused past its lease's ttl: another recoverer takes over
+            report = await asyncio.to_thread(
+                recover, run.run_id, tools=kit.paused_registry(), sidecar=api, holder="rec-b"
+            )
+            assert report.status is RunStatus.COMPENSATED
+            kit.GO.set()  # the first recoverer's undo returns
+            code = await asyncio.wait_for(first, 60)
+            assert view_of(sidecar, run.run_id)["recovery"]["holder"] == "rec-b"
+    finally:
+        kit.GO.set()
+        STATE.reset()
+    err = capsys.readouterr().err
+    assert code == EXIT_REFUSED, err
+    assert "lost its recovery lease (token 1)" in err and "rec-b's (token 2)" in err, err
+
+
+def view_of(sidecar: Sidecar, run_id: str) -> dict[str, Any]:
+    found = sidecar.state.view(run_id)
+    assert found is not None
+    return found
