@@ -9,22 +9,28 @@ never starts on a lease that another recoverer may already hold.
 from __future__ import annotations
 
 import contextlib
+import http.client
+import json
 import os
 import socket
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
-
-import httpx
+from urllib.parse import urlencode
 
 from saga_otel import semconv as sc
 from saga_otel._errors import RecoveryError
+from saga_otel._transport import TransportSettings, request_once
 from saga_otel.records import describe_error
 
 DEFAULT_LEASE_TTL_S = 30.0
 # The bounds the sidecar accepts for a lease's ttl_s.
 MIN_LEASE_TTL_S = 1.0
 MAX_LEASE_TTL_S = 600.0
+# Seconds for each whole request to the sidecar's API (connect, send, the full answer):
+# a per-read timeout never fires against an answer that drips in a byte at a time.
+REQUEST_TIMEOUT_S = 10.0
 
 
 class RecoveryRefusedError(RecoveryError):
@@ -55,6 +61,19 @@ def default_holder() -> str:
 
 
 @dataclass(frozen=True, slots=True)
+class Reply:
+    """The sidecar's answer to one request."""
+
+    url: str
+    status: int
+    body: bytes
+
+    @property
+    def text(self) -> str:
+        return self.body.decode("utf-8", "replace")
+
+
+@dataclass(frozen=True, slots=True)
 class ApiTarget:
     base: str
     headers: dict[str, str]
@@ -63,19 +82,49 @@ class ApiTarget:
     def url(self, run_id: str, suffix: str = "") -> str:
         return f"{self.base}/runs/{sc.run_id_segment(run_id)}{suffix}"
 
-    def post(self, run_id: str, suffix: str, body: dict[str, Any]) -> httpx.Response:
+    def call(
+        self,
+        method: str,
+        url: str,
+        *,
+        params: Mapping[str, str | int] | None = None,
+        body: dict[str, Any] | None = None,
+    ) -> Reply:
+        """One request to the sidecar's API, answered in full within REQUEST_TIMEOUT_S.
+
+        Every call of the recovery client goes through here: an unreachable or
+        stalled sidecar is one `RecoveryError` saying how to start it or point at it.
+        """
+        if params:
+            url = f"{url}?{urlencode(params)}"
+        settings = TransportSettings(
+            headers={**self.headers, "Accept": "application/json"}, timeout=REQUEST_TIMEOUT_S
+        )
+        data = None if body is None else json.dumps(body).encode()
         try:
-            return httpx.post(self.url(run_id, suffix), json=body, headers=self.headers, timeout=10)
-        except httpx.HTTPError as exc:
+            answer = request_once(
+                method, url, data, settings, None if body is None else "application/json"
+            )
+        except TimeoutError as exc:
+            raise RecoveryError(
+                f"the sidecar at {self.base} did not answer {method} {url} in full within "
+                f"{REQUEST_TIMEOUT_S:g} s (the deadline of a whole request): retry once it is "
+                f"less loaded; if what listens there is not the sidecar's API, {self.flag_hint}"
+            ) from exc
+        except (OSError, http.client.HTTPException) as exc:
             raise RecoveryError(
                 f"cannot reach the sidecar at {self.base} ({describe_error(exc)}); start "
                 f"it with `saga-sidecar serve` or {self.flag_hint}"
             ) from exc
+        return Reply(url, answer.status, answer.body)
+
+    def post(self, run_id: str, suffix: str, body: dict[str, Any]) -> Reply:
+        return self.call("POST", self.url(run_id, suffix), body=body)
 
 
-def _answer(resp: httpx.Response) -> dict[str, Any]:
+def _answer(resp: Reply) -> dict[str, Any]:
     try:
-        body = resp.json()
+        body = json.loads(resp.body)
     except ValueError:
         body = {"error": resp.text[:300]}
     return body if isinstance(body, dict) else {"error": str(body)[:300]}
@@ -102,10 +151,10 @@ class HeldLease:
             "/lease/renew",
             {"holder": self.holder, "token": self.token, "ttl_s": self.ttl},
         )
-        if resp.status_code != 200:
+        if resp.status != 200:
             body = _answer(resp)
             with self._lock:
-                self._lost = str(body.get("error") or f"HTTP {resp.status_code}")
+                self._lost = str(body.get("error") or f"HTTP {resp.status}")
                 holder = body.get("holder")
                 self._taken_by = holder if isinstance(holder, str) else None
 
@@ -160,11 +209,11 @@ def take_lease(
         body.update(force=True, reason=reason)
     resp = api.post(run_id, "/lease", body)
     data = _answer(resp)
-    if resp.status_code == 200:
+    if resp.status == 200:
         return HeldLease(api, run_id, holder, int(data["token"]), ttl, data)
-    message = str(data.get("error") or f"HTTP {resp.status_code}")
+    message = str(data.get("error") or f"HTTP {resp.status}")
     kind: Literal["agent_alive", "held"] | str = str(data.get("reason") or "")
-    if resp.status_code == 409 and kind in ("agent_alive", "held"):
+    if resp.status == 409 and kind in ("agent_alive", "held"):
         if kind == "agent_alive":
             # The sidecar words its hint for both; name the caller's own way to force.
             message = message.split(" Wait until", 1)[0] + (

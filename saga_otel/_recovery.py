@@ -16,13 +16,13 @@ time, for the window no fence closes (an undo that ran but whose span was lost).
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import urlsplit
 
-import httpx
 from opentelemetry.trace import TracerProvider
 from prometheus_client import CollectorRegistry
 
@@ -39,7 +39,7 @@ from saga_otel._leasing import (
     take_lease,
 )
 from saga_otel._registry import ToolRegistry
-from saga_otel.records import Compensation, RetryPolicy, SagaReport, describe_error
+from saga_otel.records import Compensation, RetryPolicy, SagaReport
 
 ENV_SIDECAR_API = "SAGA_OTEL_SIDECAR_API"
 DEFAULT_SIDECAR_API = "http://127.0.0.1:4320"
@@ -100,7 +100,11 @@ CLI_HINTS = Hints(
 def _target(sidecar: str | None, token: str | None, hints: Hints) -> ApiTarget:
     base = (sidecar or os.environ.get(ENV_SIDECAR_API) or DEFAULT_SIDECAR_API).rstrip("/")
     parts = urlsplit(base)
-    if parts.scheme not in ("http", "https") or not parts.netloc:
+    try:
+        usable = parts.scheme in ("http", "https") and bool(parts.netloc) and parts.port != 0
+    except ValueError:  # a port that is not a number in 1..65535
+        usable = False
+    if not usable:
         raise RecoveryError(
             f"{base!r} is not the sidecar's URL: give the scheme and address, e.g. "
             f"{DEFAULT_SIDECAR_API}; {hints.sidecar}"
@@ -127,46 +131,34 @@ def find_run_id(
     no run matches.
     """
     api = _target(sidecar, token, CLI_HINTS if cli else PYTHON_HINTS)
-    resp = _get(api, f"{api.base}/runs", {"id_prefix": given, "limit": 1000})
-    if resp.status_code != 200:
+    resp = api.call("GET", f"{api.base}/runs", params={"id_prefix": given, "limit": 1000})
+    if resp.status != 200:
         raise RecoveryError(
-            f"the sidecar at {api.base} answered {resp.status_code} to a run id lookup: "
+            f"the sidecar at {api.base} answered {resp.status} to a run id lookup: "
             f"{resp.text[:300]}"
         )
     run_id, problem = sc.run_id_match_problem(
-        given, (str(r["run_id"]) for r in resp.json()["runs"])
+        given, (str(r["run_id"]) for r in json.loads(resp.body)["runs"])
     )
     if run_id is None:
         raise RecoveryError(f"{problem} (asked the sidecar at {api.base})")
     return run_id
 
 
-def _get(api: ApiTarget, url: str, params: dict[str, str | int]) -> httpx.Response:
-    """One GET to the sidecar; an unreachable sidecar is one `RecoveryError` saying how
-    to start it or point at it (one wording for every call here)."""
-    try:
-        return httpx.get(url, params=params, headers=api.headers, timeout=10.0)
-    except httpx.HTTPError as exc:
-        raise RecoveryError(
-            f"cannot reach the sidecar at {api.base} ({describe_error(exc)}); start it "
-            f"with `saga-sidecar serve` or {api.flag_hint}"
-        ) from exc
-
-
 def _fetch(api: ApiTarget, run_id: str) -> dict[str, Any]:
     # reveal=args: the real undo arguments, where the sidecar masks them for people.
-    resp = _get(api, api.url(run_id), {"reveal": "args"})
-    if resp.status_code == 404:
+    resp = api.call("GET", api.url(run_id), params={"reveal": "args"})
+    if resp.status == 404:
         raise RecoveryError(
             f"the sidecar at {api.base} knows no run {run_id!r}; check the id with "
             "`saga-sidecar runs list`"
         )
-    if resp.status_code != 200:
+    if resp.status != 200:
         raise RecoveryError(
-            f"the sidecar at {api.base} answered {resp.status_code} for run {run_id!r}: "
+            f"the sidecar at {api.base} answered {resp.status} for run {run_id!r}: "
             f"{resp.text[:300]}"
         )
-    view: dict[str, Any] = resp.json()
+    view: dict[str, Any] = json.loads(resp.body)
     return view
 
 

@@ -11,6 +11,9 @@ alone never fire against a sidecar that drips a byte at a time). Nobody calls
 ``close()`` across threads: closing an ``http.client`` response takes the
 buffered reader's lock, which the blocked sender holds until the whole answer
 has dripped in (that is how an agent's exit once took 25 s).
+
+The recovery client's calls to the sidecar's API go through it too
+(:func:`request_once`), under the same whole-request deadline.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ __all__ = [
     "Poster",
     "TransportSettings",
     "partial_rejections",
+    "request_once",
     "retry_after",
 ]
 
@@ -67,13 +71,20 @@ _STALE: Final = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionRese
 class Poster:
     """One keep-alive HTTP/1.1 connection to the sidecar, used by the sender thread only."""
 
-    def __init__(self, endpoint: str, settings: TransportSettings) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        settings: TransportSettings,
+        content_type: str | None = "application/x-protobuf",
+    ) -> None:
         parts = urlsplit(endpoint)
         self._https = parts.scheme == "https"
         self._host = parts.hostname or ""
         self._port = parts.port
         self._path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-        self._headers = {**dict(settings.headers), "Content-Type": "application/x-protobuf"}
+        self._headers = dict(settings.headers)
+        if content_type is not None:
+            self._headers["Content-Type"] = content_type
         self._gzip = settings.compression == "gzip"
         if self._gzip:
             self._headers["Content-Encoding"] = "gzip"
@@ -96,6 +107,10 @@ class Poster:
         if self._gzip:
             # Level 1: spans are small and the ack is on the step's path.
             body = gzip.compress(body, compresslevel=1, mtime=0)
+        return self.send("POST", body)
+
+    def send(self, method: str, body: bytes | None) -> Answer:
+        """One request to the endpoint, answered in full within ``timeout`` or raising."""
         with self._watch:
             if self._watchdog is None:
                 self._watchdog = threading.Thread(
@@ -107,11 +122,11 @@ class Poster:
         try:
             reused = self._conn is not None
             try:
-                return self._once(body)
+                return self._once(method, body)
             except _STALE:
                 if not reused or self._aborted or self._expired:
                     raise
-                return self._once(body)
+                return self._once(method, body)
         except (OSError, http.client.HTTPException) as exc:
             if self._expired:
                 raise TimeoutError(
@@ -152,13 +167,13 @@ class Poster:
                 self._shutdown_sock()
         return conn
 
-    def _once(self, body: bytes) -> Answer:
+    def _once(self, method: str, body: bytes | None) -> Answer:
         if self._aborted:
             raise ConnectionAbortedError("the sidecar connection was aborted (shutdown)")
         if self._conn is None:
             self._conn = self._connect()
         try:
-            self._conn.request("POST", self._path, body=body, headers=self._headers)
+            self._conn.request(method, self._path, body=body, headers=self._headers)
             resp = self._conn.getresponse()
             data = resp.read()
         except BaseException:
@@ -200,6 +215,27 @@ class Poster:
         """
         self._conn = None
         self._fresh_watch()
+
+
+def request_once(
+    method: str,
+    url: str,
+    body: bytes | None,
+    settings: TransportSettings,
+    content_type: str | None = None,
+) -> Answer:
+    """One request on a connection of its own, under the exporter's whole-request
+    deadline (``settings.timeout``): the recovery client's calls to the sidecar's API.
+
+    Never resent (a fresh connection is never stale): a lease grant sent twice
+    would find the lease held by its own first grant.
+    """
+    poster = Poster(url, settings, content_type)
+    try:
+        return poster.send(method, body)
+    finally:
+        poster.close()
+        poster.abort()  # ends its watchdog thread
 
 
 def partial_rejections(body: bytes) -> int:

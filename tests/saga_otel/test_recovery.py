@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +21,7 @@ from support import SidecarProcess, wait_until
 
 from examples.world import World
 from examples.world_server import serve_world
-from saga_otel import RecoveryError, ToolRegistry, recover
+from saga_otel import RecoveryError, ToolRegistry, find_run_id, recover
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -126,3 +130,62 @@ def test_recover_errors_name_the_problem_and_the_fix(sidecar_process: Any) -> No
         env={**os.environ, "SAGA_DEMO_WORLD": "http://127.0.0.1:9"},
     )  # fmt: skip
     assert cli.returncode == 2 and "no run 'nope'" in cli.stderr
+
+
+class _Dripping(BaseHTTPRequestHandler):
+    """Something on the sidecar's port that answers a byte a second: each whole answer
+    takes over a minute, and no read ever waits long enough for a socket timeout."""
+
+    ANSWER = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+
+    def _drip(self) -> None:
+        with contextlib.suppress(OSError):  # the client hung up: its deadline passed
+            for i in range(len(self.ANSWER)):
+                self.wfile.write(self.ANSWER[i : i + 1])
+                self.wfile.flush()
+                time.sleep(1.0)
+
+    def do_GET(self) -> None:
+        self._drip()
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self._drip()
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_a_sidecar_that_drips_its_answers_fails_each_call_at_the_request_deadline() -> None:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Dripping)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_port}"
+    empty = {"status": "orphaned", "stack": []}
+    calls: dict[str, Callable[[], object]] = {
+        "run id lookup": lambda: find_run_id("r1", url),
+        "run view": lambda: recover("r1", tools=ToolRegistry(), sidecar=url),
+        "lease": lambda: recover("r1", tools=ToolRegistry(), sidecar=url, view=empty),
+    }
+    raised: dict[str, BaseException] = {}
+
+    def run(name: str) -> None:
+        try:
+            calls[name]()
+        except BaseException as exc:
+            raised[name] = exc
+
+    threads = [threading.Thread(target=run, args=(name,), daemon=True) for name in calls]
+    try:
+        for t in threads:
+            t.start()
+        waited_until = time.monotonic() + 60  # an answer takes over a minute to drip in
+        for t in threads:
+            t.join(max(0.0, waited_until - time.monotonic()))
+        assert not any(t.is_alive() for t in threads), "a call waited for the whole answer"
+    finally:
+        server.shutdown()
+        server.server_close()
+    for name in calls:
+        assert isinstance(raised.get(name), RecoveryError), (name, raised.get(name))
+        assert "did not answer" in str(raised[name]) and "within 10 s" in str(raised[name])
