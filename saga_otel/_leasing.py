@@ -16,7 +16,7 @@ import socket
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 from urllib.parse import urlencode
 
 from saga_otel import semconv as sc
@@ -28,6 +28,7 @@ DEFAULT_LEASE_TTL_S = 30.0
 # The bounds the sidecar accepts for a lease's ttl_s.
 MIN_LEASE_TTL_S = 1.0
 MAX_LEASE_TTL_S = 600.0
+T = TypeVar("T")
 # Seconds for each whole request to the sidecar's API (connect, send, the full answer):
 # a per-read timeout never fires against an answer that drips in a byte at a time.
 REQUEST_TIMEOUT_S = 10.0
@@ -121,13 +122,39 @@ class ApiTarget:
     def post(self, run_id: str, suffix: str, body: dict[str, Any]) -> Reply:
         return self.call("POST", self.url(run_id, suffix), body=body)
 
+    def answer(self, reply: Reply, what: str) -> dict[str, Any]:
+        """The JSON object the sidecar answered ``what`` with (an error names itself in
+        ``"error"``); anything else is the `bad_answer` error. Every answer the recovery
+        client reads comes through here; the caller checks the fields it reads."""
+        try:
+            body = json.loads(reply.body)
+        except (ValueError, RecursionError):
+            raise self.bad_answer(reply, what, "not JSON") from None
+        if not isinstance(body, dict):
+            raise self.bad_answer(reply, what, f"JSON {_json_kind(body)}, not an object")
+        if reply.status != 200 and not isinstance(body.get("error"), str):
+            raise self.bad_answer(reply, what, 'an error without its "error" text')
+        return body
 
-def _answer(resp: Reply) -> dict[str, Any]:
-    try:
-        body = json.loads(resp.body)
-    except ValueError:
-        body = {"error": resp.text[:300]}
-    return body if isinstance(body, dict) else {"error": str(body)[:300]}
+    def bad_answer(self, reply: Reply, what: str, problem: str) -> RecoveryError:
+        """The error for an answer unlike the sidecar's API: most often the URL points at
+        something else (its OTLP port, a proxy's login page)."""
+        return RecoveryError(
+            f"{reply.url} answered {what} with something that is not the sidecar's API "
+            f"(HTTP {reply.status}, {problem}; it begins {reply.text[:80]!r}): point at the "
+            "sidecar's API port (`saga-sidecar serve --api-port`, default 4320; 4318 is its "
+            f"OTLP port): {self.flag_hint}"
+        )
+
+
+def _json_kind(value: object) -> str:
+    if isinstance(value, list):
+        return "array"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, bool) or value is None:
+        return json.dumps(value)
+    return "number"
 
 
 class HeldLease:
@@ -137,7 +164,8 @@ class HeldLease:
         self, api: ApiTarget, run_id: str, holder: str, token: int, ttl: float, data: dict[str, Any]
     ) -> None:
         self.api, self.run_id, self.holder, self.token, self.ttl = api, run_id, holder, token, ttl
-        self.forced = bool(data.get("override")) and data["override"].get("by") == holder
+        override = data.get("override")
+        self.forced = isinstance(override, dict) and override.get("by") == holder
         self._lost: str | None = None
         self._taken_by: str | None = None  # who holds the lease now, when the sidecar says
         self._stop = threading.Event()
@@ -151,10 +179,10 @@ class HeldLease:
             "/lease/renew",
             {"holder": self.holder, "token": self.token, "ttl_s": self.ttl},
         )
+        body = self.api.answer(resp, f"a renewal of the lease on run {self.run_id!r}")
         if resp.status != 200:
-            body = _answer(resp)
             with self._lock:
-                self._lost = str(body.get("error") or f"HTTP {resp.status}")
+                self._lost = str(body["error"])
                 holder = body.get("holder")
                 self._taken_by = holder if isinstance(holder, str) else None
 
@@ -208,10 +236,14 @@ def take_lease(
     if force:
         body.update(force=True, reason=reason)
     resp = api.post(run_id, "/lease", body)
-    data = _answer(resp)
+    what = f"a lease request on run {run_id!r}"
+    data = api.answer(resp, what)
     if resp.status == 200:
-        return HeldLease(api, run_id, holder, int(data["token"]), ttl, data)
-    message = str(data.get("error") or f"HTTP {resp.status}")
+        token = data.get("token")
+        if isinstance(token, bool) or not isinstance(token, int):
+            raise api.bad_answer(resp, what, f'a grant whose "token" is {token!r}, not an integer')
+        return HeldLease(api, run_id, holder, token, ttl, data)
+    message = str(data["error"])
     kind: Literal["agent_alive", "held"] | str = str(data.get("reason") or "")
     if resp.status == 409 and kind in ("agent_alive", "held"):
         if kind == "agent_alive":
@@ -223,8 +255,17 @@ def take_lease(
         raise RecoveryRefusedError(
             f"recovery refused: {message}",
             reason=kind,
-            holder=data.get("holder"),
-            expires_at=data.get("expires_at"),
-            last_heard=data.get("last_heard"),
+            holder=_typed(data, "holder", str),
+            expires_at=_typed(data, "expires_at", float),
+            last_heard=_typed(data, "last_heard", float),
         )
     raise RecoveryError(f"the sidecar at {api.base} refused a lease on run {run_id!r}: {message}")
+
+
+def _typed(data: dict[str, Any], key: str, kind: type[T]) -> T | None:
+    """``data[key]`` when it is a ``kind`` (an int counts as a float), else None: a
+    refusal's details are shown, never relied on."""
+    value = data.get(key)
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    return value if isinstance(value, kind) else None

@@ -16,7 +16,6 @@ time, for the window no fence closes (an undo that ran but whose span was lost).
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import dataclass, replace
@@ -29,7 +28,7 @@ from prometheus_client import CollectorRegistry
 from saga_otel import _heartbeat
 from saga_otel import semconv as sc
 from saga_otel._engine import Saga, SyncRun, _Core
-from saga_otel._errors import RecoveryError
+from saga_otel._errors import ConfigurationError, RecoveryError
 from saga_otel._leasing import (
     DEFAULT_LEASE_TTL_S,
     ApiTarget,
@@ -132,14 +131,20 @@ def find_run_id(
     """
     api = _target(sidecar, token, CLI_HINTS if cli else PYTHON_HINTS)
     resp = api.call("GET", f"{api.base}/runs", params={"id_prefix": given, "limit": 1000})
+    body = api.answer(resp, "a run id lookup")
+    if resp.status == 404:  # the API always has its run list: this is another port
+        raise api.bad_answer(resp, "a run id lookup", f"no run list: {body['error'][:100]}")
     if resp.status != 200:
         raise RecoveryError(
             f"the sidecar at {api.base} answered {resp.status} to a run id lookup: "
-            f"{resp.text[:300]}"
+            f"{body['error'][:300]}"
         )
-    run_id, problem = sc.run_id_match_problem(
-        given, (str(r["run_id"]) for r in json.loads(resp.body)["runs"])
-    )
+    runs = body.get("runs")
+    if not isinstance(runs, list) or not all(
+        isinstance(r, dict) and isinstance(r.get("run_id"), str) for r in runs
+    ):
+        raise api.bad_answer(resp, "a run id lookup", '"runs" is not a list of runs with ids')
+    run_id, problem = sc.run_id_match_problem(given, (r["run_id"] for r in runs))
     if run_id is None:
         raise RecoveryError(f"{problem} (asked the sidecar at {api.base})")
     return run_id
@@ -148,6 +153,8 @@ def find_run_id(
 def _fetch(api: ApiTarget, run_id: str) -> dict[str, Any]:
     # reveal=args: the real undo arguments, where the sidecar masks them for people.
     resp = api.call("GET", api.url(run_id), params={"reveal": "args"})
+    what = f"a request for run {run_id!r}"
+    view = api.answer(resp, what)
     if resp.status == 404:
         raise RecoveryError(
             f"the sidecar at {api.base} knows no run {run_id!r}; check the id with "
@@ -156,10 +163,37 @@ def _fetch(api: ApiTarget, run_id: str) -> dict[str, Any]:
     if resp.status != 200:
         raise RecoveryError(
             f"the sidecar at {api.base} answered {resp.status} for run {run_id!r}: "
-            f"{resp.text[:300]}"
+            f"{view['error'][:300]}"
         )
-    view: dict[str, Any] = json.loads(resp.body)
+    problem = _view_problem(view)
+    if problem is not None:
+        raise api.bad_answer(resp, what, problem)
     return view
+
+
+def _view_problem(view: dict[str, Any]) -> str | None:
+    """What makes ``view`` unlike a run view in the fields recovery reads, or None."""
+    if not isinstance(view.get("status"), str):
+        return 'no "status" text'
+    for key in ("saga", "trace_id", "failed_step"):
+        if not isinstance(view.get(key), str | None):
+            return f'a "{key}" that is not a text'
+    for key in ("stack", "steps"):
+        items = view.get(key) or []
+        if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
+            return f'a "{key}" that is not a list of objects'
+    for key in ("pivot", "recovery"):
+        if not isinstance(view.get(key), dict | None):
+            return f'a "{key}" that is not an object'
+    token = (view.get("recovery") or {}).get("token")
+    if isinstance(token, bool) or not isinstance(token, int | None):
+        return f'a lease "token" {token!r} that is not an integer'
+    for item in view.get("stack") or []:
+        try:
+            Compensation.from_dict(item)
+        except ConfigurationError as exc:
+            return f"a stack entry that is {str(exc)[:200]}"
+    return None
 
 
 def recover(
@@ -378,17 +412,19 @@ def _confirm_undone(api: ApiTarget, run_id: str, comp: Compensation, lease: Held
     so the wait stops at once (the caller's lease check reports it).
     """
     deadline = time.monotonic() + ACK_CONFIRM_TIMEOUT_S
+    failed: RecoveryError | None = None
     while True:
         try:
             view = _fetch(api, run_id)
+            failed = None
             held = (view.get("recovery") or {}).get("token")
             if held is not None and held != lease.token:
                 return
             step = next((s for s in view.get("steps") or [] if s.get("index") == comp.index), None)
             if step is not None and step.get("compensated"):
                 return
-        except RecoveryError:
-            pass  # the sidecar may be restarting: keep asking until the deadline
+        except RecoveryError as exc:
+            failed = exc  # the sidecar may be restarting: keep asking until the deadline
         if time.monotonic() > deadline:
             raise RecoveryError(
                 f"run {run_id!r}: the undo {comp.tool} of step #{comp.index} ({comp.step}) ran, "
@@ -397,5 +433,6 @@ def _confirm_undone(api: ApiTarget, run_id: str, comp: Compensation, lease: Held
                 "saga_otel.configure() or --otlp points at it). Stopped so that no later "
                 "undo runs on an unrecorded state; the next recovery repeats this undo under "
                 "the same idempotency key"
+                + (f". The last look at the run failed: {failed}" if failed is not None else "")
             )
         time.sleep(0.02)

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from saga_otel import RetryPolicy, Saga, configure, tool
-from saga_otel._cli import EXIT_ERROR, EXIT_NOTHING_TO_DO
+from saga_otel._cli import EXIT_ERROR, EXIT_NOTHING_TO_DO, main
+from saga_otel._state import STATE
 from saga_otel.testing import start_sidecar
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -111,3 +116,79 @@ def test_recover_takes_any_unique_prefix_of_a_run_id(tmp_path: Path) -> None:
         assert done.returncode == EXIT_ERROR
         assert "matches 2 runs (prefix-run-aaa, prefix-run-abb)" in done.stderr
         assert len(done.stderr.strip().splitlines()) == 1
+
+
+class _Answers(BaseHTTPRequestHandler):
+    """Not the sidecar: what a proxy's login page or another service on the port answers.
+    ``bad`` is (method, path prefix, content type, body); every other request is answered
+    as the sidecar would about an orphaned run ``r1`` with nothing on its stack."""
+
+    bad = ("", "", "", "")
+
+    def _answer(self) -> None:
+        method, prefix, ctype, body = self.bad
+        if self.command != method or not self.path.startswith(prefix):
+            ctype = "application/json"
+            lookup = self.path.startswith("/runs?")
+            body = '{"runs": [{"run_id": "r1"}]}' if lookup else '{"status": "orphaned"}'
+        data = body.encode()
+        self.send_response(200)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:
+        self._answer()
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self._answer()
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def not_a_sidecar() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Answers)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_port}"
+    server.shutdown()
+    server.server_close()
+    _Answers.bad = ("", "", "", "")
+    STATE.reset()  # main() configured the export path in this process
+
+
+@pytest.mark.parametrize(
+    ("route", "ctype", "body", "expect"),
+    [
+        (("GET", "/runs?"), "text/html", "<html>proxy login</html>", "not JSON"),
+        (("GET", "/runs?"), "application/json", '{"runs": [{"id": "r1"}]}', '"runs" is not'),
+        (("GET", "/runs/r1"), "application/json", "[]", "JSON array, not an object"),
+        (("GET", "/runs/r1"), "application/json", '{"status": "orphaned", "stack": [{}]}',
+         "not a compensation record"),
+        (("POST", "/runs/r1/lease"), "application/json", '{"ok": true}', '"token" is None'),
+        (("POST", "/runs/r1/lease"), "application/json", '{"token": "7"}', "\"token\" is '7'"),
+    ],
+)  # fmt: skip
+def test_an_answer_unlike_the_sidecars_is_one_line_naming_the_url_and_the_fix(
+    not_a_sidecar: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    route: tuple[str, str],
+    ctype: str,
+    body: str,
+    expect: str,
+) -> None:
+    _Answers.bad = (*route, ctype, body)
+    monkeypatch.setenv("SAGA_OTEL_LOG_LEVEL", "error")
+    monkeypatch.setenv("SAGA_DEMO_WORLD", "http://127.0.0.1:9")
+    code = main(["recover", "r1", *REGISTRY, "--sidecar", not_a_sidecar, "--otlp",
+                 "http://127.0.0.1:9"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == EXIT_ERROR, err
+    (line,) = err.strip().splitlines()
+    assert f"{not_a_sidecar}{route[1]}" in line and "is not the sidecar's API" in line, line
+    assert expect in line, line
+    assert "--sidecar URL" in line and "API port" in line, line
