@@ -122,14 +122,25 @@ def fetch_run(
 def find_run_id(
     given: str, sidecar: str | None = None, *, token: str | None = None, cli: bool = False
 ) -> str:
-    """The run id ``given`` names: itself when the sidecar knows it, else the one run id
-    it is a prefix of (``GET /runs?id_prefix=``). People type the first characters of an
-    id; both command lines (``saga-otel recover``, ``saga-sidecar runs ...``) use this.
+    """The run id ``given`` names: itself when the sidecar knows it (``GET /runs/{id}``),
+    else the one run id it is a prefix of (``GET /runs?id_prefix=``). People type the
+    first characters of an id; both command lines (``saga-otel recover``,
+    ``saga-sidecar runs ...``) take either.
 
     Raises `RecoveryError` naming the candidates when the prefix is ambiguous, and when
     no run matches.
     """
     api = _target(sidecar, token, CLI_HINTS if cli else PYTHON_HINTS)
+    # A whole id first: more runs may start with it than one page of the prefix search holds.
+    resp = api.call("GET", api.url(given))
+    body = api.answer(resp, f"a request for run {given!r}")
+    if resp.status == 200:
+        return given
+    if resp.status != 404:
+        raise RecoveryError(
+            f"the sidecar at {api.base} answered {resp.status} for run {given!r}: "
+            f"{body['error'][:300]}"
+        )
     resp = api.call("GET", f"{api.base}/runs", params={"id_prefix": given, "limit": 1000})
     body = api.answer(resp, "a run id lookup")
     if resp.status == 404:  # the API always has its run list: this is another port
@@ -144,7 +155,12 @@ def find_run_id(
         isinstance(r, dict) and isinstance(r.get("run_id"), str) for r in runs
     ):
         raise api.bad_answer(resp, "a run id lookup", '"runs" is not a list of runs with ids')
-    run_id, problem = sc.run_id_match_problem(given, (r["run_id"] for r in runs))
+    more = body.get("next_cursor")  # a full page: more runs match than it holds
+    if not isinstance(more, str | None):
+        raise api.bad_answer(resp, "a run id lookup", 'a "next_cursor" that is not a text')
+    run_id, problem = sc.run_id_match_problem(
+        given, (r["run_id"] for r in runs), more=more is not None
+    )
     if run_id is None:
         raise RecoveryError(f"{problem} (asked the sidecar at {api.base})")
     return run_id

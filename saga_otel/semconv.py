@@ -118,17 +118,21 @@ def run_id_segment(run_id: str) -> str:
     return segment.replace(".", "%2E") if segment in (".", "..") else segment
 
 
-def run_id_match_problem(given: str, known: Iterable[str]) -> tuple[str | None, str | None]:
+def run_id_match_problem(
+    given: str, known: Iterable[str], *, more: bool = False
+) -> tuple[str | None, str | None]:
     """The one rule for naming a run by a prefix of its id, as people type it.
 
-    ``known`` are run ids the sidecar has that start with ``given``. Returns
-    ``(run_id, None)`` for ``given`` itself or its one match, else ``(None, problem)``
-    naming the candidates or saying none matched.
+    ``known`` are run ids the sidecar has that start with ``given``; ``more``: the
+    sidecar has more than those (its page was full). Returns ``(run_id, None)`` for
+    ``given`` itself or its one match, else ``(None, problem)`` naming the candidates
+    or saying none matched. ``given`` itself is best looked up first (``GET
+    /runs/{id}``): among more runs than a page holds, it may not be in ``known``.
     """
     ids = sorted(set(known))
     if given in ids:
         return given, None
-    if len(ids) == 1:
+    if len(ids) == 1 and not more:
         return ids[0], None
     if not ids:
         return None, (
@@ -136,7 +140,8 @@ def run_id_match_problem(given: str, known: Iterable[str]) -> tuple[str | None, 
             "`saga-sidecar runs list` (finished runs are pruned after the retention)"
         )
     shown = ", ".join(ids[:10]) + (f" and {len(ids) - 10} more" if len(ids) > 10 else "")
-    return None, f"run id prefix {given!r} matches {len(ids)} runs ({shown}): give more characters"
+    count = f"more than {len(ids)}" if more else str(len(ids))
+    return None, f"run id prefix {given!r} matches {count} runs ({shown}): give more characters"
 
 
 # --- unwind / escalate ----------------------------------------------------

@@ -121,18 +121,23 @@ def test_recover_takes_any_unique_prefix_of_a_run_id(tmp_path: Path) -> None:
 class _Answers(BaseHTTPRequestHandler):
     """Not the sidecar: what a proxy's login page or another service on the port answers.
     ``bad`` is (method, path prefix, content type, body); every other request is answered
-    as the sidecar would about an orphaned run ``r1`` with nothing on its stack."""
+    as the sidecar would, knowing one run, ``r1``: orphaned, nothing on its stack."""
 
     bad = ("", "", "", "")
 
     def _answer(self) -> None:
         method, prefix, ctype, body = self.bad
+        status = 200
         if self.command != method or not self.path.startswith(prefix):
             ctype = "application/json"
-            lookup = self.path.startswith("/runs?")
-            body = '{"runs": [{"run_id": "r1"}]}' if lookup else '{"status": "orphaned"}'
+            if self.path.startswith("/runs?"):
+                body = '{"runs": [{"run_id": "r1"}], "next_cursor": null}'
+            elif self.path.startswith("/runs/r1"):
+                body = '{"status": "orphaned"}'
+            else:
+                status, body = 404, '{"error": "no such run"}'
         data = body.encode()
-        self.send_response(200)
+        self.send_response(status)
         self.send_header("Content-Type", ctype)
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
@@ -184,7 +189,7 @@ def test_an_answer_unlike_the_sidecars_is_one_line_naming_the_url_and_the_fix(
     _Answers.bad = (*route, ctype, body)
     monkeypatch.setenv("SAGA_OTEL_LOG_LEVEL", "error")
     monkeypatch.setenv("SAGA_DEMO_WORLD", "http://127.0.0.1:9")
-    code = main(["recover", "r1", *REGISTRY, "--sidecar", not_a_sidecar, "--otlp",
+    code = main(["recover", "r", *REGISTRY, "--sidecar", not_a_sidecar, "--otlp",
                  "http://127.0.0.1:9"])  # fmt: skip
     err = capsys.readouterr().err
     assert code == EXIT_ERROR, err

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -22,6 +23,8 @@ from support import SidecarProcess, wait_until
 from examples.world import World
 from examples.world_server import serve_world
 from saga_otel import RecoveryError, ToolRegistry, find_run_id, recover
+from sidecar import Sidecar
+from tests.sidecar.sidecar_testkit import FakeClock, RunScript, export_http, settings_for
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -189,3 +192,21 @@ def test_a_sidecar_that_drips_its_answers_fails_each_call_at_the_request_deadlin
     for name in calls:
         assert isinstance(raised.get(name), RecoveryError), (name, raised.get(name))
         assert "did not answer" in str(raised[name]) and "within 10 s" in str(raised[name])
+
+
+async def test_a_whole_run_id_names_its_run_however_many_ids_it_begins(tmp_path: Path) -> None:
+    """More runs start with "job-1" than one page of the prefix search holds (1,000),
+    and "job-1" itself is the oldest: not on that page."""
+    async with Sidecar(settings_for(tmp_path), clock=FakeClock()) as sidecar:
+        api = f"http://127.0.0.1:{sidecar.api_port}"
+        runs = [RunScript(run_id="job-1", t0=1_700_000_000.0)]
+        runs += [RunScript(run_id=f"job-1{i:04d}", t0=1_700_000_001.0 + i) for i in range(1000)]
+        spans = [span for run in runs for span in run.do(0, "lookup", "read").spans()]
+        for start in range(0, len(spans), 250):
+            await export_http(sidecar, spans[start : start + 250])
+        assert await asyncio.to_thread(find_run_id, "job-1", api) == "job-1"
+        assert await asyncio.to_thread(find_run_id, "job-10999", api) == "job-10999"
+        with pytest.raises(RecoveryError, match=r"prefix 'job-' matches more than 1000 runs \("):
+            await asyncio.to_thread(find_run_id, "job-", api)
+        with pytest.raises(RecoveryError, match=r"prefix 'job-10' matches 1000 runs \("):
+            await asyncio.to_thread(find_run_id, "job-10", api)
