@@ -114,10 +114,19 @@ def _lease_ttl(text: str) -> float:
     return value
 
 
+# argparse takes a word that begins with '-' for an option; after '--' it is the id.
+_DASHED_ID = (
+    "a run id that begins with '-' goes last, after '--': "
+    "saga-otel recover --tools MODULE:NAME -- -RUN"
+)
+
+
 class _Parser(argparse.ArgumentParser):
     """Usage mistakes in one line naming the fix (``-h`` shows the whole usage)."""
 
     def error(self, message: str) -> NoReturn:
+        if "RUN_ID" in message:  # often an id that begins with '-', taken for an option
+            message = f"{message}; {_DASHED_ID}"
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} -h)\n")
 
 
@@ -139,7 +148,11 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_EXIT_CODES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    rec.add_argument("run_id", metavar="RUN_ID")
+    rec.add_argument(
+        "run_id",
+        metavar="RUN_ID",
+        help=f"The run's id, or any unique prefix of it ({_DASHED_ID}).",
+    )
     rec.add_argument(
         "--tools",
         dest="tools_spec",

@@ -197,3 +197,40 @@ def test_an_answer_unlike_the_sidecars_is_one_line_naming_the_url_and_the_fix(
     assert f"{not_a_sidecar}{route[1]}" in line and "is not the sidecar's API" in line, line
     assert expect in line, line
     assert "--sidecar URL" in line and "API port" in line, line
+
+
+def test_a_run_id_that_begins_with_a_dash_goes_after_double_dash(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    @tool("read")
+    def look(n: int) -> int:
+        return n
+
+    monkeypatch.setenv("SAGA_OTEL_LOG_LEVEL", "error")
+    monkeypatch.setenv("SAGA_DEMO_WORLD", "http://127.0.0.1:9")
+    try:
+        with start_sidecar(tmp_path) as sc:
+            export = configure(sc.otlp)
+            try:
+                saga = Saga("lookups", tools=[look], retry=RetryPolicy(attempts=1))
+                with saga.run_sync("-x1") as r:
+                    r.call("look", n=1)
+                assert export.force_flush(10.0)
+            finally:
+                export.shutdown()
+            options = [*REGISTRY, "--sidecar", sc.api, "--otlp", sc.otlp]
+            assert main(["recover", *options, "--", "-x1"]) == EXIT_NOTHING_TO_DO
+            assert "run '-x1' is completed" in capsys.readouterr().out
+            # Before '--', the id is taken for an option: the error says where it goes.
+            with pytest.raises(SystemExit) as exited:
+                main(["recover", "-x1", *options])
+            assert exited.value.code == EXIT_ERROR
+            (line,) = capsys.readouterr().err.strip().splitlines()
+            assert "a run id that begins with '-' goes last, after '--'" in line
+    finally:
+        STATE.reset()
+    with pytest.raises(SystemExit):
+        main(["recover", "-h"])
+    assert "after '--': saga-otel recover --tools MODULE:NAME -- -RUN" in " ".join(
+        capsys.readouterr().out.split()
+    )
