@@ -21,6 +21,7 @@ SERVER_STACK: Final = {
     "click": "click",
     "rich": "rich",
     "jinja2": "jinja2",  # the run page and review queue (sidecar/templates)
+    "httpx": "httpx",  # `saga-sidecar runs ...`: the running sidecar's API
     "rbloom": "rbloom",  # the SQLite store's filter of runs put away
 }
 INSTALL_HINT: Final = "pip install 'saga-otel[sidecar]'"

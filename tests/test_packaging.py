@@ -36,6 +36,7 @@ SERVER_STACK = {
     "psycopg-binary",
     "psycopg-pool",
     "rbloom",  # the SQLite store's filter of runs put away
+    "httpx",  # the sidecar CLI's API client (recover() has its own loopback client)
 }
 # The framework adapters' distributions: each is an extra (saga-otel[mcp], ...), never pulled alone.
 FRAMEWORKS = {
