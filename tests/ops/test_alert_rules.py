@@ -99,6 +99,13 @@ def test_counters_only_through_rate_or_increase(rules: list[dict[str, Any]], nam
             continue
         for match in re.finditer(rf"\b{metric}\b", expr):
             before = expr[: match.start()]
-            assert re.search(r"\b(rate|increase)\(\s*$", before), (
-                f"{name}: counter {metric} must be used inside rate() or increase()"
+            after = re.sub(r"^\{[^}]*\}", "", expr[match.end() :])  # past its label matchers
+            # The one raw use allowed: a series born within the window (at its first
+            # increment, which increase() cannot see), `X unless X offset W`.
+            born = re.match(rf"\s*unless\s+{metric}\b", after) or (
+                re.search(r"\bunless\s*$", before) and re.match(r"\s+offset\b", after)
+            )
+            assert born or re.search(r"\b(rate|increase)\(\s*$", before), (
+                f"{name}: counter {metric} must be used inside rate() or increase(), or as "
+                f"a series born within the window (`{metric} unless {metric} offset W`)"
             )
