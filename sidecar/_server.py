@@ -402,6 +402,16 @@ class Sidecar:
 
         self._db_thread.submit(fn, *args).add_done_callback(done)
 
+    def _write_later(
+        self, what: str, fn: Callable[..., object], arg: object, *, event: str, fix: str
+    ) -> None:
+        """:meth:`_submit` from intake or the tick, which must go on whatever the store
+        says: a store error is logged as ``event``, with what it costs (``fix``)."""
+        try:
+            self._submit(what, fn, arg)
+        except StoreError:
+            log.exception(event, fix=fix)
+
     def _rebuild(self) -> None:
         """Fold the stored runs not put away back into the state (clocks restart now: we
         were deaf); finished ones found among them leave memory at the next evict_async()."""
@@ -893,13 +903,11 @@ class Sidecar:
             if taken:
                 log.info("sidecar.runs.recovery_began", count=len(taken), run_ids=taken[:5])
             if self.store is not None:
-                try:
-                    self._submit("clear orphan marks", self.store.clear_orphaned, revived)
-                except StoreError:
-                    log.exception(
-                        "sidecar.orphan_marks.not_cleared",
-                        fix="they come back at restart, until the agent is heard from again",
-                    )
+                self._write_later(
+                    "clear orphan marks", self.store.clear_orphaned, revived,
+                    event="sidecar.orphan_marks.not_cleared",
+                    fix="they come back at restart, until the agent is heard from again",
+                )  # fmt: skip
         self._spans_counter(transport, "accepted").inc(len(decoded.spans))
         if decoded.ignored:
             self._spans_counter(transport, "ignored").inc(decoded.ignored)
@@ -1079,16 +1087,11 @@ class Sidecar:
         self.metrics.stream.transitions(transitions, self.state)
         self._lapsed(transitions)
         if self.store is not None:
-            try:
-                self._submit(
-                    "store orphan marks",
-                    self.store.mark_orphaned,
-                    [(t.run_id, t.at) for t in transitions],
-                )
-            except StoreError:
-                log.exception(
-                    "sidecar.orphan_marks.not_stored", fix="they are derived again at restart"
-                )
+            self._write_later(
+                "store orphan marks", self.store.mark_orphaned,
+                [(t.run_id, t.at) for t in transitions],
+                event="sidecar.orphan_marks.not_stored", fix="they are derived again at restart",
+            )  # fmt: skip
         if self._listeners:
             for t in transitions:
                 after = self.state.view(t.run_id)
@@ -1106,13 +1109,11 @@ class Sidecar:
             return
         log.warning("sidecar.runs.resolution_lapsed", count=len(lapsed), run_ids=lapsed[:5])
         if self.store is not None:
-            try:
-                self._submit("clear lapsed resolutions", self.store.clear_resolutions, lapsed)
-            except StoreError:
-                log.exception(
-                    "sidecar.resolutions.not_cleared",
-                    fix="a restart restores them: the run is hidden again until re-resolved",
-                )
+            self._write_later(
+                "clear lapsed resolutions", self.store.clear_resolutions, lapsed,
+                event="sidecar.resolutions.not_cleared",
+                fix="a restart restores them: the run is hidden again until re-resolved",
+            )  # fmt: skip
 
     async def _tick_loop(self) -> None:
         loop = asyncio.get_running_loop()
