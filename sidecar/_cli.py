@@ -320,6 +320,9 @@ def _request(api: str, token: str | None, method: str, path: str, **kw: Any) -> 
     return body
 
 
+PREFIX_PAGE = 1000  # runs read to resolve a prefix; past it the answer says "more than"
+
+
 def _on_run(
     api: str, token: str | None, method: str, given: str, suffix: str = "", **kw: Any
 ) -> dict[str, Any]:
@@ -331,8 +334,11 @@ def _on_run(
     except ApiError as exc:
         if exc.status != 404:
             raise
-    body = _request(api, token, "GET", "/runs", params={"id_prefix": given, "limit": 1000})
-    run_id, problem = sc.run_id_match_problem(given, (str(r["run_id"]) for r in body["runs"]))
+    page = {"id_prefix": given, "limit": PREFIX_PAGE}
+    body = _request(api, token, "GET", "/runs", params=page)
+    run_id, problem = sc.run_id_match_problem(
+        given, (str(r["run_id"]) for r in body["runs"]), more=bool(body.get("next_cursor"))
+    )
     if run_id is None:
         raise ApiError(str(problem))
     return _request(api, token, method, f"/runs/{sc.run_id_segment(run_id)}{suffix}", **kw)

@@ -27,6 +27,7 @@ from sidecar_testkit import (
 
 from saga_otel import semconv as sc
 from sidecar import Sidecar
+from sidecar import _cli as cli_module
 from sidecar._cli import main
 
 pytestmark = BOTH_BACKENDS
@@ -113,6 +114,18 @@ async def test_any_unique_prefix_names_a_run_and_an_ambiguous_one_lists_candidat
     assert b.run_id in result.output and "give more characters" in result.output
     result = await cli(sidecar, "runs", "stack", "zzz")
     assert result.exit_code == 1 and "no run id starts with it" in result.output
+
+
+async def test_a_prefix_past_one_page_of_runs_says_more_than_a_page(
+    sidecar: Sidecar, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One page of the prefix lookup is 1,000 runs; 2 here, so three runs are past it.
+    monkeypatch.setattr(cli_module, "PREFIX_PAGE", 2)
+    runs = [stuck_run(run_id=f"job-{n}" + "0" * 20) for n in (1, 2, 3)]
+    await export_http(sidecar, [s for r in runs for s in r.spans()])
+    result = await cli(sidecar, "runs", "show", "job-")
+    assert result.exit_code == 1
+    assert "matches more than 2 runs" in result.output, result.output
 
 
 async def test_show_prints_local_times_with_age_and_the_card_as_text(sidecar: Sidecar) -> None:
