@@ -387,10 +387,13 @@ class Sidecar:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._db_thread, functools.partial(fn, *args))
 
-    def _submit(self, what: str, fn: Callable[..., object], *args: object) -> None:
+    def _submit(
+        self, what: str, fn: Callable[..., object], *args: object, fix: str | None = None
+    ) -> None:
         """``fn(*args)`` without waiting for it on PostgreSQL (in order with every other
         call); at once on SQLite. Failures are logged (``what`` failed): only for writes
-        the state re-derives after a restart (orphan marks, prunes)."""
+        the state re-derives after a restart (orphan marks, prunes), or whose loss
+        ``fix`` says what it costs."""
         if self._db_thread is None:
             fn(*args)
             return
@@ -398,7 +401,10 @@ class Sidecar:
         def done(future: Future[object]) -> None:
             exc = future.exception()
             if exc is not None:
-                log.error("sidecar.db.write_failed", what=what, error=str(exc), rederived=True)
+                if fix is None:
+                    log.error("sidecar.db.write_failed", what=what, error=str(exc), rederived=True)
+                else:
+                    log.error("sidecar.db.write_failed", what=what, error=str(exc), fix=fix)
 
         self._db_thread.submit(fn, *args).add_done_callback(done)
 
@@ -406,9 +412,10 @@ class Sidecar:
         self, what: str, fn: Callable[..., object], arg: object, *, event: str, fix: str
     ) -> None:
         """:meth:`_submit` from intake or the tick, which must go on whatever the store
-        says: a store error is logged as ``event``, with what it costs (``fix``)."""
+        says: a store error is logged as ``event``, with what it costs (``fix``), whether
+        it comes at once (SQLite) or later (PostgreSQL's thread)."""
         try:
-            self._submit(what, fn, arg)
+            self._submit(what, fn, arg, fix=fix)
         except StoreError:
             log.exception(event, fix=fix)
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import stat
 from pathlib import Path
 
 import httpx
+import pytest
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.trace.export import SpanExportResult
 from sidecar_testkit import (
@@ -126,6 +128,34 @@ async def test_a_lapsed_resolution_stays_lapsed_after_a_restart(tmp_path: Path) 
         view = sc_.state.view(run.run_id)
         assert view is not None and view["status"] == sc.STATUS_COMPENSATION_FAILED
         assert view["resolution"] is None
+
+
+async def test_a_lost_write_of_a_lapse_is_logged_with_what_it_costs(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Intake goes on when the store cannot clear a lapsed resolution, and the log says
+    what that costs, at once (SQLite) or from PostgreSQL's database thread alike."""
+    from sidecar import StoreError
+
+    settings = settings_for(tmp_path)
+    run = compensation_failed_run()
+    spans = run.spans()
+    cut = next(i for i, s in enumerate(spans) if s.attributes[sc.SAGA_PHASE] == sc.PHASE_UNWIND)
+    async with Sidecar(settings, clock=FakeClock()) as sc_:
+        await export_http(sc_, spans[: cut + 1])
+        assert await sc_.resolve(run.run_id, "watching it") is not None
+        assert sc_.store is not None
+
+        def refuse(run_ids: object) -> None:
+            raise StoreError("the database is read-only")
+
+        sc_.store.clear_resolutions = refuse  # type: ignore[method-assign]
+        with caplog.at_level(logging.ERROR):
+            await export_http(sc_, spans[cut + 1 :])
+            await sc_.flush()
+        assert sc_.state.status(run.run_id) == sc.STATUS_COMPENSATION_FAILED
+    told = [vars(r).get("fix") or "" for r in caplog.records if r.levelno >= logging.ERROR]
+    assert any("hidden again until re-resolved" in fix for fix in told), told
 
 
 def test_store_ignores_duplicate_spans(tmp_path: Path) -> None:
