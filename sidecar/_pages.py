@@ -46,7 +46,7 @@ from ._alerting import (
 )
 from ._errors import StoreError
 from ._outbox import AlertHistoryRow, alert_history
-from ._render import age, render_run
+from ._render import age, printable, render_run
 from ._service import SERVICE, Service
 from ._views import RunView
 
@@ -68,12 +68,23 @@ _STATUS_ALERT: Final[Mapping[str, str]] = {
     sc.STATUS_STUCK: sc.ALERT_RUN_STUCK,
 }
 
+
+def _shown(value: object) -> object:
+    """Every ``{{ }}`` of the pages, before escaping: agent text with its control and
+    bidi characters shown as escapes, as the CLI shows it (HTML escaping leaves them,
+    and a bidi override reorders what a person reads). Markup (the drawing) already is."""
+    if isinstance(value, str) and not isinstance(value, Markup):
+        return printable(value)
+    return value
+
+
 _env = jinja2.Environment(
     loader=jinja2.FileSystemLoader(TEMPLATES),
     autoescape=True,  # every template, whatever its name: all of it is user data
     undefined=jinja2.StrictUndefined,
     trim_blocks=True,
     lstrip_blocks=True,
+    finalize=_shown,
 )
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

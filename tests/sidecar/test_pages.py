@@ -305,6 +305,21 @@ def drawn(page: str) -> str:
     return visible(found[1])
 
 
+async def test_the_page_and_the_review_queue_show_controls_and_bidi_as_escapes(
+    alerting_sidecar: tuple[Sidecar, AlertService],
+) -> None:
+    """Outside the drawing too (the title, the facts, the queue's rows): HTML escaping
+    leaves control and bidi characters, and a right-to-left override in a saga name
+    would reorder what the person acting on the run reads."""
+    sidecar, _ = alerting_sidecar
+    await export_http(sidecar, steering_run(run_id="run-ctl2").spans())
+    for path in ("/runs/run-ctl2", "/review"):
+        status, page, _ = await get(f"{api(sidecar)}{path}")
+        assert status == 200
+        assert steering(page) == [], (path, steering(page))
+        assert "refund[bold]\\u202egnp.exe" in visible(page), path
+
+
 async def test_the_diagram_shows_terminal_controls_as_escapes(
     alerting_sidecar: tuple[Sidecar, AlertService],
 ) -> None:
