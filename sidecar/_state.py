@@ -879,18 +879,16 @@ class RunState:
                 run.revived = Revived(run.orphaned_at, now)
                 run.orphaned_at = None
                 changed[run_id] = None
-        for run_id in changed:
-            run = touched[run_id]
-            if run.orphaned_at is not None and not run.has_ended() and run.recovering():
-                # A recoverer took it up: the mark goes (not revived: its agent is still
-                # dead), and the run is watched for quiet again; past the idle timeout
-                # with its lease ended it is orphaned anew (see _orphan).
-                run.orphaned_at = None
         idle = self._idle
         # Once per run, not per span: every run of the batch was seen at ``now``, so
         # their order among themselves in the idle queue does not matter.
         for run_id, run in touched.items():
             if run_id in changed:
+                if run.orphaned_at is not None and not run.has_ended() and run.recovering():
+                    # A recoverer took it up: the mark goes (not revived: its agent is still
+                    # dead), and the run is watched for quiet again; past the idle timeout
+                    # with its lease ended it is orphaned anew (see _orphan).
+                    run.orphaned_at = None
                 run.status = run.derive()
             if now > run.last_seen:
                 run.last_seen = now
