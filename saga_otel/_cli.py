@@ -46,8 +46,9 @@ _EXIT_CODES = f"""exit codes:
   {EXIT_RECOVERED}  recovered: every undo left on the stack ran and the sidecar acknowledged it
   {EXIT_FAILED}  failed: an undo failed; the run is compensation_failed and escalated
   {EXIT_ERROR}  error: bad input, sidecar unreachable, tools missing, past the pivot
-  {EXIT_REFUSED}  refused: the run's agent is alive, or another recoverer holds the lease
-     or took it over before this one finished (even if its undos ran)
+  {EXIT_REFUSED}  refused: the run's agent is alive (or came back during the recovery), or
+     another recoverer holds the lease or took it over before this one finished (even if
+     its undos ran)
   {EXIT_NOTHING_TO_DO}  nothing to do: the run already finished (completed, compensated, ...)"""
 
 

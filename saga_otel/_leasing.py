@@ -167,6 +167,7 @@ class HeldLease:
         override = data.get("override")
         self.forced = isinstance(override, dict) and override.get("by") == holder
         self._lost: str | None = None
+        self._lost_why = ""  # the sidecar's reason: agent_alive when the agent came back
         self._taken_by: str | None = None  # who holds the lease now, when the sidecar says
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -183,6 +184,7 @@ class HeldLease:
         if resp.status != 200:
             with self._lock:
                 self._lost = str(body["error"])
+                self._lost_why = str(body.get("reason") or "")
                 holder = body.get("holder")
                 self._taken_by = holder if isinstance(holder, str) else None
 
@@ -203,7 +205,14 @@ class HeldLease:
         if self._lost is None:
             self._renew()
         with self._lock:
-            lost, taken_by = self._lost, self._taken_by
+            lost, why, taken_by = self._lost, self._lost_why, self._taken_by
+        if lost is not None and why == "agent_alive":
+            raise RecoveryRefusedError(
+                f"run {self.run_id!r}: its agent came back while this process recovered it "
+                f"(lease token {self.token}): {lost}. {stopped}; the agent goes on with its "
+                "own run",
+                reason="agent_alive",
+            )
         if lost is not None:
             raise RecoveryRefusedError(
                 f"run {self.run_id!r}: this process lost its recovery lease (token "

@@ -77,6 +77,10 @@ class Lease:
     def live(self, now: float) -> bool:
         return not self.released and now < self.expires_at
 
+    def forced(self) -> bool:
+        """Granted behind an agent the sidecar believed alive (a person's override)."""
+        return self.override is not None and self.override.at == self.granted_at
+
 
 def lease_view(lease: Lease) -> LeaseView:
     o = lease.override
@@ -98,6 +102,9 @@ class Liveness:
     last_heard: float | None
     window_s: float
     status: str
+    # The owner spoke about the run (a span, a heartbeat naming it) while a recovery
+    # lease stood on it: the latest such time, or None.
+    returned: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,12 +241,16 @@ def _check_holder(
 
 
 def renew(
-    run_id: str, current: Lease | None, req: LeaseRequest, now: float
+    run_id: str, current: Lease | None, owner: Liveness, req: LeaseRequest, now: float
 ) -> Lease | LeaseRefusal:
-    """Extend the holder's lease; refused once another grant took the token.
+    """Extend the holder's lease; refused once another grant took the token, and once
+    the run's agent has spoken since the grant.
 
     An expired lease that nobody else took is still the holder's: its token is
-    current, so renewing it is safe.
+    current, so renewing it is safe. An agent heard from after the grant was not dead
+    (a long pause, a partition): it goes on with its run, so the recoverer, which
+    renews before each undo, stops before the next one. Only a forced grant goes on:
+    a person chose to recover behind that agent.
     """
     refusal = _check_holder(run_id, current, req, "renew")
     if refusal is not None:
@@ -250,6 +261,18 @@ def renew(
             "not_holder",
             f"the lease on run {run_id!r} (token {current.token}) was released: take a new one",
             holder=current.holder,
+        )
+    back = owner.returned
+    if back is not None and back > current.granted_at and not current.forced():
+        return LeaseRefusal(
+            "agent_alive",
+            f"run {run_id!r}: its agent was heard from at {when(back)}, after this lease was "
+            f"granted at {when(current.granted_at)}: it is alive and goes on with the run, "
+            "so no undo may run beside it. Stop and release the lease; if the agent goes "
+            "quiet again the sidecar orphans the run and pages for a new recovery (if the "
+            "agent must not go on, stop it, or force a new recovery with a reason)",
+            holder=current.holder,
+            last_heard=back,
         )
     return replace(current, expires_at=now + req.ttl_s)
 

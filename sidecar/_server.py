@@ -1295,11 +1295,18 @@ class Sidecar:
         outcome = await self._lease(run_id, action, data)
         if isinstance(outcome, Lease):
             label = {"grant": "granted", "renew": "renewed", "release": "released"}[action]
-            forced = outcome.override is not None and outcome.override.at == outcome.granted_at
-            if action == "grant" and forced:
+            if action == "grant" and outcome.forced():
                 label = "forced"
         else:
             label = outcome.reason
+            if action == "renew" and outcome.reason == "agent_alive":
+                # Its agent came back mid-recovery: the recoverer stops before its next undo.
+                log.warning(
+                    "sidecar.lease.agent_returned",
+                    run_id=run_id,
+                    holder=outcome.holder,
+                    heard_at=outcome.last_heard,
+                )
         self.metrics.lease_requests.labels(action=action, outcome=label).inc()
         return outcome
 
@@ -1323,7 +1330,7 @@ class Sidecar:
         if action == "grant":
             decide = functools.partial(_grant, run_id, owner, req, now)
         elif action == "renew":
-            decide = functools.partial(_renew, run_id, req, now)
+            decide = functools.partial(_renew, run_id, owner, req, now)
         else:
             decide = functools.partial(_release, run_id, req, now)
         outcome = await self._call(self.store.decide_lease, run_id, decide)
@@ -1377,9 +1384,9 @@ def _grant(
 
 
 def _renew(
-    run_id: str, req: LeaseRequest, now: float, current: Lease | None
+    run_id: str, owner: Liveness, req: LeaseRequest, now: float, current: Lease | None
 ) -> Lease | LeaseRefusal:
-    return renew(run_id, current, req, now)
+    return renew(run_id, current, owner, req, now)
 
 
 def _release(

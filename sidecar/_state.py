@@ -237,6 +237,7 @@ class _Run:
         "owner_seen",
         "pivot",
         "resolution",
+        "returned",
         "revived",
         "run_id",
         "run_spans",
@@ -276,6 +277,9 @@ class _Run:
         self.owned = False
         self.owner_seen = 0.0  # the last span or heartbeat from the owner instance
         self.lease: Lease | None = None
+        # The owner spoke about the run after a recovery lease was granted on it (the
+        # latest such time): it came back, and the recoverer's renewals are refused.
+        self.returned: float | None = None
         # Marker spans sent in place of spans the sidecar refused, in (start, span id) order.
         self.drops: tuple[Drop, ...] = ()
         # What the facts read of the steps, kept as steps change (``restep``), so a span
@@ -381,6 +385,15 @@ class _Run:
     def needs_person(self) -> bool:
         """Stuck, compensation failed or orphaned, and no person has resolved it yet."""
         return self.status in NEEDS_PERSON and self.resolution is None
+
+
+def _heard_under_lease(run: _Run, at: float) -> None:
+    """The owner spoke about ``run`` at ``at``: past its lease's grant, the agent came back
+    (``_leases.renew`` then stops the recoverer). Stored spans folded back at a start come
+    before their leases are set, so a restart never makes a dead agent look back."""
+    lease = run.lease
+    if lease is not None and at > lease.granted_at and (run.returned or 0.0) < at:
+        run.returned = at
 
 
 def _lapse(run: _Run) -> bool:
@@ -874,6 +887,8 @@ class RunState:
                 heard.add(run_id)
         for run_id in heard:
             run = touched[run_id]
+            if run.lease is not None:
+                _heard_under_lease(run, now)
             if run.orphaned_at is not None and not run.has_ended() and not run.recovering():
                 # Heard from again: it was late, not dead. The orphan mark goes.
                 run.revived = Revived(run.orphaned_at, now)
@@ -957,6 +972,8 @@ class RunState:
             return None
         run.last_seen = max(run.last_seen, at)
         run.owner_seen = max(run.owner_seen, at)
+        if run.lease is not None:
+            _heard_under_lease(run, at)
         if run_id in self._idle:  # still alive: to the young end of the queue
             del self._idle[run_id]
             self._idle[run_id] = None
@@ -1314,7 +1331,7 @@ class RunState:
         else:
             window = self.idle_timeout
             alive = now - run.owner_seen <= window
-        return Liveness(alive, last, window, run.status)
+        return Liveness(alive, last, window, run.status, run.returned)
 
     def prunable(self, now: float, retention: float) -> list[str]:
         """Finished (ended or resolved) runs with no activity for ``retention`` seconds.

@@ -29,7 +29,13 @@ from sidecar import Sidecar
 from sidecar._alerting import build_card, render_card
 from tests.saga_otel import recovery_kit as kit
 from tests.saga_otel.recovery_kit import BIN, ROOT, TOOLS, kit_env, race, start_agent, truth_lines
-from tests.sidecar.sidecar_testkit import FakeClock, export_http, open_run, settings_for
+from tests.sidecar.sidecar_testkit import (
+    FakeClock,
+    export_http,
+    heartbeat_spans,
+    open_run,
+    settings_for,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -285,3 +291,44 @@ def view_of(sidecar: Sidecar, run_id: str) -> dict[str, Any]:
     found = sidecar.state.view(run_id)
     assert found is not None
     return found
+
+
+async def test_a_recoverer_stops_before_its_next_undo_when_the_agent_comes_back(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The agent was paused past the orphan window, not dead: it speaks about its run
+    while the recoverer's first undo runs. The recoverer's renewal after that undo is
+    refused, so the second undo never runs under the working agent; it exits 3 saying
+    the agent came back, and leaves the run open for the agent."""
+    clock = FakeClock()
+    kit.PAUSED.clear()
+    kit.GO.clear()
+    try:
+        async with Sidecar(settings_for(tmp_path), clock=clock) as sidecar:
+            api = f"http://127.0.0.1:{sidecar.api_port}"
+            run = open_run(instance="agent-1")  # step 1: reverse_credit cr_1
+            run.do(2, "issue_credit", comp=("reverse_credit", {"credit_id": "cr_2"}, "cr_2"))
+            await export_http(sidecar, run.spans())
+            clock.now += sidecar.settings.idle_timeout + 1
+            sidecar.tick()  # the agent looks gone
+            argv = ["recover", run.run_id, "--tools", f"{kit.__name__}:paused_registry",
+                    "--sidecar", api, "--otlp", f"http://127.0.0.1:{sidecar.otlp_http_port}",
+                    "--lease-ttl", "600"]  # fmt: skip
+            first = asyncio.ensure_future(asyncio.to_thread(cli, argv))
+            assert await asyncio.to_thread(kit.PAUSED.wait, 60), "the first undo never started"
+            clock.now += 1
+            await export_http(sidecar, heartbeat_spans("agent-1", [run.run_id], at=0.0))
+            kit.GO.set()  # the undo of step 2 returns
+            code = await asyncio.wait_for(first, 60)
+            view = view_of(sidecar, run.run_id)
+    finally:
+        kit.GO.set()
+        STATE.reset()
+    err = capsys.readouterr().err
+    assert code == EXIT_REFUSED, err
+    assert "its agent came back while this process recovered it" in err, err
+    assert "goes on with the run" in err, err
+    steps = {s["index"]: s for s in view["steps"]}
+    assert steps[2]["compensated"] and not steps[1]["compensated"], steps
+    assert view["status"] not in ("recovered", "compensated"), view["status"]
+    assert view["recovery"]["released"] is True

@@ -325,3 +325,64 @@ def test_any_interleaving_then_a_restart_gives_the_same_view(
     assert {r: again.state.view(r) for r in again.state.run_ids()} == views
     assert again.store is not None
     again.store.close()
+
+
+async def test_a_renewal_is_refused_once_the_agent_speaks_again_unless_forced(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    """An agent paused past the orphan window was not dead: when it speaks about its run
+    again (a heartbeat naming it, or a span) the recoverer's next renewal is refused, so
+    it stops before its next undo. A restart, which folds the stored spans back in, does
+    not make a dead agent look back; a forced recovery is not stopped."""
+    settings = settings_for(tmp_path)
+    runs: dict[str, tuple[RunScript, int]] = {}
+    async with Sidecar(settings, clock=clock) as sidecar:
+        for speak in ("heartbeat", "span", "forced", "restart"):
+            run = open_run(instance="agent-1")
+            await post(sidecar, run.spans())
+            clock.now += sidecar.settings.idle_timeout + 1
+            sidecar.tick()
+            path = f"/runs/{sc.run_id_segment(run.run_id)}/lease"
+            ask: dict[str, Any] = {"holder": f"rec-{speak}", "ttl_s": 600}
+            if speak == "forced":
+                # Forced while the agent is alive: the override is the person's choice.
+                await post(sidecar, heartbeat_spans("agent-1", [run.run_id], at=0.0))
+                ask.update(force=True, reason="agent wedged, ticket 12")
+            grant = await api(sidecar, "POST", path, json=ask)
+            assert grant.status_code == 200, grant.text
+            runs[speak] = (run, grant.json()["token"])
+            clock.now += 1
+            renewal = {"holder": f"rec-{speak}", "token": grant.json()["token"], "ttl_s": 600}
+            assert (await api(sidecar, "POST", path + "/renew", json=renewal)).status_code == 200
+        clock.now += 1
+        for speak in ("heartbeat", "forced"):
+            await post(sidecar, heartbeat_spans("agent-1", [runs[speak][0].run_id], at=0.0))
+        runs["span"][0].do(2, "note_ticket", "read")
+        await post(sidecar, runs["span"][0].spans())
+        heard = clock.now
+        clock.now += 1
+        for speak, (run, token) in runs.items():
+            path = f"/runs/{sc.run_id_segment(run.run_id)}/lease"
+            renewal = {"holder": f"rec-{speak}", "token": token, "ttl_s": 600}
+            answer = await api(sidecar, "POST", path + "/renew", json=renewal)
+            if speak in ("heartbeat", "span"):
+                assert answer.status_code == 409, (speak, answer.text)
+                body = answer.json()
+                assert body["reason"] == "agent_alive" and body["last_heard"] == heard, body
+                assert "goes on with the run" in body["error"], body
+                # The refused recoverer still gives its lease back.
+                done = await api(sidecar, "POST", path + "/release", json=renewal)
+                assert done.status_code == 200, done.text
+            else:
+                assert answer.status_code == 200, (speak, answer.text)
+        sample = sidecar.metrics.registry.get_sample_value
+        assert sample(sc.M_SIDECAR_LEASE_REQUESTS, {"action": "renew", "outcome": "agent_alive"})
+    clock.now += 1
+    async with Sidecar(settings, clock=clock) as again:
+        # The restart folded every stored span in at its own clock: the "restart" run's
+        # dead agent must not look back, so its recoverer goes on.
+        run, token = runs["restart"]
+        path = f"/runs/{sc.run_id_segment(run.run_id)}/lease"
+        renewal = {"holder": "rec-restart", "token": token, "ttl_s": 600}
+        answer = await api(again, "POST", path + "/renew", json=renewal)
+        assert answer.status_code == 200, answer.text

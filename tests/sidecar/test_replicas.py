@@ -223,6 +223,38 @@ async def test_a_replica_screens_by_the_store_not_only_what_it_folded(tmp_path: 
         assert view is not None and view["stack"] == []
 
 
+async def test_an_agent_back_at_one_replica_stops_the_recoverer_renewing_at_the_other(
+    tmp_path: Path,
+) -> None:
+    """A granted the lease on a run whose agent looked dead; the agent comes back with a
+    heartbeat, then a span, each at B only. Once A has read them, A refuses the
+    recoverer's renewal: the agent goes on, the recoverer stops before its next undo."""
+    clock = FakeClock()
+    settings = settings_for(tmp_path, idle_timeout=5.0, tick_interval=3600.0)
+    async with Sidecar(settings, clock=clock) as a, Sidecar(settings, clock=clock) as b:
+        runs = [open_run(instance="agent-1") for _ in range(2)]
+        leases = []
+        for run in runs:
+            assert not (await _post(a, run.spans())).partial_success.rejected_spans
+        clock.now += 10.0
+        a.tick()
+        for run in runs:
+            lease = await a.lease(run.run_id, "grant", {"holder": "recoverer:1"})
+            assert isinstance(lease, Lease)
+            leases.append(lease)
+        clock.now += 1.0
+        await _post(b, heartbeat_spans("agent-1", [runs[0].run_id], clock.now))
+        runs[1].do(2, "note_ticket", "read")
+        await b.sync()  # B folds the run in from the store, then takes the agent's span
+        assert not (await _post(b, runs[1].spans())).partial_success.rejected_spans
+        await a.sync()
+        for run, lease in zip(runs, leases, strict=True):
+            ask = {"holder": "recoverer:1", "token": lease.token, "ttl_s": 30}
+            answer = await a.lease(run.run_id, "renew", ask)
+            assert not isinstance(answer, Lease), (run.run_id, answer)
+            assert answer.reason == "agent_alive", answer
+
+
 def _altered(span: ReadableSpan) -> ReadableSpan:
     """The same span id with other content (a buggy agent reusing an id)."""
     return ReadableSpan(
