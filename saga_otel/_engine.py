@@ -380,6 +380,7 @@ class _Core:
         trace_id: int = 0,
         parent_span_id: int = 0,
     ) -> None:
+        saga.instr.check_run_id(run_id)
         self.saga = saga
         self.instr = saga.instr
         self.requested_run_id = run_id

@@ -95,6 +95,7 @@ def observed_run(
     step's undo could not be stored and was not run, and compensated
     otherwise. Set ``run.status`` to say otherwise.
     """
+    Instrumentation.check_run_id(run_id)
     instr = Instrumentation(saga, tracer_provider=tracer_provider, registry=registry, logger=logger)
     run = ObservedRun(instr, instr.start_run(run_id))
     token = _current.set(run)

@@ -36,6 +36,7 @@ from opentelemetry.trace import (
 from prometheus_client import CollectorRegistry
 
 from saga_otel import semconv as sc
+from saga_otel._errors import ConfigurationError
 from saga_otel._logging import default_logger, emitter
 from saga_otel._metrics import SagaMetrics, metrics_for
 from saga_otel.records import Compensation, StepClass, describe_error, exception_text
@@ -408,6 +409,19 @@ class Instrumentation:
         return {**run.identity, sc.SAGA_PHASE: phase}
 
     # -- runs ----------------------------------------------------------------
+    @staticmethod
+    def check_run_id(run_id: str | None) -> None:
+        """Refuse, before the run opens, a run id the sidecar would refuse: its spans would
+        never show there (no alert, no recovery). None or "" asks for a generated id."""
+        if run_id:
+            problem = sc.run_id_problem(run_id)
+            if problem is not None:
+                raise ConfigurationError(
+                    f"{problem}. The sidecar refuses every span of such a run, so it could "
+                    "neither alert on it nor recover it: pass a valid id (an id an end user "
+                    "chose is better hashed), or none for a generated one"
+                )
+
     def start_run(
         self, run_id: str | None = None, *, trace_id: int = 0, parent_span_id: int = 0
     ) -> RunTelemetry:

@@ -105,6 +105,10 @@ def run_id_problem(run_id: object) -> str | None:
             f"run id {run_id!r} contains the non-printable character U+{ord(bad):04X}: use "
             "printable characters only (no control, format or line-separator characters)"
         )
+    if run_id in (".", ".."):
+        # Encoded or not, a browser resolves a dot segment in a link: the run's page and
+        # its alert's run_url would open another page.
+        return f"run id {run_id!r} is a URL dot segment, which no link can address: use another id"
     return None
 
 

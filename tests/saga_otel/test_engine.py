@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as _dt
+import re
 import threading
 from typing import Any
 
@@ -31,6 +32,7 @@ from saga_otel import (
     _acks,
     current_call,
     idempotency_key,
+    observed_run,
     tool,
 )
 from saga_otel import semconv as sc
@@ -375,6 +377,37 @@ def test_a_sync_run_refuses_async_tools_and_async_undos_before_any_write(
         assert "async with saga.run()" in str(info.value)
         assert run.report is not None and run.report.compensations == ()
     assert writes == []
+
+
+def test_a_run_id_the_sidecar_would_refuse_is_refused_before_the_run_opens(
+    cap: Captured,
+) -> None:
+    """Such a run would be invisible to the sidecar (every span refused: no alert, no
+    recovery), so the library refuses it where the id is given, naming the rule; no tool
+    runs and nothing is emitted. None and "" still ask for a generated id."""
+    writes: list[str] = []
+
+    @tool("convergent")
+    def touch() -> None:
+        writes.append("touch")
+
+    saga = cap.saga("x", tools=[touch])
+    for bad, why in ((".", "dot segment"), ("..", "dot segment"), ("tab\there", "U+0009"),
+                     ("x" * 257, "at most 256"), ("bidi\u202e", "U+202E")):  # fmt: skip
+        why = re.escape(why)
+        with pytest.raises(ConfigurationError, match=why) as info:
+            saga.run_sync(bad)
+        assert "pass a valid id" in str(info.value)
+        with pytest.raises(ConfigurationError, match=why):
+            saga.run(bad)
+        with pytest.raises(ConfigurationError, match=why), observed_run("x", bad):
+            writes.append("observed")
+    assert writes == [] and cap.spans() == []
+    for generated in (None, ""):
+        with saga.run_sync(generated) as run:
+            run.call("touch")
+        assert run.report is not None and sc.run_id_problem(run.report.run_id) is None
+    assert writes == ["touch", "touch"]
 
 
 async def test_tools_see_their_call_context_and_idempotency_key(
