@@ -33,6 +33,20 @@ UID = "saga-overview"
 DS = DataSourceRef(type_val="prometheus", uid="${datasource}")
 SAGA = 'saga=~"$saga"'
 RATE = "[$__rate_interval]"
+STUCK = sc.STATUS_STUCK
+
+
+def _count(by: str, series: str) -> str:
+    """How many times ``series`` (a counter selector) went up in each interval, by ``by``.
+
+    A counter series is born at its first increment (at 1, not 0), which increase()
+    cannot see: a series younger than the interval counts with its whole value, as in
+    the alert rules. (The set operators match without the metric name.)
+    """
+    return (
+        f"sum by ({by}) (({series} unless {series} offset $__rate_interval) "
+        f"or increase({series}{RATE}))"
+    )
 
 
 def _bucket(histogram: str) -> str:
@@ -196,10 +210,7 @@ def build() -> dict[str, Any]:
                 "Runs orphaned",
                 "Runs whose agent went silent mid-run (SagaRunOrphaned), by saga.",
                 "short",
-                _query(
-                    f"sum by (saga) (increase({sc.M_STREAM_RUNS_ORPHANED}{{{SAGA}}}{RATE}))",
-                    "{{saga}}",
-                ),
+                _query(_count("saga", f"{sc.M_STREAM_RUNS_ORPHANED}{{{SAGA}}}"), "{{saga}}"),
                 width=12,
             )
         )
@@ -211,8 +222,7 @@ def build() -> dict[str, Any]:
                 "Compensations that could not be completed, by step. Each needs a person.",
                 "short",
                 _query(
-                    f"sum by (saga, step) "
-                    f"(increase({sc.M_STREAM_COMPENSATION_FAILURES}{{{SAGA}}}{RATE}))",
+                    _count("saga, step", f"{sc.M_STREAM_COMPENSATION_FAILURES}{{{SAGA}}}"),
                     "{{saga}} {{step}}",
                 ),
                 width=12,
@@ -224,8 +234,7 @@ def build() -> dict[str, Any]:
                 "Runs that ended stuck. Each needs a person.",
                 "short",
                 _query(
-                    f"sum by (saga) (increase({sc.M_STREAM_RUNS_FINISHED}"
-                    f'{{{SAGA}, status="{sc.STATUS_STUCK}"}}{RATE}))',
+                    _count("saga", f'{sc.M_STREAM_RUNS_FINISHED}{{{SAGA}, status="{STUCK}"}}'),
                     "{{saga}}",
                 ),
                 width=12,

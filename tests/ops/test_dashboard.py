@@ -113,6 +113,56 @@ def test_every_query_is_valid_promql(dashboard: dict[str, Any], tmp_path: Path) 
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+# The count panels and a series of each (born at 1 at 60 s, as a counter is, and never
+# incremented after), with the labels each panel sums by.
+COUNT_PANELS = {
+    "Runs orphaned": (
+        'saga_stream_runs_orphaned_total{saga="refund",service="agent"}',
+        '{saga="refund"}',
+    ),
+    "Compensation failures": (
+        'saga_stream_compensation_failures_total{saga="refund",service="agent",step="credit"}',
+        '{saga="refund",step="credit"}',
+    ),
+    "Stuck runs": (
+        'saga_stream_runs_finished_total{saga="refund",service="agent",status="stuck"}',
+        '{saga="refund"}',
+    ),
+}
+
+
+def test_count_panels_show_a_series_born_at_its_first_increment(
+    dashboard: dict[str, Any], tmp_path: Path
+) -> None:
+    """A counter series appears at 1 (its first failure, stuck run, orphan): increase()
+    alone reads 0 over its first interval, so a panel would never show the first one.
+    The panels count it in the interval it was born in, and 0 once it stays flat."""
+    exprs = {title: expr for title, expr in dashboard_exprs(dashboard) if title in COUNT_PANELS}
+    assert exprs.keys() == COUNT_PANELS.keys()
+    empty = tmp_path / "none.yml"
+    empty.write_text(yaml.safe_dump({"groups": []}))
+    cases = []
+    for title, (series, labels) in COUNT_PANELS.items():
+        expr = substitute(exprs[title], "1m")
+        cases.append(
+            {
+                "name": title,
+                "interval": "15s",
+                "input_series": [{"series": series, "values": "_ _ _ _ 1+0x12"}],
+                "promql_expr_test": [
+                    {"expr": expr, "eval_time": "75s",
+                     "exp_samples": [{"labels": labels, "value": 1}]},
+                    {"expr": expr, "eval_time": "150s",
+                     "exp_samples": [{"labels": labels, "value": 0}]},
+                ],
+            }
+        )  # fmt: skip
+    path = tmp_path / "panels.test.yml"
+    path.write_text(yaml.safe_dump({"rule_files": [str(empty)], "tests": cases}))
+    result = run_tool(tool("promtool"), "test", "rules", path)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 def test_provisioning_examples() -> None:
     provisioning = REPO / "dashboards" / "provisioning"
     dashboards = yaml.safe_load((provisioning / "dashboards.yaml").read_text(encoding="utf-8"))
