@@ -65,6 +65,7 @@ class ObservedRun:
     unstorable: dict[int, str] = field(default_factory=dict)
     pivot: str | None = None
     failed_step: str | None = None
+    failure: str = ""  # "Type: message" of the failed step's exception (the unwind's reason)
     unwound: bool = False
     compensations_failed: int = 0
     status: str | None = None  # set by the user to override the derived status
@@ -236,7 +237,7 @@ class _Observer:
         # The first compensate of a run is the moment the unwind begins.
         run.unwound = True
         pending = sorted(run.stack.values(), key=lambda c: -c.index)
-        yield mode.ack(self.instr.unwind(run.tel, "", run.failed_step, pending))
+        yield mode.ack(self.instr.unwind(run.tel, run.failure, run.failed_step, pending))
 
     def _compensate_ended(self, run: ObservedRun, idx: int, ok: bool) -> None:
         if ok:
@@ -265,8 +266,8 @@ class _Observer:
             ) as obs:
                 result = yield mode.call(fn, *args, **kwargs)
                 result, pushed = self._after_do(run, obs, idx, args, result)
-        except BaseException:
-            run.failed_step = self.step
+        except BaseException as exc:
+            run.failed_step, run.failure = self.step, describe_error(exc)
             raise  # the step's exception, unchanged
         if pushed:
             yield mode.ack(obs.span)

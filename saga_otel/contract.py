@@ -77,7 +77,12 @@ _STR_ATTRS = (
     sc.SAGA_EXPORT_DROPPED,
     sc.SAGA_EXPORT_DROPPED_SPAN,
 )
-_INT_ATTRS = (sc.SAGA_STEP_INDEX, sc.SAGA_STEP_ATTEMPT, sc.SAGA_RECOVERY_TOKEN)
+_INT_ATTRS = (
+    sc.SAGA_CONTRACT_VERSION,
+    sc.SAGA_STEP_INDEX,
+    sc.SAGA_STEP_ATTEMPT,
+    sc.SAGA_RECOVERY_TOKEN,
+)
 _KINDS: dict[str, type] = {
     **dict.fromkeys(_STR_ATTRS, str),
     **dict.fromkeys(_INT_ATTRS, int),

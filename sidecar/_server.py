@@ -191,6 +191,9 @@ class Sidecar:
         # Requests heard and not yet answered: their answer future -> clock at arrival (in
         # arrival order: the first is the oldest). The orphan tick judges up to it.
         self._unfolded: dict[asyncio.Future[Decoded], float] = {}
+        # Requests answered 503 since the store last failed (0: it is not failing): the
+        # failure is logged when it begins and when it ends, not once per request.
+        self._store_refusals = 0
         # Replicas: the clock when the last read of the others' writes began (sync).
         self._read_from = float("inf")
         self.leading = False  # replicas: whether this one detects orphans (see _tick_loop)
@@ -614,12 +617,24 @@ class Sidecar:
         unfolded = self._unfolded
         unfolded[answer] = self.clock()
         try:
-            return await answer
-        except StoreError:  # not stored: the exporter resends after our 503
+            stored = await answer
+        except StoreError as exc:  # not stored: the exporter resends after our 503
             self._spans_counter(transport, "unavailable").inc(len(decoded.spans))
+            if not self._store_refusals:
+                log.error(
+                    "sidecar.intake.store_failed",
+                    error=str(exc),
+                    fix="agents resend after the 503; look at the database (disk full, "
+                    "permissions, PostgreSQL down or locked)",
+                )
+            self._store_refusals += 1
             raise
         finally:
             del unfolded[answer]
+        if self._store_refusals:
+            log.warning("sidecar.intake.store_recovered", refused_requests=self._store_refusals)
+            self._store_refusals = 0
+        return stored
 
     def _commit_inline(self) -> None:
         """SQLite's driver of the group commit: the oldest group, screened in arrival

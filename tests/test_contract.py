@@ -92,6 +92,9 @@ def test_an_unknown_step_class_is_refused_by_both_naming_value_and_fix() -> None
             '{"a": [1, -Infinity]}',
         ),
         ({sc.SAGA_PHASE: "dance"}, sc.SAGA_PHASE, "dance"),
+        # An int, as every other int attribute: True == 1 in Python, "1" is text.
+        ({sc.SAGA_CONTRACT_VERSION: True}, sc.SAGA_CONTRACT_VERSION, True),
+        ({sc.SAGA_CONTRACT_VERSION: "1"}, sc.SAGA_CONTRACT_VERSION, "1"),
     ],
 )
 def test_intake_and_testing_refuse_the_same_spans(

@@ -358,6 +358,10 @@ async def test_observed_step_object_and_function_match_the_engine(mode: Driver) 
         if s[0] != "saga.do get_order" and s[0] != "saga.do set_ticket_status"
     ]
     assert len(cap.spans(phase="unwind")) == 1
+    # The unwind says why, as the engine's does: the failed step and its exception.
+    for key in (sc.SAGA_UNWIND_REASON, sc.SAGA_RUN_FAILED_STEP):
+        assert _one(cap, "unwind")[key] == _one(engine_cap, "unwind")[key], key
+    assert _one(cap, "unwind")[sc.SAGA_UNWIND_REASON].startswith("ServiceDown: ")
     assert shape(cap, "run") == [("saga.run refund", "", StatusCode.ERROR)]
     assert _one(cap, "run")[sc.SAGA_RUN_STATUS] == "compensated"
     comp = _one(cap, "compensate")

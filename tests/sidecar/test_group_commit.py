@@ -10,6 +10,7 @@ test_replicas.py.
 from __future__ import annotations
 
 import asyncio
+import logging
 import sqlite3
 from pathlib import Path
 from typing import Any
@@ -165,12 +166,15 @@ async def test_a_conflicting_duplicate_in_the_same_group_is_refused(sidecar: Sid
     assert [s["name"] for s in view["steps"]] == ["lookup_order", "issue_credit"]
 
 
-async def test_a_failed_group_commit_fails_every_request_and_folds_none(sidecar: Sidecar) -> None:
+async def test_a_failed_group_commit_fails_every_request_and_folds_none(
+    sidecar: Sidecar, caplog: pytest.LogCaptureFixture
+) -> None:
     runs = [open_run() for _ in range(3)]
     _store(sidecar)._db.execute("PRAGMA busy_timeout=50")
     # Another process holds the write lock: the group's transaction cannot commit.
     blocker = sqlite3.connect(sidecar.db_path, isolation_level=None)
     blocker.execute("BEGIN IMMEDIATE")
+    caplog.set_level(logging.INFO, logger="sidecar")
     try:
         got = await asyncio.gather(
             *(sidecar.ingest(_decoded(r.spans()), "http") for r in runs),
@@ -179,6 +183,10 @@ async def test_a_failed_group_commit_fails_every_request_and_folds_none(sidecar:
     finally:
         blocker.execute("ROLLBACK")
         blocker.close()
+    # The log says why, once when the refusals begin (not once per request).
+    failed = [r for r in caplog.records if r.getMessage() == "sidecar.intake.store_failed"]
+    assert len(failed) == 1 and failed[0].levelno == logging.ERROR, caplog.records
+    assert "locked" in failed[0].__dict__["error"], failed[0].__dict__
     assert all(isinstance(g, StoreError) for g in got), got
     assert all(sidecar.state.view(r.run_id) is None for r in runs)
     # Counted where an operator looks: the spans not stored, answered 503.
@@ -189,6 +197,8 @@ async def test_a_failed_group_commit_fails_every_request_and_folds_none(sidecar:
     # The agents retry (a 503 asks them to): now everything is taken.
     again = await asyncio.gather(*(sidecar.ingest(_decoded(r.spans()), "http") for r in runs))
     assert [d.rejected for d in again] == [0, 0, 0]
+    back = [r for r in caplog.records if r.getMessage() == "sidecar.intake.store_recovered"]
+    assert [r.__dict__["refused_requests"] for r in back] == [3]
     assert _stored(sidecar.db_path) == 6
     assert sample("saga_sidecar_spans_received_total", unavailable) == 6
 
