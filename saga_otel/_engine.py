@@ -56,6 +56,7 @@ from saga_otel.records import (
     StepRecord,
     describe_error,
     exception_text,
+    interrupted_effect,
     is_pivot,
 )
 
@@ -539,13 +540,20 @@ class _Core:
         self, mode: Mode, t: Tool, name: str, args: Mapping[str, Any], idx: int
     ) -> Script[Any]:
         tries = 1
+        interrupted: str | None = None
 
         def attempt(n: int, snapshot: Any) -> Script[_Done]:
-            nonlocal tries
+            nonlocal tries, interrupted
             tries = n
             with self.do_attempt(t, idx, n) as obs:
                 kwargs = self.kwargs_for(t, args, idx)
-                result = yield self.invoke(mode, t.fn, name, **kwargs)
+                try:
+                    result = yield self.invoke(mode, t.fn, name, **kwargs)
+                except BaseException as exc:
+                    interrupted = interrupted_effect(t.name, idx, t.step_class, t.pivot, exc)
+                    if interrupted is not None:
+                        obs.extra[sc.SAGA_COMPENSATION_UNSTORABLE] = _short(interrupted)
+                    raise
                 return self.succeeded(t, idx, args, result, snapshot, n, obs)
 
         try:
@@ -556,7 +564,7 @@ class _Core:
                 mode, self.forward_policy, lambda n: attempt(n, snapshot)
             )
         except BaseException as exc:
-            self.failed(t, idx, args, exc, tries)
+            self.failed(t, idx, args, exc, tries, interrupted)
             raise  # the step's error, unchanged
         if not done.pushed and done.unstorable is None:
             return done.result
@@ -613,10 +621,20 @@ class _Core:
         return _Done(result, comp is not None, unstorable, obs.span)
 
     def failed(
-        self, t: Tool, index: int, args: Mapping[str, Any], exc: BaseException, attempts: int
+        self,
+        t: Tool,
+        index: int,
+        args: Mapping[str, Any],
+        exc: BaseException,
+        attempts: int,
+        interrupted: str | None = None,
     ) -> None:
+        """Record a failed do; ``interrupted`` says why its effect is unknown (it may
+        stand with no undo: the run cannot end compensated)."""
         assert self.state is not None
-        record = _step_record(t, index, attempts, ok=False, error=describe_error(exc))
+        record = _step_record(
+            t, index, attempts, ok=False, error=describe_error(exc), undo_error=interrupted
+        )
         self.state = st.step_failed(
             self.state, record, PendingCall(index, t.name, t.name, dict(args))
         )

@@ -43,6 +43,7 @@ from saga_otel.records import (
     StepClass,
     describe_error,
     exception_text,
+    interrupted_effect,
     is_pivot,
 )
 
@@ -264,7 +265,14 @@ class _Observer:
                 step_class=self.step_class,
                 pivot=self.pivot,
             ) as obs:
-                result = yield mode.call(fn, *args, **kwargs)
+                try:
+                    result = yield mode.call(fn, *args, **kwargs)
+                except BaseException as exc:
+                    why = interrupted_effect(self.step, idx, self.step_class, self.pivot, exc)
+                    if why is not None:  # its effect may stand with no undo
+                        obs.extra[sc.SAGA_COMPENSATION_UNSTORABLE] = why[:256]
+                        run.unstorable[idx] = why
+                    raise
                 result, pushed = self._after_do(run, obs, idx, args, result)
         except BaseException as exc:
             run.failed_step, run.failure = self.step, describe_error(exc)

@@ -201,7 +201,7 @@ def finish(state: StackState) -> StackState:
     if state.phase is Phase.FORWARD:
         status = RunStatus.COMPLETED
     elif any(not o.ok for o in state.outcomes) or any(
-        s.ok and s.undo_error is not None for s in state.steps
+        s.undo_error is not None for s in state.steps
     ):
         status = RunStatus.COMPENSATION_FAILED
     else:

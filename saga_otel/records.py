@@ -341,6 +341,26 @@ def describe_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exception_text(exc)}"
 
 
+def interrupted_effect(
+    step: str, index: int, step_class: StepClass, pivot: bool | None, exc: BaseException
+) -> str | None:
+    """Why the effect of a do stopped by ``exc`` is unknown, or None when it is not.
+
+    A tool's own exception says its write did not happen (the convention the retries
+    rest on). An interrupt (a cancellation, Ctrl-C, SystemExit) stops the agent's wait,
+    not the write: a request already sent, a framework's worker thread still running.
+    A write that leaves an undo, or a pivot, stopped so may stand with no undo stored,
+    so its run must not end compensated.
+    """
+    if isinstance(exc, Exception) or not (step_class.pushes or is_pivot(step_class, pivot)):
+        return None
+    return (
+        f"the do of step {step!r} (index {index}) was interrupted by {type(exc).__name__} "
+        "before it returned: it may have taken effect, and no undo was stored. Check the "
+        "effect and undo it by hand if it happened"
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class EscalationCard:
     """What a person needs to act on a run the machine could not finish.
@@ -454,8 +474,9 @@ class SagaReport:
 
     @property
     def unstorable_undos(self) -> tuple[StepRecord, ...]:
-        """Steps whose effect stands with no stored undo (it could not be captured)."""
-        return tuple(s for s in self.steps if s.ok and s.undo_error is not None)
+        """Steps whose effect stands, or may, with no stored undo (it could not be
+        captured, or the do was interrupted before it returned)."""
+        return tuple(s for s in self.steps if s.undo_error is not None)
 
     @property
     def needs_person(self) -> bool:

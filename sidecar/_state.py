@@ -209,13 +209,15 @@ class _Step:
         return any(a.ok for a in self.comps)
 
     def unstorable(self) -> str | None:
-        """Why the undo of a successful do could not be stored (the last such attempt's);
-        None once an OK compensate span says the effect was undone after all."""
+        """Why an effect of this step may stand with no stored undo (the last such
+        attempt's): a successful do whose undo could not be stored, or a do interrupted
+        before it returned (its span failed); None once an OK compensate span says the
+        effect was undone after all."""
         if self.compensated():
             return None
         reason: str | None = None
         for a in self.dos:
-            if a.ok and a.unstorable:
+            if a.unstorable:
                 reason = a.unstorable
         return reason
 
@@ -1086,7 +1088,7 @@ class RunState:
                     str(unstorable) if unstorable else None,
                 )
                 step.dos = _insert(dos, entry)
-                if (ok and unstorable) or (pivot and ok):
+                if unstorable or (pivot and ok):
                     # Only these move what the facts read of a step (an attempt without
                     # an unstorable reason never changes step.unstorable()).
                     run.restep(step)

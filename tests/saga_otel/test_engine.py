@@ -37,7 +37,14 @@ from saga_otel import (
 )
 from saga_otel import semconv as sc
 from saga_otel._heartbeat import open_run_ids
-from saga_otel.testing import Captured, FailureInjector, InjectedFailure, capture, span_attrs
+from saga_otel.testing import (
+    Captured,
+    FailureInjector,
+    InjectedFailure,
+    capture,
+    contract_violations,
+    span_attrs,
+)
 
 
 @pytest.fixture
@@ -1033,3 +1040,108 @@ async def test_an_escalation_handler_that_raises_never_leaves_the_run_open(
     _run_ended(cap, run.run_id)
     [run_span] = cap.spans(phase="run", run_id=run.run_id)
     assert span_attrs(run_span)[sc.SAGA_RUN_STATUS] == "compensation_failed"
+
+
+# -- a write interrupted before it returned ---------------------------------------
+@pytest.mark.parametrize(
+    ("step_class", "pivot", "status"),
+    [
+        ("compensable", False, RunStatus.COMPENSATION_FAILED),
+        ("irreversible", False, RunStatus.COMPENSATION_FAILED),
+        ("convergent", True, RunStatus.COMPENSATION_FAILED),  # a declared pivot
+        ("convergent", False, RunStatus.COMPENSATED),  # nothing it could leave to undo
+        ("read", False, RunStatus.COMPENSATED),
+    ],
+)
+async def test_a_write_interrupted_before_it_returned_is_never_called_compensated(
+    cap: Captured, mode: Driver, step_class: str, pivot: bool, status: RunStatus
+) -> None:
+    """Ctrl-C (or a cancellation) stops the agent's wait, not the write: a compensable or
+    pivot step stopped before it returned may have taken effect with no undo stored. The
+    run still unwinds what it pushed, then ends compensation_failed and escalates, the do
+    span marked; the interrupt propagates unchanged. A tool's own exception is not this:
+    it says the write did not happen."""
+    undone: list[str] = []
+
+    @tool("compensable", compensate="undo", compensate_args=lambda i: {"ref": i.result})
+    def first() -> str:
+        return "ref-1"
+
+    @tool("convergent")
+    def undo(ref: str) -> None:
+        undone.append(ref)
+
+    @tool(step_class, compensate="undo" if step_class == "compensable" else None,
+          compensate_args=(lambda i: {"ref": "never"}) if step_class == "compensable" else None,
+          pivot=pivot)  # fmt: skip
+    def write() -> None:
+        raise KeyboardInterrupt  # as if the person pressed Ctrl-C during its request
+
+    escalated: list[Any] = []
+    saga = cap.saga(
+        "x",
+        tools=[first, undo, write],
+        escalation_handlers=[lambda card, report: escalated.append(card)],
+    )
+    run = mode.run(saga)
+    with pytest.raises(KeyboardInterrupt):
+        async with run:
+            await run.call("first")
+            await run.call("write")
+    assert undone == ["ref-1"]
+    report = run.report
+    assert report is not None and report.status is status
+    (do,) = [span_attrs(s) for s in cap.spans(phase="do") if span_attrs(s)[sc.SAGA_STEP_INDEX] == 1]
+    if status is RunStatus.COMPENSATION_FAILED:
+        assert "interrupted by KeyboardInterrupt" in do[sc.SAGA_COMPENSATION_UNSTORABLE]
+        card = report.escalation_card()
+        assert card is not None and escalated
+        assert any("write" in t and "may have taken effect" in t for t in card.not_undone)
+    else:
+        assert sc.SAGA_COMPENSATION_UNSTORABLE not in do and not escalated
+    assert contract_violations(cap.spans()) == []
+
+
+async def test_a_write_cancelled_while_a_worker_thread_runs_it_escalates() -> None:
+    """How frameworks run a sync tool: in a worker thread, which cancelling the agent's
+    task does not stop. The write lands after the run has ended: the run must not say
+    compensated (it said so, and nothing undid the credit)."""
+    cap = capture()
+    ledger: list[str] = []
+    started, release, landed = threading.Event(), threading.Event(), threading.Event()
+
+    def write_in_thread() -> str:
+        started.set()
+        release.wait(30)
+        ledger.append("credit cr_1")
+        landed.set()
+        return "cr_1"
+
+    @tool("compensable", compensate="reverse_credit",
+          compensate_args=lambda i: {"credit_id": i.result})  # fmt: skip
+    async def issue_credit() -> str:
+        return await asyncio.to_thread(write_in_thread)
+
+    @tool("convergent")
+    async def reverse_credit(credit_id: str) -> None:
+        ledger.append(f"reverse {credit_id}")
+
+    run = cap.saga("refund", tools=[issue_credit, reverse_credit]).run()
+
+    async def agent() -> None:
+        async with run:
+            await run.call("issue_credit")
+
+    task = asyncio.ensure_future(agent())
+    assert await asyncio.to_thread(started.wait, 30)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    release.set()
+    assert await asyncio.to_thread(landed.wait, 30)  # the worker finishes its write
+    assert ledger == ["credit cr_1"]  # the write happened after all; nothing undid it
+    assert run.report is not None and run.report.status is RunStatus.COMPENSATION_FAILED
+    card = run.report.escalation_card()
+    assert card is not None
+    assert any("interrupted by CancelledError" in t for t in card.not_undone), card
+    assert contract_violations(cap.spans()) == []

@@ -574,3 +574,36 @@ async def test_an_observed_sync_function_returning_an_awaitable_is_counted_not_b
     assert cap.metric("saga_telemetry_errors_total", kind="observed_awaitable") == 1
     [event] = cap.events(sc.EV_TELEMETRY_ERROR)
     assert "'starts'" in event["error"] and "async def" in event["error"]
+
+
+@pytest.mark.parametrize(("step_class", "status"), [("compensable", "compensation_failed"),
+                                                   ("convergent", "compensated")])  # fmt: skip
+async def test_an_observed_write_interrupted_before_it_returned_is_marked(
+    mode: Driver, step_class: str, status: str
+) -> None:
+    """As in the engine: Ctrl-C during a compensable step's call may leave its effect
+    with no undo, so the observed run ends compensation_failed, the do span marked; the
+    interrupt propagates unchanged."""
+    cap = capture()
+    kw: dict[str, Any] = {
+        "saga": "refund",
+        "tracer_provider": cap.provider,
+        "registry": cap.registry,
+        "logger": cap.logger,
+    }
+    stop = KeyboardInterrupt("the person pressed Ctrl-C")
+
+    def issue_credit(order_id: int) -> dict[str, Any]:
+        raise stop
+
+    step = observed(mode.fn(issue_credit), step_class=step_class, **kw)
+    with pytest.raises(KeyboardInterrupt) as info, observed_run(**kw):
+        await settle(step(4921))
+    assert info.value is stop
+    do = _one(cap, "do")
+    assert _one(cap, "run")[sc.SAGA_RUN_STATUS] == status
+    if status == "compensation_failed":
+        assert "interrupted by KeyboardInterrupt" in do[sc.SAGA_COMPENSATION_UNSTORABLE]
+    else:
+        assert sc.SAGA_COMPENSATION_UNSTORABLE not in do
+    assert contract_violations(cap.spans()) == []

@@ -235,6 +235,32 @@ async def test_an_unstorable_undo_keeps_the_run_from_ending_compensated(sidecar:
     assert any("issue_credit" in t and "datetime" in t for t in card["not_undone"])
 
 
+async def test_an_interrupted_write_keeps_the_run_from_ending_compensated(
+    sidecar: Sidecar,
+) -> None:
+    """A do span that failed because its attempt was interrupted (the agent's library says
+    so with saga.compensation.unstorable): its write may stand with no undo, so the run,
+    though its agent says compensated, ends compensation_failed and escalates. A plain
+    failed do (the tool's own error: nothing happened) leaves it compensated."""
+    why = "the do of step 'issue_credit' (index 1) was interrupted by KeyboardInterrupt"
+    for marked, status in ((True, sc.STATUS_COMPENSATION_FAILED), (False, sc.STATUS_COMPENSATED)):
+        run = RunScript()
+        run.do(0, "lookup_order", "read")
+        run.do(1, "issue_credit", "compensable", ok=False, error="KeyboardInterrupt: ")
+        run.unwind("KeyboardInterrupt: ", "issue_credit", [])
+        run.end(sc.STATUS_COMPENSATED, "issue_credit")  # its agent claims more than it knows
+        spans = run.spans()
+        if marked:
+            spans[1] = with_attrs(spans[1], saga_compensation_unstorable=why)
+        await post(sidecar, spans)
+        view = sidecar.state.view(run.run_id)
+        assert view is not None and view["status"] == status, view["status"]
+        if marked:
+            assert view["steps"][1]["compensation_unstorable"] == why
+            card = view["escalation"]["card"]
+            assert any("issue_credit" in t and "interrupted" in t for t in card["not_undone"])
+
+
 async def test_an_unstorable_undo_done_in_process_after_all_counts_as_undone(
     sidecar: Sidecar,
 ) -> None:
