@@ -33,7 +33,7 @@ import inspect
 import json
 import keyword
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -345,6 +345,89 @@ async def load_tools(
     )
 
 
+class _OneAtATime:
+    """Runs calls on the session's loop for blocking callers, one at a time.
+
+    A call past ``timeout``, or interrupted, is cancelled, and the caller waits (at
+    most ``timeout`` more) until it has stopped: otherwise the engine's retry of an
+    undo would start it again while the first still ran, and the server would run
+    it twice. A call that will not stop holds back every later call until it does.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, timeout: float) -> None:
+        self.loop = loop
+        self.timeout = timeout
+        self.lock = threading.Lock()
+        self.running: tuple[str, concurrent.futures.Future[Any]] | None = None
+
+    def run(self, name: str, make: Callable[[], Awaitable[Any]]) -> Any:
+        with self.lock:
+            self._wait_for_the_last(name)
+            done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+            tasks: list[asyncio.Future[Any]] = []
+
+            def start() -> None:
+                task = asyncio.ensure_future(make())
+                tasks.append(task)
+                task.add_done_callback(lambda t: _settle(done, t))
+
+            def cancel() -> None:
+                if tasks:
+                    tasks[0].cancel()
+
+            self.loop.call_soon_threadsafe(start)
+            try:
+                answered = bool(concurrent.futures.wait([done], self.timeout).done)
+            except BaseException:  # interrupted (KeyboardInterrupt, SystemExit): stop it too
+                self._stop(name, done, tasks, cancel)
+                raise
+            if not answered:
+                self._stop(name, done, tasks, cancel)
+                # A call that succeeded as it was being cancelled did its work: keep it.
+                succeeded = done.done() and not done.cancelled() and done.exception() is None
+                if not succeeded:
+                    raise TimeoutError(
+                        f"MCP tool {name!r} did not answer within {self.timeout}s and was "
+                        "cancelled; give blocking_registry() a larger timeout= if it needs longer"
+                    )
+            return done.result()
+
+    def _wait_for_the_last(self, name: str) -> None:
+        if self.running is None:
+            return
+        before, pending = self.running
+        concurrent.futures.wait([pending], self.timeout)
+        if not pending.done():
+            raise TimeoutError(
+                f"MCP tool {name!r} not started: {before!r} timed out and was cancelled but "
+                "is still running, and the server may yet finish it; retry once it has stopped"
+            )
+        self.running = None
+
+    def _stop(
+        self,
+        name: str,
+        done: concurrent.futures.Future[Any],
+        tasks: list[asyncio.Future[Any]],
+        cancel: Callable[[], None],
+    ) -> None:
+        # call_soon_threadsafe keeps order: cancel() runs after start(), so a call
+        # not started yet is cancelled before it sends anything.
+        self.loop.call_soon_threadsafe(cancel)
+        concurrent.futures.wait([done], self.timeout)
+        if not done.done() and tasks:
+            self.running = (name, done)
+
+
+def _settle(done: concurrent.futures.Future[Any], task: asyncio.Future[Any]) -> None:
+    if task.cancelled():
+        done.cancel()
+    elif (exc := task.exception()) is not None:
+        done.set_exception(exc)
+    else:
+        done.set_result(task.result())
+
+
 def blocking_registry(
     connect: Callable[[], AbstractAsyncContextManager[Any]],
     declare: Mapping[str, Declare] | None = None,
@@ -356,8 +439,12 @@ def blocking_registry(
 
     ``connect()`` opens a session (an ``mcp.Client``, or anything whose
     ``async with`` yields a session); it is held open on a background thread's
-    event loop until the process exits, and each call waits at most ``timeout``
-    seconds. The classes, undos and arguments are :func:`load_tools`'s.
+    event loop until the process exits. Calls run one at a time; one that does not
+    answer within ``timeout`` seconds (or is interrupted) is cancelled, and the
+    caller waits until it has stopped (at most ``timeout`` more) before raising
+    :class:`TimeoutError`, so a retry never runs the undo beside it. A call that
+    will not stop holds back later calls until it does. The classes, undos and
+    arguments are :func:`load_tools`'s.
     """
     loop = asyncio.new_event_loop()
     ready: concurrent.futures.Future[tuple[McpTools, asyncio.Event]] = concurrent.futures.Future()
@@ -395,12 +482,16 @@ def blocking_registry(
 
     atexit.register(close)
 
+    calls = _OneAtATime(loop, timeout)
+
     def blocking(fn: Callable[..., Any]) -> Callable[..., Any]:
+        name = getattr(fn, "__name__", "mcp_tool")
+
         def call(**kwargs: Any) -> Any:
-            return asyncio.run_coroutine_threadsafe(fn(**kwargs), loop).result(timeout)
+            return calls.run(name, lambda: fn(**kwargs))
 
         call.__signature__ = inspect.signature(fn)  # type: ignore[attr-defined]
-        call.__name__ = getattr(fn, "__name__", "mcp_tool")
+        call.__name__ = name
         return call
 
     registry = ToolRegistry()

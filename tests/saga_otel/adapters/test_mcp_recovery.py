@@ -1,24 +1,31 @@
-"""A SIGKILLed MCP agent, recovered by `saga-otel recover` through the same MCP server's tools."""
+"""A SIGKILLed MCP agent, recovered by `saga-otel recover` through the same MCP server's tools.
+
+Below them, blocking_registry's timeout (the registry recover runs undos in) on a session in
+process: a timed-out undo is stopped before its retry starts.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
+import threading
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+import mcp.types as mt
 import pytest
 from mcp import Client
 from support import SidecarProcess, wait_until
 
-from saga_otel.adapters.mcp import decode_result
+from saga_otel.adapters.mcp import blocking_registry, decode_result
 
 ROOT = Path(__file__).resolve().parents[3]
 BIN = Path(sys.executable).parent
@@ -114,3 +121,70 @@ def test_recover_with_the_mcp_server_down_says_so_in_one_line(
     out = recover(sc, "0" * 32, f"http://127.0.0.1:{port}/mcp")  # nothing listens there
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "cannot open the MCP session" in out.stderr.splitlines()[-1]
+
+
+# -- blocking_registry's timeout, on a session in process ------------------------------
+
+
+class SlowSession:
+    """A server whose undo answers when ``release`` is set; it may also refuse to stop."""
+
+    def __init__(self, *, stubborn: bool = False) -> None:
+        self.stubborn = stubborn
+        self.release = threading.Event()
+        self.started = self.running = self.cancelled = 0
+
+    async def list_tools(self) -> mt.ListToolsResult:
+        schema = {"type": "object", "properties": {"credit_id": {"type": "string"}}}
+        ann = mt.ToolAnnotations(destructive_hint=False, idempotent_hint=True)
+        return mt.ListToolsResult(
+            tools=[mt.Tool(name="reverse_credit", input_schema=schema, annotations=ann)]
+        )
+
+    async def call_tool(self, name: str, arguments: Any = None) -> mt.CallToolResult:
+        self.started += 1
+        self.running += 1
+        try:
+            while not self.release.is_set():
+                try:
+                    await asyncio.sleep(0.01)
+                except asyncio.CancelledError:
+                    self.cancelled += 1
+                    if not self.stubborn:
+                        raise
+            return mt.CallToolResult(content=[mt.TextContent(type="text", text="reversed")])
+        finally:
+            self.running -= 1
+
+
+def slow_registry(session: SlowSession) -> Any:
+    @contextlib.asynccontextmanager
+    async def connect() -> AsyncIterator[SlowSession]:
+        yield session
+
+    return blocking_registry(connect, timeout=0.2).get("reverse_credit").fn
+
+
+def test_a_blocking_call_past_its_timeout_is_cancelled_before_the_retry() -> None:
+    session = SlowSession()
+    undo = slow_registry(session)
+    for attempt in range(1, 4):  # what the engine's retry policy does after each timeout
+        with pytest.raises(TimeoutError, match=r"'reverse_credit' did not answer .* cancelled"):
+            undo(credit_id="cr_1")
+        # Stopped before the caller hears of the timeout: never two undos at once.
+        assert (session.started, session.running, session.cancelled) == (attempt, 0, attempt)
+    session.release.set()
+    assert decode_result(undo(credit_id="cr_1")) == "reversed"
+
+
+def test_a_call_that_will_not_stop_holds_back_the_next() -> None:
+    session = SlowSession(stubborn=True)
+    undo = slow_registry(session)
+    with pytest.raises(TimeoutError, match="did not answer"):
+        undo(credit_id="cr_1")
+    with pytest.raises(TimeoutError, match=r"not started: 'reverse_credit' .* still running"):
+        undo(credit_id="cr_1")
+    assert (session.started, session.running) == (1, 1)  # the retry sent nothing
+    session.release.set()
+    assert decode_result(undo(credit_id="cr_1")) == "reversed"
+    assert (session.started, session.running) == (2, 0)
