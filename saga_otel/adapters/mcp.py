@@ -317,10 +317,55 @@ def build_tools(
     )
 
 
+_MAX_TOOL_PAGES = 1000  # past this a server's cursor is taken to loop, not to end
+
+
 async def list_all_tools(session: McpSession) -> list[mcp_types.Tool]:
-    """Every tool the server offers (a session's ``list_tools``, one page)."""
+    """Every tool the server offers: each page of ``tools/list``, following ``next_cursor``.
+
+    The cursor goes to ``list_tools`` as ``cursor=`` (``mcp.Client``) or as
+    ``params=`` (``mcp.ClientSession``). Raises :class:`~saga_otel.ConfigurationError`
+    when the server repeats a cursor, sends more than 1,000 pages, or
+    has a next page the session gives no way to ask for.
+    """
     listed = await session.list_tools()
-    return list(listed.tools)
+    tools = list(listed.tools)
+    seen: set[str] = set()
+    while listed.next_cursor is not None:
+        cursor = listed.next_cursor
+        if cursor in seen or len(seen) + 1 >= _MAX_TOOL_PAGES:
+            raise ConfigurationError(
+                f"the MCP server's tools/list does not end: cursor {cursor!r} "
+                + ("came back again" if cursor in seen else f"after {_MAX_TOOL_PAGES} pages")
+                + f" ({len(tools)} tools so far); fix the server's pagination"
+            )
+        seen.add(cursor)
+        listed = await _next_page(session, cursor)
+        tools.extend(listed.tools)
+    return tools
+
+
+async def _next_page(session: McpSession, cursor: str) -> mcp_types.ListToolsResult:
+    try:
+        takes = inspect.signature(session.list_tools).parameters.values()
+        names = {p.name for p in takes if p.kind is not inspect.Parameter.VAR_KEYWORD}
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in takes):
+            names.add("cursor")
+    except (TypeError, ValueError):  # no signature to read: try mcp.Client's keyword
+        names = {"cursor"}
+    page: mcp_types.ListToolsResult
+    if "cursor" in names:
+        page = await session.list_tools(cursor=cursor)  # type: ignore[call-arg]
+    elif "params" in names:
+        params = mcp_types.PaginatedRequestParams(cursor=cursor)
+        page = await session.list_tools(params=params)  # type: ignore[call-arg]
+    else:
+        raise ConfigurationError(
+            f"the MCP server has more tools than one page (next cursor {cursor!r}), and "
+            f"{type(session).__name__}.list_tools() takes neither cursor= nor params=, so "
+            "the rest cannot be listed; pass an mcp.ClientSession or mcp.Client"
+        )
+    return page
 
 
 async def load_tools(

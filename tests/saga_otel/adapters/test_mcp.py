@@ -10,11 +10,13 @@ import asyncio
 import itertools
 import json
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import mcp.types as mt
 import pytest
 from mcp import Client
+from mcp.server import Server
 from mcp.server.mcpserver import MCPServer
 
 from examples.mcp_refund_agent import DECLARE, SCRIPT
@@ -22,6 +24,7 @@ from examples.mcp_refund_server import refund_server
 from examples.world import World
 from saga_otel import ConfigurationError, RunStatus, StepClass
 from saga_otel import semconv as sc
+from saga_otel.adapters import mcp as mcp_adapter
 from saga_otel.adapters.mcp import (
     Declare,
     McpToolError,
@@ -327,3 +330,59 @@ def test_cli_refuses_a_declare_that_is_not_declarations(
     assert "not a dict of tool name to Declare" in capsys.readouterr().err
     assert main(["mcp-tools", "/nonexistent/server"]) == 2
     assert "cannot list the tools" in capsys.readouterr().err
+
+
+def paged_server(pages: Callable[[str | None], mt.ListToolsResult]) -> Server[Any]:
+    """A low-level MCP server whose tools/list answers ``pages(cursor)``."""
+
+    async def on_list_tools(_ctx: Any, params: mt.PaginatedRequestParams | None) -> Any:
+        return pages(params.cursor if params else None)
+
+    return Server("paged", on_list_tools=on_list_tools)
+
+
+def three_pages(cursor: str | None) -> mt.ListToolsResult:
+    ro = mt.ToolAnnotations(read_only_hint=True)
+    page = {None: ("get_order", "p2"), "p2": ("get_ticket", "p3"), "p3": ("close_ticket", None)}
+    name, after = page[cursor]
+    return mt.ListToolsResult(tools=[_tool(name, None if after is None else ro)], next_cursor=after)
+
+
+@pytest.mark.parametrize("via", ["ClientSession", "Client"])
+async def test_every_page_of_the_tool_list_is_loaded(via: str) -> None:
+    async with Client(paged_server(three_pages)) as client:
+        session: Any = client.session if via == "ClientSession" else client  # params= / cursor=
+        declared = {"close_ticket": Declare(step_class="irreversible")}  # on the last page
+        tools = await load_tools(session, declared)
+    assert list(tools.registry) == ["get_order", "get_ticket", "close_ticket"]
+    assert tools.registry.get("close_ticket").step_class is StepClass.IRREVERSIBLE
+
+
+async def test_a_tool_list_that_does_not_end_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    def looping(cursor: str | None) -> mt.ListToolsResult:
+        return mt.ListToolsResult(tools=[_tool(f"t{cursor}")], next_cursor="again")
+
+    def endless(cursor: str | None) -> mt.ListToolsResult:
+        n = int(cursor or 0) + 1
+        return mt.ListToolsResult(tools=[_tool(f"t{n}")], next_cursor=str(n))
+
+    monkeypatch.setattr(mcp_adapter, "_MAX_TOOL_PAGES", 5)
+    for pages, match in [
+        (looping, r"does not end: cursor 'again' came back again \(2 tools so far\)"),
+        (endless, r"does not end: cursor '5' after 5 pages \(5 tools so far\)"),
+    ]:
+        async with Client(paged_server(pages)) as client:
+            with pytest.raises(ConfigurationError, match=match):
+                await load_tools(client.session, unannotated="irreversible")
+
+
+async def test_a_session_that_cannot_ask_for_the_next_page_is_refused() -> None:
+    class OnePage:
+        async def list_tools(self) -> mt.ListToolsResult:
+            return mt.ListToolsResult(tools=[_tool("a")], next_cursor="p2")
+
+        async def call_tool(self, name: str, arguments: Any = None) -> mt.CallToolResult:
+            raise AssertionError("not called")
+
+    with pytest.raises(ConfigurationError, match=r"OnePage.list_tools\(\) takes neither cursor="):
+        await load_tools(OnePage(), unannotated="irreversible")
