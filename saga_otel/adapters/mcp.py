@@ -189,11 +189,32 @@ def _decode(result: Any) -> Any:
     return decode_result(result) if isinstance(result, mcp_types.CallToolResult) else result
 
 
+def _checked(session: McpSession, name: str, result: object) -> mcp_types.CallToolResult:
+    # A session of the user's making may return anything: say what, not `no attribute is_error`.
+    if not isinstance(result, mcp_types.CallToolResult):
+        raise ConfigurationError(
+            f"MCP tool {name!r}: {type(session).__name__}.call_tool() returned "
+            f"{_kind(result)}, not an mcp.types.CallToolResult; pass an mcp.ClientSession or "
+            "mcp.Client, or make call_tool return a CallToolResult"
+        )
+    return result
+
+
+def _kind(value: object) -> str:
+    """What a value is, without its contents (a tool's result may hold anyone's data)."""
+    if value is None:
+        return "None"
+    if isinstance(value, Mapping):
+        keys = [str(k) for k in list(value)[:6]] + (["..."] if len(value) > 6 else [])
+        return f"a {type(value).__name__} with keys {', '.join(keys) or '(none)'}"
+    return f"a {type(value).__name__}"
+
+
 def _caller(session: McpSession, t: mcp_types.Tool) -> Callable[..., Any]:
     name = t.name
 
     async def call(**kwargs: Any) -> mcp_types.CallToolResult:
-        result = await session.call_tool(name, kwargs)
+        result = _checked(session, name, await session.call_tool(name, kwargs))
         if result.is_error:
             raise McpToolError(name, result)
         return result
@@ -216,7 +237,7 @@ def _snapshotter(session: McpSession, t: mcp_types.Tool) -> Callable[..., Any]:
 
     async def snap(**kwargs: Any) -> Any:
         args = {k: v for k, v in kwargs.items() if k in wanted}
-        result = await session.call_tool(t.name, args)
+        result = _checked(session, t.name, await session.call_tool(t.name, args))
         if result.is_error:
             raise McpToolError(t.name, result)
         return decode_result(result)

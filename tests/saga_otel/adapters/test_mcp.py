@@ -386,3 +386,45 @@ async def test_a_session_that_cannot_ask_for_the_next_page_is_refused() -> None:
 
     with pytest.raises(ConfigurationError, match=r"OnePage.list_tools\(\) takes neither cursor="):
         await load_tools(OnePage(), unannotated="irreversible")
+
+
+class OddSession:
+    """A session of the user's making whose call_tool returns ``answer``, not a CallToolResult."""
+
+    def __init__(self, answer: Any) -> None:
+        self.answer = answer
+
+    async def list_tools(self) -> mt.ListToolsResult:
+        return mt.ListToolsResult(
+            tools=[
+                _tool("get_ticket", mt.ToolAnnotations(read_only_hint=True), ticket_id="string"),
+                _tool("set_status", mt.ToolAnnotations(), ticket_id="string", status="string"),
+            ]
+        )
+
+    async def call_tool(self, name: str, arguments: Any = None) -> Any:
+        return self.answer
+
+
+async def test_a_session_answering_something_else_is_named_with_the_fix(cap: Captured) -> None:
+    declare = {
+        "set_status": Declare(
+            undo="set_status",
+            snapshot="get_ticket",
+            undo_args={"ticket_id": "args.ticket_id", "status": "snapshot.status"},
+        )
+    }
+    tools = await load_tools(OddSession(None), declare)
+    with pytest.raises(
+        ConfigurationError,
+        match=r"MCP tool 'get_ticket': OddSession.call_tool\(\) returned None, not an "
+        r"mcp.types.CallToolResult; pass an mcp.ClientSession or mcp.Client",
+    ):
+        async with cap.saga("odd", tools=tools.registry).run() as run:
+            await tools.call_tool(run, "get_ticket", {"ticket_id": "T-1"})
+    # The snapshot read before an overwrite says the same; a dict shows its keys, no values.
+    tools = await load_tools(OddSession({"content": [], "isError": False}), declare)
+    snapshot = tools.registry.get("set_status").snapshot
+    assert snapshot is not None
+    with pytest.raises(ConfigurationError, match=r"returned a dict with keys content, isError,"):
+        await snapshot(ticket_id="T-1", status="closed")
