@@ -20,9 +20,11 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import CollectorRegistry
+from prometheus_client.metrics_core import Metric
 
 from saga_otel import semconv as sc
 from saga_otel._engine import Saga, current_call
+from saga_otel._errors import ConfigurationError
 from saga_otel._registry import Tool, ToolRegistry
 from saga_otel.contract import check
 
@@ -40,9 +42,57 @@ __all__ = [
 ]
 
 
+# The samples a family of each type exposes, after prometheus-client's own table.
+_SUFFIXES = {
+    "counter": ("_total", "_created"),
+    "summary": ("", "_sum", "_count", "_created"),
+    "histogram": ("_bucket", "_sum", "_count", "_created"),
+    "gaugehistogram": ("_bucket", "_gsum", "_gcount"),
+    "info": ("_info",),
+}
+
+
 def metric_value(registry: CollectorRegistry, name: str, **labels: str) -> float:
-    """A sample's value, 0.0 when the series does not exist yet."""
+    """A sample's value, 0.0 when the series does not exist yet.
+
+    Raises :class:`~saga_otel.ConfigurationError` when no metric in ``registry``
+    has a sample called ``name`` (a counter's ends in ``_total``), or when the
+    label names are not the metric's: either would read 0.0 whatever happened.
+    """
+    families = list(registry.collect())
+    family = next((f for f in families if name in _sample_names(f)), None)
+    if family is None:
+        known = sorted(n for f in families for n in _sample_names(f) if not n.endswith("_created"))
+        raise ConfigurationError(
+            f"no metric sample {name!r} in this registry (a counter's name ends in _total); "
+            f"its samples: {', '.join(known) or 'none yet (build a saga on it first)'}"
+        )
+    wanted = _label_names(registry, family, name)
+    if wanted is not None and set(labels) != wanted:
+        raise ConfigurationError(
+            f"metric {name!r} has labels ({', '.join(sorted(wanted)) or 'none'}), not "
+            f"({', '.join(sorted(labels)) or 'none'}); give each of its labels and no other"
+        )
     return registry.get_sample_value(name, labels) or 0.0
+
+
+def _sample_names(family: Metric) -> tuple[str, ...]:
+    return tuple(family.name + s for s in _SUFFIXES.get(family.type, ("",)))
+
+
+def _label_names(registry: CollectorRegistry, family: Metric, name: str) -> set[str] | None:
+    """The label names of ``name``'s samples, or None when they cannot be known."""
+    for sample in family.samples:
+        if sample.name == name:
+            return set(sample.labels)
+    # No series yet: a prometheus-client metric keeps its label names (a private
+    # attribute, hence the getattr; another collector's are unknown until it has one).
+    collectors = getattr(registry, "_names_to_collectors", {})
+    names = getattr(collectors.get(name), "_labelnames", None)
+    if not isinstance(names, tuple):
+        return None
+    bucket = family.type in ("histogram", "gaugehistogram") and name.endswith("_bucket")
+    return {*names, "le"} if bucket else set(names)
 
 
 @dataclass
@@ -115,6 +165,9 @@ class InjectedFailure(Exception):
     """Raised by a tool that a FailureInjector told to fail."""
 
 
+_INJECTED_PHASES = (sc.PHASE_DO, sc.PHASE_COMPENSATE)  # the phases a tool call runs in
+
+
 @dataclass
 class _Plan:
     phase: str
@@ -130,7 +183,9 @@ class FailureInjector:
     ``fail("send_reply")`` breaks a tool's do for good; ``fail("reverse_credit",
     phase="compensate", times=2)`` makes its first two compensate attempts
     fail, after which retries carry it. ``rate`` fails that share of all other
-    calls (in ``phases``), each transiently for ``transient_attempts``.
+    calls (in ``phases``), each transiently for ``transient_attempts``. A plan
+    that could never inject (another phase, a tool the wrapped registry lacks)
+    is refused with :class:`~saga_otel.ConfigurationError`, not kept silently.
     """
 
     seed: int | None = None
@@ -142,7 +197,19 @@ class FailureInjector:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     injected: list[tuple[str, str, str, int]] = field(default_factory=list)
 
+    _tools: set[str] | None = None  # the names of every tool wrapped so far
+
     def __post_init__(self) -> None:
+        unknown = [p for p in self.phases if p not in _INJECTED_PHASES]
+        if unknown:
+            raise ConfigurationError(
+                f"FailureInjector(phases={self.phases!r}): no tool call runs in phase "
+                f"{unknown[0]!r}; use {' or '.join(map(repr, _INJECTED_PHASES))}"
+            )
+        if not 0.0 <= self.rate <= 1.0:
+            raise ConfigurationError(
+                f"FailureInjector(rate={self.rate!r}) is not a share of calls: use 0.0 to 1.0"
+            )
         self._rng = random.Random(self.seed)
 
     def fail(
@@ -153,7 +220,27 @@ class FailureInjector:
         times: int | None = None,
         error: Callable[[str], BaseException] = InjectedFailure,
     ) -> FailureInjector:
-        self._plans[(tool, phase)] = _Plan(phase, times, error)
+        """Make ``tool`` fail in ``phase`` (``do`` or ``compensate``): ``times`` times, or always.
+
+        Raises :class:`~saga_otel.ConfigurationError` for a plan that would never
+        inject: another phase, ``times`` below 1, or (once the injector has wrapped
+        a registry) a tool name it does not hold.
+        """
+        if phase not in _INJECTED_PHASES:
+            raise ConfigurationError(
+                f"FailureInjector.fail({tool!r}, phase={phase!r}): no tool call runs in phase "
+                f"{phase!r}; use {' or '.join(map(repr, _INJECTED_PHASES))}"
+            )
+        if times is not None and times < 1:
+            raise ConfigurationError(
+                f"FailureInjector.fail({tool!r}, times={times!r}) never injects: use times >= 1, "
+                "or leave it out to fail every call"
+            )
+        with self._lock:
+            # Before any wrap() the tools are unknown: wrap() checks the plans then.
+            if self._tools is not None:
+                _check_plans([tool], self._tools)
+            self._plans[(tool, phase)] = _Plan(phase, times, error)
         return self
 
     def should_fail(
@@ -181,8 +268,16 @@ class FailureInjector:
         return None
 
     def wrap(self, registry: ToolRegistry | Iterable[Tool]) -> ToolRegistry:
-        """A copy of the registry whose tools consult this injector before running."""
+        """A copy of the registry whose tools consult this injector before running.
+
+        Raises :class:`~saga_otel.ConfigurationError` when a :meth:`fail` plan
+        names a tool that neither this registry nor one wrapped before holds.
+        """
         tools = registry if isinstance(registry, ToolRegistry) else ToolRegistry(registry)
+        with self._lock:
+            known = (self._tools or set()) | {tools.get(name).name for name in tools}
+            _check_plans([tool for tool, _ in self._plans], known)
+            self._tools = known
         out = ToolRegistry()
         for name in tools:
             out.register(self._wrap_tool(tools.get(name)), name=name)
@@ -218,6 +313,15 @@ class FailureInjector:
         made = replace(t, fn=new_fn)
         object.__setattr__(made, "accepts_idempotency_key", keep_key)
         return made
+
+
+def _check_plans(planned: Iterable[str], tools: set[str]) -> None:
+    unknown = sorted(set(planned) - tools)
+    if unknown:
+        raise ConfigurationError(
+            f"FailureInjector.fail() names {', '.join(map(repr, unknown))}, which no registry "
+            f"it wraps holds (tools: {', '.join(sorted(tools)) or 'none'}); fix the name"
+        )
 
 
 def span_attrs(span: ReadableSpan) -> Mapping[str, Any]:
