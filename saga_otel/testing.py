@@ -329,15 +329,43 @@ def span_attrs(span: ReadableSpan) -> Mapping[str, Any]:
     return dict(span.attributes or {})
 
 
+# The saga span names without their saga or step: "saga.do" of "saga.do get_order".
+_SAGA_SPAN_NAMES = (
+    *(
+        name("").rstrip()
+        for name in (
+            sc.run_span_name,
+            sc.validate_span_name,
+            sc.do_span_name,
+            sc.unwind_span_name,
+            sc.compensate_span_name,
+            sc.escalate_span_name,
+        )
+    ),
+    sc.HEARTBEAT_SPAN_NAME,
+)
+
+
+def _looks_like_saga(span: ReadableSpan, attrs: Mapping[str, Any]) -> bool:
+    named = any(span.name == n or span.name.startswith(n + " ") for n in _SAGA_SPAN_NAMES)
+    return named or any(key.startswith("saga.") for key in attrs)
+
+
 def contract_violations(spans: Iterable[ReadableSpan]) -> list[str]:
     """Every way these spans break the saga span contract (empty when they keep it).
 
     The rules are :func:`saga_otel.contract.check` with ``complete=True``: the
-    sidecar's intake rules plus what every span saga-otel emits carries.
+    sidecar's intake rules plus what every span saga-otel emits carries. Saga
+    spans are those carrying ``saga.phase``, as at the sidecar's intake; your own
+    spans beside them are skipped, unless one looks like a saga span (a saga
+    span's name, or any ``saga.*`` attribute) without ``saga.phase``: that one is
+    reported, since the sidecar would ignore it.
     """
     out: list[str] = []
     for span in spans:
         attrs = dict(span.attributes or {})
+        if sc.SAGA_PHASE not in attrs and not _looks_like_saga(span, attrs):
+            continue
         for problem in check(attrs, span.name, complete=True):
             out.append(f"span {span.name!r}: {problem}")
     return out

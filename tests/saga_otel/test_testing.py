@@ -1,4 +1,5 @@
-"""saga_otel.testing's helpers fail loudly when given a name that would make them pass anyway."""
+"""saga_otel.testing's helpers fail loudly when given a name that would make them pass anyway,
+and contract_violations checks the saga spans among your own."""
 
 from __future__ import annotations
 
@@ -6,7 +7,13 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from saga_otel import ConfigurationError, RunStatus, ToolRegistry, tool
-from saga_otel.testing import Captured, FailureInjector, capture, metric_value
+from saga_otel.testing import (
+    Captured,
+    FailureInjector,
+    capture,
+    contract_violations,
+    metric_value,
+)
 
 
 @tool("compensable", compensate="reverse_credit", compensate_args=lambda i: {"credit_id": i.result})
@@ -97,3 +104,21 @@ def test_metric_value_refuses_a_name_or_labels_the_metric_lacks() -> None:
         cap.metric("saga_step_duration_seconds_bucket", **bucket)
     with pytest.raises(ConfigurationError, match=r"its samples: none yet"):
         metric_value(CollectorRegistry(), failures, saga="refund", step="issue_credit")
+
+
+def test_contract_violations_skips_your_own_spans_but_not_a_saga_span_without_its_phase() -> None:
+    cap = capture()
+    tracer = cap.provider.get_tracer("my-agent")
+    with tracer.start_as_current_span("agent.turn", attributes={"user.id": "u1"}):
+        assert refund(cap, registry()) is RunStatus.COMPENSATED
+    assert contract_violations(cap.spans()) == []
+    # The sidecar ignores a span without saga.phase: one meant as a saga span is reported.
+    cap.clear()
+    tracer.start_span("saga.do issue_credit").end()
+    tracer.start_span("my.step", attributes={"saga.run.id": "r1"}).end()
+    tracer.start_span("saga.dossier").end()  # a name that only begins like one: skipped
+    assert contract_violations(cap.spans()) == [
+        f"span {name!r}: saga.phase=<missing>: use one of compensate, do, escalate, heartbeat, "
+        "run, unwind, validate"
+        for name in ("saga.do issue_credit", "my.step")
+    ]
