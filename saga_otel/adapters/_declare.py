@@ -17,7 +17,7 @@ import contextvars
 import inspect
 import json
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Generic, Literal, NamedTuple, TypeVar
 
 from saga_otel import (
@@ -375,10 +375,27 @@ def outside_call_id(name: str) -> str:
     return call.idempotency_key if call is not None else f"saga-otel:{name}"
 
 
-# The model's call in flight: (tool name, its run through the framework with the agent's
-# context). Set by a bound tool around run.call, read by the registry tool's function.
-_in_flight: contextvars.ContextVar[tuple[str, Callable[[], Awaitable[Any]]] | None] = (
-    contextvars.ContextVar("saga_otel_adapter_call", default=None)
+@dataclass(frozen=True, slots=True)
+class _Flight:
+    """The model's call in flight: the tool's name, its run through the framework with the
+    agent's context, and the exceptions the user's tools raised during it (the call, a
+    snapshot), told apart by identity from the saga's own errors."""
+
+    name: str
+    through: Callable[[], Awaitable[Any]]
+    raised: list[BaseException] = field(default_factory=list)
+
+    async def watch(self, call: Awaitable[T]) -> T:
+        try:
+            return await call
+        except BaseException as exc:
+            self.raised.append(exc)
+            raise
+
+
+# Set by a bound tool around run.call, read by the registry tool's function.
+_in_flight: contextvars.ContextVar[_Flight | None] = contextvars.ContextVar(
+    "saga_otel_adapter_call", default=None
 )
 
 
@@ -447,21 +464,36 @@ class DeclaredTools(Generic[ToolsIn, FrameworkTool]):
 
     @staticmethod
     async def model_call(
-        name: str, run_call: Awaitable[T], through: Callable[[], Awaitable[Any]]
+        name: str,
+        run_call: Awaitable[T],
+        through: Callable[[], Awaitable[Any]],
+        *,
+        on_tool_error: Callable[[Exception], Awaitable[T]] | None = None,
     ) -> T:
         """Await ``run_call`` (``run.call(name, ...)``) with the framework's own call
-        of the tool, with the agent's context, as what the registry tool runs."""
-        token = _in_flight.set((name, through))
+        of the tool, with the agent's context, as what the registry tool runs.
+
+        ``on_tool_error`` answers an exception the user's tool raised (the call or its
+        snapshot); the saga's own errors (an undo that could not be stored, a refused
+        call) always propagate: they are not the model's to retry.
+        """
+        flight = _Flight(name, through)
+        token = _in_flight.set(flight)
         try:
             return await run_call
+        except Exception as exc:
+            if on_tool_error is None or not any(exc is e for e in flight.raised):
+                raise
+            return await on_tool_error(exc)
         finally:
             _in_flight.reset(token)
 
     def _call(self, name: str) -> Callable[..., Any]:
         async def call(**kwargs: Any) -> Any:
             flight = _in_flight.get()
-            if flight is not None and flight[0] == name:
-                return await flight[1]()  # the model's call, with the agent's context
+            if flight is not None and flight.name == name:
+                # The model's call, with the agent's context.
+                return await flight.watch(flight.through())
             return await self.invoke(name, kwargs)  # an undo: no agent, a context built for it
 
         call.__signature__ = keyed_signature(self.params(name))  # type: ignore[attr-defined]
@@ -472,6 +504,8 @@ class DeclaredTools(Generic[ToolsIn, FrameworkTool]):
         wanted = set(self.params(name))
 
         async def snap(**kwargs: Any) -> Any:
-            return await self.invoke(name, {k: v for k, v in kwargs.items() if k in wanted})
+            read = self.invoke(name, {k: v for k, v in kwargs.items() if k in wanted})
+            flight = _in_flight.get()
+            return await (read if flight is None else flight.watch(read))
 
         return snap

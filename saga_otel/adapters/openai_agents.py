@@ -15,7 +15,10 @@ to the model as a message by default (the tool's ``failure_error_function``):
 * a tool made with ``failure_error_function=None`` lets its exception escape
   ``Runner.run``, and any failure escaping the run (``MaxTurnsExceeded``, a
   guardrail tripwire, the model's own error) unwinds when it leaves
-  ``async with saga.run()``; so does cancelling the task.
+  ``async with saga.run()``; so does cancelling the task;
+* only the tool's own exceptions (its call, its snapshot) go to the model: the
+  saga's errors (an undo that could not be stored after the write ran, a call
+  the pivot rules refuse) escape ``Runner.run``, wrapped by the SDK, and unwind.
 
 Undos and snapshots run through the tool's own ``on_invoke_tool`` (the SDK
 parses the JSON arguments, validates and coerces them with the tool's schema,
@@ -126,10 +129,7 @@ def _invoker(t: FunctionTool, strict: FunctionTool, run: Run, tools: SagaTools) 
         async def through() -> Any:  # the SDK's own pipeline, with the agent's context
             return await strict.on_invoke_tool(ctx, input_json)
 
-        try:
-            with tool_call_id(ctx.tool_call_id):
-                return await tools.model_call(name, run.call(name, **args), through)
-        except Exception as exc:
+        async def tool_error(exc: Exception) -> Any:  # the tool's own error, not the saga's
             if tools.unwind_on_tool_error:
                 raise ToolErrorUnwind.of(name, exc) from exc
             # As the SDK would: the tool's failure_error_function makes the model's message.
@@ -137,7 +137,12 @@ def _invoker(t: FunctionTool, strict: FunctionTool, run: Run, tools: SagaTools) 
                 function_tool=t, context=ctx, error=exc
             )
             if message is None:
-                raise
+                raise exc
             return message
+
+        with tool_call_id(ctx.tool_call_id):
+            return await tools.model_call(
+                name, run.call(name, **args), through, on_tool_error=tool_error
+            )
 
     return invoke

@@ -254,3 +254,59 @@ async def test_an_undo_with_no_python_function_runs_by_its_on_invoke_tool(cap: C
     report = await _booth_run(cap, [hold, release, pay], {"seat": "result.seat"})
     assert report.status is RunStatus.COMPENSATED
     assert calls == [("release", f"{report.run_id}:0:compensate", '{"seat": "7"}', None)]
+
+
+async def test_an_undo_that_cannot_be_stored_escapes_and_is_never_the_models(
+    cap: Captured,
+) -> None:
+    """The saga's own errors are not the tool's: a write whose undo could not be stored
+    is loud (it escapes Runner.run), never a "try again" message that repeats the write."""
+    booth = Booth()
+    _, release, pay = booth.tools()
+
+    @function_tool
+    def hold(seat: int) -> dict[str, float]:
+        """Hold a seat; the answer carries no storable reference."""
+        booth.seen.append(("hold", seat))
+        return {"seat": float("nan")}
+
+    script = [("call_h", "hold", {"seat": 7}), ("call_h2", "hold", {"seat": 7})]
+    model = ScriptedModel(script)
+    tools = SagaTools(
+        [hold, release, pay],
+        {
+            "hold": Declare(undo="release", undo_args={"seat": "result.seat"}),
+            "release": Declare(step_class="convergent"),
+            "pay": Declare(step_class="irreversible"),
+        },
+    )
+    run = cap.saga("booking", tools=tools.registry).run()
+    with pytest.raises(Exception) as escaped:
+        async with run:
+            await Runner.run(Agent(name="b", model=model, tools=tools.bind(run)), "book")
+    assert _caused_by(escaped.value, ConfigurationError)
+    assert "could not be stored" in str(escaped.value)
+    assert booth.seen == [("hold", 7)]  # the write ran once: the model never heard of it
+    assert len(model.inputs) == 1
+    assert run.report is not None and run.report.status is RunStatus.COMPENSATION_FAILED
+
+
+async def test_a_snapshot_that_fails_is_the_tools_error_for_the_model(cap: Captured) -> None:
+    world = World()
+    tools_list = refund_tools(world)
+
+    @function_tool
+    def get_ticket(ticket_id: str) -> dict[str, Any]:
+        """A ticket's status; the ticket system is down."""
+        raise RuntimeError("ticket system down")
+
+    tools_list[1] = get_ticket
+    model = ScriptedModel([SCRIPT[2]])
+    tools = SagaTools(tools_list, DECLARE)
+    async with cap.saga("refund", tools=tools.registry).run() as run:
+        result = await Runner.run(Agent(name="r", model=model, tools=tools.bind(run)), "go")
+    assert result.final_output == "Refund done."
+    last_output = [i for i in model.inputs[-1] if i.get("type") == "function_call_output"][-1]
+    assert "error occurred while running the tool" in last_output["output"]
+    assert run.report is not None and run.report.status is RunStatus.COMPLETED
+    assert world.tickets == {"T-9104": "open"}  # the write never ran
