@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import copy
 import inspect
 import json
 import random
@@ -559,7 +560,8 @@ class _Core:
         try:
             snapshot = None
             if t.snapshot is not None:
-                snapshot = yield self.invoke(mode, t.snapshot, name, **dict(args))
+                read = yield self.invoke(mode, t.snapshot, name, **dict(args))
+                snapshot = _frozen_snapshot(read, name)
             done = yield from self.retrying(
                 mode, self.forward_policy, lambda n: attempt(n, snapshot)
             )
@@ -815,6 +817,23 @@ class _CallScope:
         finally:
             _current_call.reset(self._token)
         return False
+
+
+def _frozen_snapshot(value: Any, name: str) -> Any:
+    """The snapshot as it was when read. A read may return the live object the write then
+    mutates (an in-memory store, an ORM row): kept by reference, the undo would restore the
+    new value. A deep copy, not a JSON round trip: the undo recipe may read the snapshot's
+    attributes (a model, a dataclass), and the undo's arguments are JSON-checked anyway
+    when the compensation is built. Refused before the write when it cannot be copied."""
+    try:
+        return copy.deepcopy(value)
+    except Exception as exc:
+        raise ConfigurationError(
+            f"the snapshot read for tool {name!r} returned a value that cannot be copied "
+            f"({describe_error(exc)}), so what the undo restores could change under it; "
+            "return plain data (dicts, lists, a model) from the snapshot reader; nothing was "
+            "written"
+        ) from exc
 
 
 def _short(text: str, limit: int = 256) -> str:

@@ -182,8 +182,9 @@ def tool(
     ``compensate_args(info)`` builds the undo's arguments from the call's
     references (``info.result``, ``info.args``, ``info.snapshot``). ``snapshot``
     makes a reversible tool read-then-write: it is called with the same
-    arguments before the write, and by default the undo receives
-    ``snapshot=<that value>``. ``retry`` is this tool's policy when it runs as
+    arguments before the write, its value deep-copied as read (a write that
+    mutates the object returned does not change it), and by default the undo
+    receives ``snapshot=<that value>``. ``retry`` is this tool's policy when it runs as
     a compensation. ``validate`` is a dry run called before the saga's first do.
     A bare ``@tool`` declares a read.
     """

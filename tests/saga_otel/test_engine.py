@@ -434,6 +434,55 @@ async def test_tools_see_their_call_context_and_idempotency_key(
     assert current_call() is None
 
 
+async def test_a_snapshot_is_frozen_when_read(cap: Captured, mode: Driver) -> None:
+    """The read returns the stored object itself, which the write then mutates: the undo
+    still restores the value read before the write."""
+    ticket = {"status": "open"}
+
+    def read(status: str) -> dict[str, str]:
+        return ticket  # the live object, as an in-memory store or an ORM hands it out
+
+    @tool(
+        "reversible",
+        compensate="restore",
+        snapshot=read,
+        compensate_args=lambda i: {"status": i.snapshot["status"]},
+    )
+    def set_status(status: str) -> dict[str, str]:
+        ticket["status"] = status
+        return ticket
+
+    @tool("convergent")
+    def restore(status: str) -> None:
+        ticket["status"] = status
+
+    run = mode.run(cap.saga("x", tools=[set_status, restore]))
+    with pytest.raises(RuntimeError):
+        async with run:
+            await run.call("set_status", status="refunded")
+            raise RuntimeError("a later step failed")
+    assert run.report is not None and run.report.status is RunStatus.COMPENSATED
+    assert run.report.compensations[0].compensation.args == {"status": "open"}
+    assert ticket == {"status": "open"}
+
+
+async def test_a_snapshot_that_cannot_be_copied_is_refused_before_the_write(
+    cap: Captured, mode: Driver
+) -> None:
+    writes: list[str] = []
+
+    @tool("reversible", compensate="restore", snapshot=lambda: {"lock": threading.Lock()})
+    def set_status() -> None:
+        writes.append("set")
+
+    saga = cap.saga("x", tools=[set_status, tool("convergent", name="restore")(lambda: None)])
+    run = mode.run(saga)
+    with pytest.raises(ConfigurationError, match=r"'set_status'.*cannot be copied.*plain data"):
+        async with run:
+            await run.call("set_status")
+    assert writes == []
+
+
 # -- fixed plans ---------------------------------------------------------------
 async def test_release_completes(cap: Captured) -> None:
     world = World()

@@ -301,3 +301,40 @@ async def test_the_snapshot_runs_through_pydantic_ai_too(cap: Captured) -> None:
             await Agent(scripted_model(SCRIPT)).run("refund", toolsets=[tools.toolset(run)])
     assert world.tickets == {"T-9104": "open"}
     assert asked == ["saga-otel:peek_ticket"]  # once, before set_ticket_status wrote
+
+
+async def test_a_snapshot_is_frozen_when_read(cap: Captured) -> None:
+    """The read tool returns the stored object, which the write mutates: the undo still
+    restores the status read before the write."""
+    tickets = {"T-1": {"ticket_id": "T-1", "status": "open"}}
+
+    def get_ticket(ticket_id: str) -> dict[str, str]:
+        return tickets[ticket_id]
+
+    def set_ticket_status(ticket_id: str, status: str) -> dict[str, str]:
+        tickets[ticket_id]["status"] = status
+        return tickets[ticket_id]
+
+    def pay() -> str:
+        raise RuntimeError("card declined")
+
+    tools = SagaTools(
+        [get_ticket, set_ticket_status, pay],
+        {
+            "get_ticket": Declare(step_class="read"),
+            "pay": Declare(step_class="irreversible"),
+            "set_ticket_status": Declare(
+                undo="set_ticket_status",
+                snapshot="get_ticket",
+                undo_args={"ticket_id": "args.ticket_id", "status": "snapshot.status"},
+            ),
+        },
+    )
+    script = [("c1", "set_ticket_status", {"ticket_id": "T-1", "status": "refunded"}),
+              ("c2", "pay", {})]  # fmt: skip
+    run = cap.saga("s", tools=tools.registry).run()
+    with pytest.raises(RuntimeError, match="card declined"):
+        async with run:
+            await Agent(scripted_model(script)).run("go", toolsets=[tools.toolset(run)])
+    assert run.report is not None and run.report.status is RunStatus.COMPENSATED
+    assert tickets["T-1"]["status"] == "open"
