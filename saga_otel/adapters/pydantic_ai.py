@@ -19,8 +19,9 @@ Failure semantics (docs/frameworks.md):
 * cancelling the task running the agent unwinds, shielded.
 
 Undos and snapshots run through pydantic-ai's own tool call path (a
-``ToolManager`` over the same toolset: the tool's ``prepare``, its argument
-schema and ``args_validator``, its timeout) with a ``RunContext`` built for
+``ToolManager`` over the same toolset holding that one tool, so no other tool's
+``prepare`` runs: the tool's ``prepare``, its argument schema and
+``args_validator``, its timeout) with a ``RunContext`` built for
 them, since no agent step exists during an unwind: ``deps`` None, a model that
 refuses to be asked, the compensation's idempotency key as ``tool_call_id``. So
 an undo must not take a ``RunContext`` (checked at start).
@@ -28,6 +29,7 @@ an undo must not take a ``RunContext`` (checked at start).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -71,6 +73,15 @@ _UNWIND_MODEL = FunctionModel(_no_model, model_name="saga-otel-unwind")
 PaiTools = FunctionToolset[Any] | Sequence[PaiTool[Any] | Callable[..., Any]]
 
 
+def _alone(toolset: FunctionToolset[Any], name: str) -> FunctionToolset[Any]:
+    """The toolset as it is (its class, retries, timeout) holding the one tool ``name``,
+    for an undo or a snapshot: only that tool's ``prepare`` runs. Another tool's may read
+    the agent's deps, which no unwind has, and would fail every undo."""
+    view = copy.copy(toolset)
+    view.tools = {name: toolset.tools[name]}
+    return view
+
+
 class SagaTools(DeclaredTools[PaiTools, PaiTool[Any]]):
     """The agent's tools as a :class:`~saga_otel.ToolRegistry` and a toolset bound per run.
 
@@ -84,6 +95,7 @@ class SagaTools(DeclaredTools[PaiTools, PaiTool[Any]]):
         self.wrapped: FunctionToolset[Any] = (
             tools if isinstance(tools, FunctionToolset) else FunctionToolset(list(tools))
         )
+        self.alone = {name: _alone(self.wrapped, name) for name in self.wrapped.tools}
         return dict(self.wrapped.tools)
 
     def params(self, name: str) -> list[str]:
@@ -100,7 +112,7 @@ class SagaTools(DeclaredTools[PaiTools, PaiTool[Any]]):
     async def invoke(self, name: str, kwargs: Mapping[str, Any]) -> Any:
         """The tool through pydantic-ai's own call path, with a context built for it."""
         ctx: RunContext[Any] = RunContext(deps=None, model=_UNWIND_MODEL, usage=RunUsage())
-        manager = await ToolManager[Any](self.wrapped).for_run_step(ctx)
+        manager = await ToolManager[Any](self.alone[name]).for_run_step(ctx)
         call = ToolCallPart(name, dict(kwargs), tool_call_id=outside_call_id(name))
         result = await manager.handle_call(call, wrap_validation_errors=False)
         if isinstance(result, ToolDenied):

@@ -8,7 +8,8 @@ from typing import Annotated, Any
 
 import pytest
 from pydantic import Field
-from pydantic_ai import Agent, ModelRetry, RunContext
+from pydantic_ai import Agent, ModelRetry, RunContext, ToolDefinition
+from pydantic_ai import Tool as PaiTool
 from pydantic_ai.exceptions import UnexpectedModelBehavior
 from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart, ToolCallPart
 from pydantic_ai.models.function import AgentInfo, FunctionModel
@@ -338,3 +339,38 @@ async def test_a_snapshot_is_frozen_when_read(cap: Captured) -> None:
             await Agent(scripted_model(script)).run("go", toolsets=[tools.toolset(run)])
     assert run.report is not None and run.report.status is RunStatus.COMPENSATED
     assert tickets["T-1"]["status"] == "open"
+
+
+async def test_an_undo_runs_its_own_prepare_alone(cap: Captured) -> None:
+    """Another tool's prepare reads the agent's deps, which no unwind has: only the undo's
+    own prepare runs with it, so the undo is not failed by a tool it never calls."""
+    booth = Booth()
+    toolset = booth.toolset()
+    prepared: list[tuple[str, Any]] = []
+
+    async def admins_only(ctx: RunContext[Any], tool_def: ToolDefinition) -> ToolDefinition | None:
+        return tool_def if ctx.deps["admin"] else None
+
+    async def noted(ctx: RunContext[Any], tool_def: ToolDefinition) -> ToolDefinition:
+        prepared.append((tool_def.name, ctx.deps))
+        return tool_def
+
+    toolset.add_tool(PaiTool(lambda seat: "gone", name="evict", prepare=admins_only))
+    toolset.tools["release"].prepare = noted
+    tools = SagaTools(
+        toolset,
+        {
+            "hold": Declare(undo="release", undo_args={"seat": "result.seat"}),
+            "release": Declare(step_class="convergent"),
+            "pay": Declare(step_class="irreversible"),
+            "evict": Declare(step_class="irreversible"),
+        },
+    )
+    run = cap.saga("booking", tools=tools.registry).run()
+    with pytest.raises(RuntimeError, match="card declined"):
+        async with run:
+            agent = Agent(scripted_model(BOOTH_SCRIPT), deps_type=dict)
+            await agent.run("book", deps={"admin": False}, toolsets=[tools.toolset(run)])
+    assert run.report is not None and run.report.status is RunStatus.COMPENSATED
+    assert booth.seen[-1] == ("release", 7, "int")
+    assert prepared[-1] == ("release", None)  # the undo's own prepare ran, in the unwind
