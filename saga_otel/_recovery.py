@@ -82,17 +82,26 @@ class Hints:
     sidecar: str
     tools: str
     force: str
+    blocking: str
 
 
+# A framework adapter's registry is async; recovery's unwind is sync.
+_BLOCKING_FORMS = (
+    "a framework adapter's SagaTools(...).blocking_registry() (pydantic-ai, LangChain, "
+    "OpenAI Agents SDK), saga_otel.adapters.mcp.blocking_registry(connect, declare) for MCP, "
+    "or sync functions of your own"
+)
 PYTHON_HINTS = Hints(
     sidecar=f"pass sidecar= (or set ${ENV_SIDECAR_API})",
     tools="pass the agent's own ToolRegistry (tools=...)",
     force="recover(..., force=True, reason='...')",
+    blocking=f"pass a registry of blocking functions (tools=...): {_BLOCKING_FORMS}",
 )
 CLI_HINTS = Hints(
     sidecar=f"pass --sidecar URL (or set ${ENV_SIDECAR_API})",
     tools="point --tools at the agent's own registry (MODULE:NAME)",
     force="--force --reason '...'",
+    blocking=f"point --tools at a registry of blocking functions: {_BLOCKING_FORMS}",
 )
 
 
@@ -330,6 +339,14 @@ def _check(run_id: str, view: dict[str, Any], tools: ToolRegistry, hints: Hints)
         raise RecoveryError(
             f"run {run_id!r} needs the tools {', '.join(missing)}, which the given registry "
             f"lacks; {hints.tools}"
+        )
+    # Refused before the lease: in recovery's sync unwind each would fail after it.
+    async_tools = sorted({str(c["tool"]) for c in stack if tools.get(str(c["tool"])).is_async})
+    if async_tools:
+        raise RecoveryError(
+            f"run {run_id!r} needs the tools {', '.join(async_tools)}, which are async in the "
+            f"given registry; recovery unwinds in sync code, where they cannot run: "
+            f"{hints.blocking}"
         )
 
 

@@ -13,9 +13,12 @@ through the framework with the agent's context) from an undo or a snapshot
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import inspect
 import json
+import os
+import threading
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Generic, Literal, NamedTuple, TypeVar
@@ -30,6 +33,7 @@ from saga_otel import (
     ToolRegistry,
     current_call,
 )
+from saga_otel._outcome import is_async_callable
 from saga_otel.records import exception_text
 
 IDEMPOTENCY_PARAM = "idempotency_key"
@@ -357,6 +361,71 @@ def build_registry(
 T = TypeVar("T")
 
 
+class _Background:
+    """One event loop on a daemon thread, for every blocking registry's calls: the
+    framework's tool calls are async, a recovery's unwind is sync (and its caller may
+    itself be inside an event loop). Started on first use, and again in a forked child,
+    which has the loop but not its thread."""
+
+    __slots__ = ("_lock", "_loop", "_pid")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._pid = 0
+
+    def loop(self) -> asyncio.AbstractEventLoop:
+        with self._lock:
+            if self._loop is None or self._pid != os.getpid():
+                loop = asyncio.new_event_loop()
+                threading.Thread(
+                    target=loop.run_forever, name="saga-otel-blocking-tools", daemon=True
+                ).start()
+                self._loop, self._pid = loop, os.getpid()
+            return self._loop
+
+    def run(self, call: Awaitable[T]) -> T:
+        """Wait for ``call`` on the loop. It runs in a copy of the caller's context (the
+        saga's current_call(), so the undo's idempotency key and call id), as asyncio
+        gives a task made from another thread."""
+
+        async def awaited() -> T:
+            return await call
+
+        future = asyncio.run_coroutine_threadsafe(awaited(), self.loop())
+        try:
+            return future.result()
+        except BaseException:
+            future.cancel()  # an interrupt while waiting: the call stops too
+            raise
+
+
+_BACKGROUND = _Background()
+
+
+def _blocking(fn: Callable[..., Any]) -> Callable[..., Any]:
+    if not is_async_callable(fn):
+        return fn
+
+    def call(**kwargs: Any) -> Any:
+        return _BACKGROUND.run(fn(**kwargs))
+
+    call.__signature__ = inspect.signature(fn)  # type: ignore[attr-defined]
+    call.__name__ = getattr(fn, "__name__", "tool")
+    return call
+
+
+def blocking(registry: ToolRegistry) -> ToolRegistry:
+    """``registry`` with each async function (a tool's, a snapshot's) made a blocking one
+    that runs it on a background event loop: what a sync unwind (``recover``) can call."""
+    out = ToolRegistry()
+    for name in registry:
+        t = registry.get(name)
+        snapshot = _blocking(t.snapshot) if t.snapshot is not None else None
+        out.register(replace(t, fn=_blocking(t.fn), snapshot=snapshot), name=name)
+    return out
+
+
 def by_name(tools: Iterable[T], kind: type, what: str, fix: str) -> dict[str, T]:
     """The framework's tool objects by name, refusing anything else with ``fix``."""
     named: dict[str, T] = {}
@@ -461,6 +530,12 @@ class DeclaredTools(Generic[ToolsIn, FrameworkTool]):
     def review(self) -> str:
         """Each tool's class, pivot and undo, for a person to check before the agent runs."""
         return review(self.mappings)
+
+    def blocking_registry(self) -> ToolRegistry:
+        """:attr:`registry` as blocking functions, for ``recover`` and ``saga-otel recover``
+        (a sync unwind): each undo runs through the framework, as in an unwind, on an
+        event loop held on a background thread, and blocks until it ends."""
+        return blocking(self.registry)
 
     @staticmethod
     async def model_call(

@@ -21,6 +21,9 @@ Failure semantics (docs/frameworks.md):
 
 Undos are called as the original tool, with its own error handling off, so an
 undo that fails is a failed compensation, never a string.
+
+``tools.blocking_registry()`` is the registry ``saga-otel recover`` needs (its
+unwind is sync): the same undos, through the framework, as blocking functions.
 """
 
 from __future__ import annotations

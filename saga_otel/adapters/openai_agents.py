@@ -27,6 +27,9 @@ failed compensation, never a message. No agent runs during an unwind, so the
 ``ToolContext`` is built for the call: ``context`` None, the compensation's
 idempotency key as ``tool_call_id``. An undo must not take a context (checked
 at start for ``@function_tool`` functions).
+
+``tools.blocking_registry()`` is the registry ``saga-otel recover`` needs (its
+unwind is sync): the same undos, through the framework, as blocking functions.
 """
 
 from __future__ import annotations

@@ -25,6 +25,9 @@ Undos and snapshots run through pydantic-ai's own tool call path (a
 them, since no agent step exists during an unwind: ``deps`` None, a model that
 refuses to be asked, the compensation's idempotency key as ``tool_call_id``. So
 an undo must not take a ``RunContext`` (checked at start).
+
+``tools.blocking_registry()`` is the registry ``saga-otel recover`` needs (its
+unwind is sync): the same undos, through the framework, as blocking functions.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from support import SidecarProcess, wait_until
 
 from examples.world import World
 from examples.world_server import serve_world
-from saga_otel import RecoveryError, ToolRegistry, find_run_id, recover
+from saga_otel import RecoveryError, ToolRegistry, find_run_id, recover, tool
 from sidecar import Sidecar
 from tests.sidecar.sidecar_testkit import FakeClock, RunScript, export_http, settings_for
 
@@ -133,6 +133,26 @@ def test_recover_errors_name_the_problem_and_the_fix(sidecar_process: Any) -> No
         env={**os.environ, "SAGA_DEMO_WORLD": "http://127.0.0.1:9"},
     )  # fmt: skip
     assert cli.returncode == 2 and "no run 'nope'" in cli.stderr
+
+
+def test_recover_refuses_async_undos_before_taking_the_lease() -> None:
+    """Recovery unwinds in sync code, where an async undo would fail after the lease was
+    taken (the run then escalated): refused first, naming each tool and the fix. The
+    sidecar is unreachable here, so getting as far as the lease would say so instead."""
+
+    async def reverse_credit(credit_id: str) -> None: ...
+
+    tools = ToolRegistry([tool("convergent")(reverse_credit), tool("convergent")(print)])
+    view = {"status": "orphaned", "saga": "refund", "stack": [{"tool": "reverse_credit",
+            "args": {"credit_id": "c"}, "index": 1, "step": "issue_credit"}]}  # fmt: skip
+    with pytest.raises(RecoveryError) as info:
+        recover("r", tools=tools, view=view, sidecar="http://127.0.0.1:9")
+    text = str(info.value)
+    assert "needs the tools reverse_credit, which are async" in text
+    assert "SagaTools(...).blocking_registry()" in text and "tools=" in text
+    sync_view = {**view, "stack": [{**view["stack"][0], "tool": "print"}]}
+    with pytest.raises(RecoveryError, match="cannot reach the sidecar"):  # past the check
+        recover("r", tools=tools, view=sync_view, sidecar="http://127.0.0.1:9")
 
 
 class _Dripping(BaseHTTPRequestHandler):
