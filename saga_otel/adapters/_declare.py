@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import dataclasses
 import inspect
 import json
 import os
@@ -59,8 +60,9 @@ class Declare:
 
     ``undo`` names another tool of the same server that undoes this one.
     ``undo_args`` maps the undo's parameters to paths into the call,
-    ``"result.credit_id"``, ``"args.ticket_id"``, ``"snapshot.status"`` (a
-    non-string value is a constant), or is a function of the
+    ``"result.credit_id"``, ``"args.ticket_id"``, ``"snapshot.status"`` (keys,
+    list indexes, fields of a model or dataclass; a non-string value is a
+    constant), or is a function of the
     :class:`~saga_otel.CallInfo` (whose ``result`` is the decoded result).
     Without it, the undo's parameters are filled by name from the snapshot,
     the result and the arguments. ``snapshot`` names a read tool called with the
@@ -249,17 +251,52 @@ def check_paths(name: str, spec: ArgsSpec | None) -> None:
             )
 
 
+_ABSENT = object()
+
+
 def lookup(info: CallInfo, path: str) -> Any:
+    """The value at ``path`` ("result.credit_id") in the call: a key of a mapping, an index
+    of a list, or a field of an object (a pydantic model, a dataclass, a named tuple: what
+    a tool returns and the model reads as JSON)."""
     root, *rest = path.split(".")
     value: Any = {"args": info.args, "result": info.result, "snapshot": info.snapshot}[root]
     for part in rest:
-        if isinstance(value, Mapping):
-            value = value[part]
-        elif isinstance(value, list | tuple) and part.isdigit():
-            value = value[int(part)]
-        else:
-            raise KeyError(f"{path!r}: {part!r} not found in {value!r}")
+        value = _part(value, part, path)
     return value
+
+
+def _part(value: Any, part: str, path: str) -> Any:
+    if isinstance(value, Mapping):
+        if part in value:
+            return value[part]
+    elif isinstance(value, list | tuple) and part.isdigit():
+        if int(part) < len(value):
+            return value[int(part)]
+    elif not part.startswith("_") and not isinstance(value, str | bytes):
+        field_value = getattr(value, part, _ABSENT)
+        if field_value is not _ABSENT and not callable(field_value):  # a field, not a method
+            return field_value
+    shown = repr(value)
+    shown = shown if len(shown) <= 120 else shown[:119] + "\u2026"
+    raise ConfigurationError(
+        f"undo_args path {path!r}: {part!r} is not in the {type(value).__name__} {shown}; "
+        "name a key of a dict, an index of a list or a field of a model or dataclass that "
+        "the tool returns, or give undo_args as a function of the call"
+    )
+
+
+def _fields(value: Any) -> Mapping[str, Any]:
+    """A result's or snapshot's top-level fields, for filling an undo's parameters by name."""
+    if isinstance(value, Mapping):
+        return value
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    model_fields = getattr(type(value), "model_fields", None)  # a pydantic model
+    if isinstance(model_fields, Mapping):
+        return {name: getattr(value, name) for name in model_fields}
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple
+        return dict(zip(value._fields, value, strict=True))
+    return {}
 
 
 def undo_recipe(
@@ -278,8 +315,7 @@ def undo_recipe(
         # By name: the snapshot's fields, then the result's, then the do's own arguments.
         pool: dict[str, Any] = dict(info.args)
         for source in (info.result, info.snapshot):
-            if isinstance(source, Mapping):
-                pool.update(source)
+            pool.update(_fields(source))
         return {p: pool[p] for p in undo_params if p in pool and p != IDEMPOTENCY_PARAM}
 
     return recipe

@@ -3,21 +3,24 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 from agents import function_tool, set_tracing_disabled
 from langchain_core.tools import tool as langchain_tool
+from pydantic import BaseModel
 
-from saga_otel import RunStatus, configure, current_call, recover
+from saga_otel import CallInfo, ConfigurationError, RunStatus, configure, current_call, recover
 from saga_otel._state import STATE
 from saga_otel.adapters import Declare
 from saga_otel.adapters import langchain as lc
 from saga_otel.adapters import openai_agents as oa
 from saga_otel.adapters import pydantic_ai as pa
-from saga_otel.adapters._declare import DeclaredTools
+from saga_otel.adapters._declare import DeclaredTools, lookup, undo_recipe
+from saga_otel.testing import Captured, capture
 from sidecar import Sidecar
 from tests.sidecar.sidecar_testkit import FakeClock, export_http, open_run, settings_for
 
@@ -46,6 +49,11 @@ def adapter_tools(
 
 
 ADAPTERS = ["pydantic_ai", "langchain", "openai_agents"]
+
+
+@pytest.fixture
+def cap() -> Captured:
+    return capture()
 
 
 @pytest.mark.parametrize("adapter", ADAPTERS)
@@ -84,3 +92,68 @@ async def test_a_blocking_registry_recovers_a_dead_agents_run(tmp_path: Path, ad
         STATE.reset()
     assert report.status is RunStatus.COMPENSATED, report.compensations
     assert seen == [("cr_1", f"{run.run_id}:1:compensate")]
+
+
+@dataclasses.dataclass
+class CreditRecord:
+    credit_id: str
+    amount: int
+
+
+class CreditModel(BaseModel):
+    credit_id: str
+    amount: int
+
+
+class CreditTuple(NamedTuple):
+    credit_id: str
+    amount: int
+
+
+@pytest.mark.parametrize(
+    "result",
+    [CreditRecord("cr_1", 5), CreditModel(credit_id="cr_1", amount=5), CreditTuple("cr_1", 5)],
+    ids=["dataclass", "pydantic", "namedtuple"],
+)
+def test_undo_paths_and_names_read_the_fields_of_a_returned_object(result: Any) -> None:
+    """A tool returning a model or a dataclass (the model reads it as JSON) keeps its undo:
+    "result.credit_id" reads the field, and so does filling the undo's parameters by name."""
+    info = CallInfo("issue_credit", {"order_id": 1}, result)
+    by_path = undo_recipe({"credit_id": "result.credit_id", "n": "result.amount"}, ["credit_id"])
+    assert by_path(info) == {"credit_id": "cr_1", "n": 5}
+    by_name = undo_recipe(None, ["credit_id", "order_id"])
+    assert by_name(info) == {"credit_id": "cr_1", "order_id": 1}
+
+
+def test_an_undo_path_not_in_the_result_names_the_path_the_type_and_the_fix() -> None:
+    info = CallInfo("issue_credit", {}, CreditModel(credit_id="cr_1", amount=5))
+    for path, part in (("result.id", "'id'"), ("result.model_dump", "'model_dump'")):
+        with pytest.raises(ConfigurationError) as told:
+            lookup(info, path)
+        text = str(told.value)
+        assert f"{path!r}: {part} is not in the CreditModel" in text
+        assert "a field of a model or dataclass" in text
+    with pytest.raises(ConfigurationError, match=r"'result.items.3': '3' is not in the list"):
+        lookup(CallInfo("t", {}, {"items": [1]}), "result.items.3")
+
+
+async def test_a_tool_returning_a_model_is_undone_through_its_field(cap: Captured) -> None:
+    undone: list[str] = []
+
+    def issue_credit(order_id: int) -> CreditModel:
+        """Credit the customer."""
+        return CreditModel(credit_id=f"cr_{order_id}", amount=5)
+
+    def reverse_credit(credit_id: str) -> str:
+        """Reverse a credit."""
+        undone.append(credit_id)
+        return "reversed"
+
+    tools = adapter_tools("pydantic_ai", [issue_credit, reverse_credit], CREDIT_DECLARE)
+    run = cap.saga("refund", tools=tools.registry).run()
+    with pytest.raises(RuntimeError, match="the reply failed"):
+        async with run:
+            await run.call("issue_credit", order_id=4921)
+            raise RuntimeError("the reply failed")
+    assert run.report is not None and run.report.status is RunStatus.COMPENSATED
+    assert undone == ["cr_4921"]
