@@ -18,7 +18,7 @@ from typing import Any, overload
 from saga_otel._errors import ConfigurationError, UnknownToolError
 from saga_otel._frozen import fast_init
 from saga_otel._outcome import is_async_callable
-from saga_otel.records import Compensation, RetryPolicy, StepClass
+from saga_otel.records import Compensation, RetryPolicy, StepClass, describe_error
 
 IDEMPOTENCY_PARAM = "idempotency_key"
 
@@ -101,20 +101,40 @@ class Tool:
             return None
         recipe = self.compensate_args or _default_args
         args = recipe(info)
-        if callable(self.describe):
-            description = self.describe(info)
-        elif isinstance(self.describe, str):
+        plain = f"{self.compensate}({', '.join([f'{k}={v!r}' for k, v in args.items()])})"
+        if isinstance(self.describe, str):
+            description = describe_text(self.describe, info, args)
+        elif callable(self.describe):
+            # The do ran: its undo is never lost for its description, which falls back.
             try:
-                description = self.describe.format(
-                    **{**dict(info.args), **dict(args), "result": info.result}
-                )
-            except (KeyError, IndexError, AttributeError):
-                description = self.describe
+                description = self.describe(info)
+                if not isinstance(description, str):
+                    raise TypeError(f"describe returned a {type(description).__name__}, not a str")
+            except Exception as exc:
+                description = _not_built(plain, exc)
         else:
-            description = f"{self.compensate}({', '.join([f'{k}={v!r}' for k, v in args.items()])})"
+            description = plain
         return Compensation(
             tool=self.compensate, args=args, description=description, step=step, index=info.index
         )
+
+
+def describe_text(template: str, info: CallInfo, args: Mapping[str, Any]) -> str:
+    """A ``describe`` template formatted with the do's arguments, the undo's and ``result``.
+
+    Any failure (a field the call lacks, a result that is not subscriptable, a bad format
+    spec) gives the template itself, saying why: the do ran, and its undo must never be
+    lost for its description.
+    """
+    try:
+        return template.format(**{**dict(info.args), **dict(args), "result": info.result})
+    except Exception as exc:
+        return _not_built(template, exc)
+
+
+def _not_built(fallback: str, exc: Exception) -> str:
+    why = describe_error(exc)
+    return f"{fallback} (description not built: {why if len(why) <= 200 else why[:199] + '…'})"
 
 
 def _make_tool(
@@ -184,9 +204,13 @@ def tool(
     makes a reversible tool read-then-write: it is called with the same
     arguments before the write, its value deep-copied as read (a write that
     mutates the object returned does not change it), and by default the undo
-    receives ``snapshot=<that value>``. ``retry`` is this tool's policy when it runs as
-    a compensation. ``validate`` is a dry run called before the saga's first do.
-    A bare ``@tool`` declares a read.
+    receives ``snapshot=<that value>``. ``describe`` is the undo's description
+    for people: a template formatted with the do's arguments, the undo's and
+    ``result``, or a function of the call; one that cannot be built falls back
+    (the template, or the undo's call) saying why, and the undo is kept.
+    ``retry`` is this tool's policy when it runs as a compensation.
+    ``validate`` is a dry run called before the saga's first do. A bare
+    ``@tool`` declares a read.
     """
     if callable(step_class) and not isinstance(step_class, str):  # bare @tool
         return tool(StepClass.READ, name=name, validate=validate, retry=retry)(step_class)

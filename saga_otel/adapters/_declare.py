@@ -35,6 +35,7 @@ from saga_otel import (
     current_call,
 )
 from saga_otel._outcome import is_async_callable
+from saga_otel._registry import describe_text
 from saga_otel.records import exception_text
 
 IDEMPOTENCY_PARAM = "idempotency_key"
@@ -321,18 +322,30 @@ def undo_recipe(
     return recipe
 
 
+def _same(result: Any) -> Any:
+    return result
+
+
 def describe(
-    d: Declare, decode: Callable[[Any], Any] = lambda result: result
+    d: Declare,
+    decode: Callable[[Any], Any] = lambda result: result,
+    undo_args: Callable[[CallInfo], Mapping[str, Any]] | None = None,
 ) -> str | Callable[[CallInfo], str] | None:
-    """The declared description; a function sees the decoded result."""
+    """The declared description, seeing the decoded result: a function is called with it,
+    a template formatted with it (and the undo's arguments, from ``undo_args``)."""
     if callable(d.describe):
         user = d.describe
         return lambda info: user(replace(info, result=decode(info.result)))
-    return d.describe
+    template = d.describe
+    if template is None or decode is _same or undo_args is None:
+        return template  # the engine formats it with the result as it is
 
+    def text(info: CallInfo) -> str:
+        # The undo's arguments again: the recipe is a pure function of the call.
+        decoded = replace(info, result=decode(info.result))
+        return describe_text(template, decoded, undo_args(info))
 
-def _same(result: Any) -> Any:
-    return result
+    return text
 
 
 def classified(
@@ -375,16 +388,15 @@ def build_registry(
     for row in rows:
         assert row.step_class is not None  # classified() refused the others
         d = declare.get(row.name, Declare())
+        recipe = undo_recipe(d.undo_args, params(row.undo), decode) if row.undo else None
         registry.register(
             Tool(
                 name=row.name,
                 fn=call(row.name),
                 step_class=row.step_class,
                 compensate=row.undo,
-                compensate_args=(
-                    undo_recipe(d.undo_args, params(row.undo), decode) if row.undo else None
-                ),
-                describe=describe(d, decode),
+                compensate_args=recipe,
+                describe=describe(d, decode, recipe),
                 snapshot=snapshot(row.snapshot) if row.snapshot else None,
                 retry=d.retry,
                 pivot=row.pivot,

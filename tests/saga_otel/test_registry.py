@@ -47,6 +47,36 @@ def test_compensation_is_built_from_the_calls_own_references() -> None:
     assert comp.description == "reverse cr_7 of order 1"
 
 
+def test_an_undo_is_never_lost_for_its_description() -> None:
+    """The do ran: a description that cannot be built falls back (the template, or the
+    plain call for a function) saying why, and the undo is kept."""
+    info = CallInfo("issue_credit", {"order_id": 1}, ["not", "a", "mapping"], index=0)
+
+    def broken(info: CallInfo) -> str:
+        raise RuntimeError("no ledger name")
+
+    cases = [
+        ("reverse {result[credit_id]}", "reverse {result[credit_id]} (description not built: "
+         "TypeError: list indices must be integers or slices, not str)"),
+        ("reverse {missing}", "reverse {missing} (description not built: KeyError: 'missing')"),
+        ("reverse {order_id", "reverse {order_id (description not built: ValueError: "),
+        (broken, "reverse_credit(credit_id='cr_7') (description not built: RuntimeError: "
+         "no ledger name)"),
+        (lambda i: 7, "reverse_credit(credit_id='cr_7') (description not built: TypeError: "
+         "describe returned a int, not a str)"),
+    ]  # fmt: skip
+    for describe, expected in cases:
+        t = tool(
+            "compensable",
+            compensate="reverse_credit",
+            compensate_args=lambda i: {"credit_id": "cr_7"},
+            describe=describe,
+        )(lambda order_id: None)
+        comp = t.build_compensation(info, step="issue_credit")
+        assert comp is not None and dict(comp.args) == {"credit_id": "cr_7"}
+        assert comp.description.startswith(expected), comp.description
+
+
 def test_a_tool_that_takes_an_idempotency_key_gets_one() -> None:
     def with_key(x: int, idempotency_key: str) -> None: ...
 

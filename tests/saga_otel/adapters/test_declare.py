@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import mcp.types as mt
 import pytest
 from agents import function_tool, set_tracing_disabled
 from langchain_core.tools import tool as langchain_tool
@@ -20,6 +22,7 @@ from saga_otel.adapters import langchain as lc
 from saga_otel.adapters import openai_agents as oa
 from saga_otel.adapters import pydantic_ai as pa
 from saga_otel.adapters._declare import DeclaredTools, lookup, undo_recipe
+from saga_otel.adapters.mcp import load_tools
 from saga_otel.testing import Captured, capture
 from sidecar import Sidecar
 from tests.sidecar.sidecar_testkit import FakeClock, export_http, open_run, settings_for
@@ -157,3 +160,80 @@ async def test_a_tool_returning_a_model_is_undone_through_its_field(cap: Capture
             raise RuntimeError("the reply failed")
     assert run.report is not None and run.report.status is RunStatus.COMPENSATED
     assert undone == ["cr_4921"]
+
+
+class _CreditServer:
+    """An MCP session whose tools answer in text content: the result is a CallToolResult."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, dict[str, Any] | None]] = []
+
+    async def list_tools(self) -> mt.ListToolsResult:
+        def schema(**props: str) -> dict[str, Any]:
+            return {"type": "object", "properties": {k: {"type": v} for k, v in props.items()}}
+
+        writes = mt.ToolAnnotations(destructive_hint=False, idempotent_hint=True)
+        return mt.ListToolsResult(
+            tools=[
+                mt.Tool(name="issue_credit", input_schema=schema(amount="integer"),
+                        annotations=mt.ToolAnnotations(destructive_hint=False)),
+                mt.Tool(name="reverse_credit", input_schema=schema(credit_id="string"),
+                        annotations=writes),
+            ]
+        )  # fmt: skip
+
+    async def call_tool(
+        self, name: str, arguments: dict[str, Any] | None = None
+    ) -> mt.CallToolResult:
+        self.calls.append((name, arguments))
+        text = json.dumps({"credit_id": "cr_1"})
+        return mt.CallToolResult(content=[mt.TextContent(type="text", text=text)])
+
+
+async def test_a_describe_template_sees_the_decoded_result_as_a_function_does(
+    cap: Captured,
+) -> None:
+    server = _CreditServer()
+    undo = {"credit_id": "result.credit_id"}
+    declare = {
+        "issue_credit": Declare(
+            undo="reverse_credit",
+            undo_args=undo,
+            describe="reverse {result[credit_id]} ({credit_id})",
+        )
+    }
+    tools = await load_tools(server, declare)
+    run = cap.saga("refund", tools=tools.registry).run()
+    with pytest.raises(RuntimeError, match="the reply failed"):
+        async with run:
+            await tools.bind(run).call_tool("issue_credit", {"amount": 5})
+            (pushed,) = run.stack
+            raise RuntimeError("the reply failed")
+    assert pushed.description == "reverse cr_1 (cr_1)"
+    assert run.report is not None and run.report.status is RunStatus.COMPENSATED
+    assert server.calls == [
+        ("issue_credit", {"amount": 5}),
+        ("reverse_credit", {"credit_id": "cr_1"}),
+    ]
+
+
+async def test_a_describe_template_that_fails_keeps_the_undo(cap: Captured) -> None:
+    server = _CreditServer()
+    declare = {
+        "issue_credit": Declare(
+            undo="reverse_credit",
+            undo_args={"credit_id": "result.credit_id"},
+            describe="reverse {result[credit_id][0][x]}",
+        )
+    }
+    tools = await load_tools(server, declare)
+    run = cap.saga("refund", tools=tools.registry).run()
+    with pytest.raises(RuntimeError, match="the reply failed"):
+        async with run:
+            await tools.bind(run).call_tool("issue_credit", {"amount": 5})
+            (pushed,) = run.stack
+            raise RuntimeError("the reply failed")
+    assert pushed.description.startswith(
+        "reverse {result[credit_id][0][x]} (description not built: TypeError: "
+    )
+    assert run.report is not None and run.report.status is RunStatus.COMPENSATED
