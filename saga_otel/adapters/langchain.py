@@ -33,7 +33,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 try:
-    from langchain_core.tools import BaseTool, ToolException
+    from langchain_core.tools import BaseTool, InjectedToolCallId, ToolException
+    from pydantic import BaseModel, create_model
 except ImportError as exc:  # pragma: no cover - exercised by the library-only install
     raise ImportError(
         "saga_otel.adapters.langchain needs langchain-core: pip install 'saga-otel[langchain]'"
@@ -46,6 +47,7 @@ from saga_otel.adapters._declare import (
     ToolErrorUnwind,
     ToolMapping,
     by_name,
+    outside_call_id,
 )
 
 __all__ = ["Declare", "SagaTools", "ToolErrorUnwind", "ToolMapping"]
@@ -55,9 +57,37 @@ _call_id: contextvars.ContextVar[str | None] = contextvars.ContextVar(
 )
 
 
+def _call_id_fields(t: BaseTool) -> tuple[str, ...]:
+    """The tool's parameters LangChain fills with the ToolCall's id (``InjectedToolCallId``)."""
+    schema = t.args_schema
+    if not (isinstance(schema, type) and issubclass(schema, BaseModel)):
+        return ()  # LangChain injects the id only through a pydantic schema
+    return tuple(
+        name
+        for name, info in schema.model_fields.items()
+        if any(
+            isinstance(m, InjectedToolCallId)
+            or (isinstance(m, type) and issubclass(m, InjectedToolCallId))
+            for m in info.metadata
+        )
+    )
+
+
 def _strict(t: BaseTool) -> BaseTool:
-    """The tool with its own error handling off: the saga must see its failures."""
-    return t.model_copy(update={"handle_tool_error": False, "handle_validation_error": False})
+    """The tool with its own error handling off: the saga must see its failures.
+
+    The ToolCall's id is an ordinary argument of this copy: LangChain gives it only to a
+    tool invoked with a whole ToolCall, whose output it then turns into a message, and
+    the saga passes it itself (the model's, or the undo's key).
+    """
+    update: dict[str, Any] = {"handle_tool_error": False, "handle_validation_error": False}
+    ids = _call_id_fields(t)
+    if ids:
+        schema = t.args_schema
+        assert isinstance(schema, type) and issubclass(schema, BaseModel)
+        plain: dict[str, Any] = {name: (str, ...) for name in ids}
+        update["args_schema"] = create_model(schema.__name__, __base__=schema, **plain)
+    return t.model_copy(update=update)
 
 
 class SagaTools(DeclaredTools[Sequence[BaseTool], BaseTool]):
@@ -71,6 +101,7 @@ class SagaTools(DeclaredTools[Sequence[BaseTool], BaseTool]):
     def collect(self, tools: Sequence[BaseTool]) -> dict[str, BaseTool]:
         named = by_name(tools, BaseTool, "LangChain tool", "wrap it with langchain_core.tools.tool")
         self.strict = {name: _strict(t) for name, t in named.items()}
+        self.call_ids = {name: _call_id_fields(t) for name, t in named.items()}
         return named
 
     def params(self, name: str) -> list[str]:
@@ -78,8 +109,12 @@ class SagaTools(DeclaredTools[Sequence[BaseTool], BaseTool]):
 
     async def invoke(self, name: str, kwargs: Mapping[str, Any]) -> Any:
         """The original tool's ``ainvoke``, its own error handling off. LangChain needs no
-        agent context, so the model's calls (validated by the bound tool) come here too."""
-        return await self.strict[name].ainvoke(dict(kwargs))
+        agent context, so the model's calls (validated by the bound tool, the ToolCall's
+        id injected) come here too; an undo's injected call id is its idempotency key."""
+        args = dict(kwargs)
+        for field in self.call_ids[name]:
+            args.setdefault(field, outside_call_id(name))
+        return await self.strict[name].ainvoke(args)
 
     def bind(self, run: Run) -> list[BaseTool]:
         """Tools to give the model and the ``ToolNode`` for this run."""

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any
+from typing import Annotated, Any
 
 import pytest
 from langchain_core.messages import ToolMessage
-from langchain_core.tools import BaseTool, ToolException, tool
+from langchain_core.tools import BaseTool, InjectedToolCallId, ToolException, tool
 
 from examples.langgraph_refund_agent import (
     DECLARE,
@@ -154,3 +154,38 @@ def test_undeclared_tools_are_refused_listing_each() -> None:
         SagaTools(refund_tools(World()), {"issue_credit": DECLARE["issue_credit"]})
     with pytest.raises(ConfigurationError, match="not a LangChain tool"):
         SagaTools([print], {})  # type: ignore[list-item]
+
+
+async def test_a_tool_taking_its_call_id_gets_the_models_and_its_undo_the_key(
+    cap: Captured,
+) -> None:
+    """InjectedToolCallId: LangChain fills it from the ToolCall. The model's call gets the
+    model's id, the undo (no ToolCall: no model asked for it) the compensation's key."""
+    seen: list[tuple[str, str]] = []
+
+    @tool
+    def hold(seat: int, tool_call_id: Annotated[str, InjectedToolCallId]) -> dict[str, int]:
+        """Hold a seat."""
+        seen.append(("hold", tool_call_id))
+        return {"seat": seat}
+
+    @tool
+    def release(seat: int, call: Annotated[str, InjectedToolCallId]) -> str:
+        """Release a seat."""
+        seen.append(("release", call))
+        return "released"
+
+    tools = SagaTools(
+        [hold, release],
+        {"hold": Declare(undo="release"), "release": Declare(step_class="convergent")},
+    )
+    run = cap.saga("booking", tools=tools.registry).run()
+    with pytest.raises(RuntimeError, match="card declined"):
+        async with run:
+            call = {"type": "tool_call", "id": "call_1", "name": "hold", "args": {"seat": 7}}
+            out = await tools.bind(run)[0].ainvoke(call)
+            raise RuntimeError("card declined")
+    assert isinstance(out, ToolMessage) and out.tool_call_id == "call_1"
+    assert json.loads(str(out.content)) == {"seat": 7}
+    assert run.report is not None and run.report.status is RunStatus.COMPENSATED
+    assert seen == [("hold", "call_1"), ("release", f"{run.run_id}:0:compensate")]
