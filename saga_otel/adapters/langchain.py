@@ -2,8 +2,9 @@
 
 :class:`SagaTools` takes the agent's LangChain tools (any ``BaseTool``: ``@tool``
 functions, ``StructuredTool``) and the user's :class:`Declare` per tool name.
-``tools.bind(run)`` returns tools with the same names, descriptions and argument
-schemas to hand to the model and to LangGraph's ``ToolNode``; each call runs as
+``tools.bind(run)`` returns tools with the same names, descriptions, argument
+schemas, ``return_direct``, ``response_format`` and error handling to hand to the
+model and to LangGraph's ``ToolNode``; each call runs as
 ``run.call`` with the ``ToolCall``'s id as ``gen_ai.tool.call.id``. They are
 async: run the graph with ``ainvoke``/``astream``.
 
@@ -80,7 +81,13 @@ def _strict(t: BaseTool) -> BaseTool:
     tool invoked with a whole ToolCall, whose output it then turns into a message, and
     the saga passes it itself (the model's, or the undo's key).
     """
-    update: dict[str, Any] = {"handle_tool_error": False, "handle_validation_error": False}
+    update: dict[str, Any] = {
+        "handle_tool_error": False,
+        "handle_validation_error": False,
+        # The function's own output: the bound tool, which keeps the tool's response_format,
+        # makes the message (and its artifact) from it.
+        "response_format": "content",
+    }
     ids = _call_id_fields(t)
     if ids:
         schema = t.args_schema
@@ -120,15 +127,22 @@ class SagaTools(DeclaredTools[Sequence[BaseTool], BaseTool]):
         """Tools to give the model and the ``ToolNode`` for this run."""
         return [
             _SagaTool(
-                name=t.name,
-                description=t.description,
-                args_schema=t.args_schema,
-                handle_tool_error=t.handle_tool_error,
-                saga_run=run,
-                unwind_on_tool_error=self.unwind_on_tool_error,
+                **_own_fields(t), saga_run=run, unwind_on_tool_error=self.unwind_on_tool_error
             )
             for t in self.tools.values()
         ]
+
+
+def _own_fields(t: BaseTool) -> dict[str, Any]:
+    """The tool's own ``BaseTool`` fields, for its bound copy: what the model sees (name,
+    description, schema) and how LangChain reports the call (``return_direct``,
+    ``response_format``, ``handle_tool_error``, ``handle_validation_error``, tags...).
+    A subclass declaring no ``args_schema`` gets the one LangChain reads from its
+    ``_run``; the callbacks stay with the original, which the call runs through."""
+    fields = {f: getattr(t, f) for f in BaseTool.model_fields if f != "callbacks"}
+    if fields["args_schema"] is None:
+        fields["args_schema"] = t.get_input_schema()
+    return fields
 
 
 class _SagaTool(BaseTool):

@@ -189,3 +189,44 @@ async def test_a_tool_taking_its_call_id_gets_the_models_and_its_undo_the_key(
     assert json.loads(str(out.content)) == {"seat": 7}
     assert run.report is not None and run.report.status is RunStatus.COMPENSATED
     assert seen == [("hold", "call_1"), ("release", f"{run.run_id}:0:compensate")]
+
+
+class _Search(BaseTool):
+    """A BaseTool subclass declaring no args_schema: LangChain reads it from _run."""
+
+    name: str = "search"
+    description: str = "Search the orders."
+
+    def _run(self, query: str, limit: int = 5) -> str:
+        return f"{limit} hits for {query}"
+
+
+async def test_a_subclass_without_a_schema_keeps_the_one_from_its_run(cap: Captured) -> None:
+    original = _Search()
+    tools = SagaTools([original], {"search": Declare(step_class="read")})
+    async with cap.saga("s", tools=tools.registry).run() as run:
+        (bound,) = tools.bind(run)
+        shown = bound.tool_call_schema.model_json_schema()  # type: ignore[union-attr]
+        assert bound.args == original.args and set(shown["properties"]) == {"query", "limit"}
+        assert await bound.ainvoke({"query": "x", "limit": "2"}) == "2 hits for x"
+
+
+async def test_bound_tools_keep_return_direct_artifacts_and_validation_handling(
+    cap: Captured,
+) -> None:
+    @tool(return_direct=True, response_format="content_and_artifact")
+    def search(q: str) -> tuple[str, dict[str, list[int]]]:
+        """Search."""
+        return f"1 hit for {q}", {"rows": [1, 2, 3]}
+
+    search.handle_validation_error = "bad arguments, try again"
+    tools = SagaTools([search], {"search": Declare(step_class="read")})
+    async with cap.saga("s", tools=tools.registry).run() as run:
+        (bound,) = tools.bind(run)
+        assert bound.return_direct and bound.response_format == "content_and_artifact"
+        call = {"type": "tool_call", "id": "c1", "name": "search", "args": {"q": "x"}}
+        message = await bound.ainvoke(call)
+        bad = await bound.ainvoke({**call, "id": "c2", "args": {"q": None}})
+    assert (message.content, message.artifact) == ("1 hit for x", {"rows": [1, 2, 3]})
+    assert bad.content == "bad arguments, try again" and bad.tool_call_id == "c2"
+    assert run.report is not None and [s.name for s in run.report.steps] == ["search"]
