@@ -475,12 +475,19 @@ def blocking(registry: ToolRegistry) -> ToolRegistry:
 
 
 def by_name(tools: Iterable[T], kind: type, what: str, fix: str) -> dict[str, T]:
-    """The framework's tool objects by name, refusing anything else with ``fix``."""
+    """The framework's tool objects by name, refusing anything else with ``fix``, and two
+    tools under one name (one would be dropped, its declaration applied to the other)."""
     named: dict[str, T] = {}
     for t in tools:
         if not isinstance(t, kind):
             raise ConfigurationError(f"{t!r} is not a {what}: {fix}")
-        named[getattr(t, "name")] = t  # noqa: B009 - every framework tool has a name
+        name = getattr(t, "name")  # noqa: B009 - every framework tool has a name
+        if name in named:
+            raise ConfigurationError(
+                f"two tools are named {name!r}: the model tells tools apart by name, so one "
+                "would be dropped; give each its own name"
+            )
+        named[name] = t
     return named
 
 

@@ -237,3 +237,26 @@ async def test_a_describe_template_that_fails_keeps_the_undo(cap: Captured) -> N
         "reverse {result[credit_id][0][x]} (description not built: TypeError: "
     )
     assert run.report is not None and run.report.status is RunStatus.COMPENSATED
+
+
+@pytest.mark.parametrize("adapter", ADAPTERS)
+def test_two_tools_with_one_name_are_refused(adapter: str) -> None:
+    """One would be dropped silently, its declaration applied to the other."""
+
+    def lookup(order_id: int) -> str:
+        """Read an order."""
+        return "read"
+
+    def delete(order_id: int) -> str:
+        """Delete an order."""
+        return "deleted"
+
+    delete.__name__ = "lookup"
+    with pytest.raises(Exception, match="lookup") as told:
+        adapter_tools(adapter, [lookup, delete], {"lookup": Declare(step_class="read")})
+    if adapter != "pydantic_ai":  # pydantic-ai's FunctionToolset refuses it itself
+        assert isinstance(told.value, ConfigurationError)
+        assert str(told.value) == (
+            "two tools are named 'lookup': the model tells tools apart by name, so one would "
+            "be dropped; give each its own name"
+        )
