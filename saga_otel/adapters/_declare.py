@@ -36,6 +36,7 @@ from saga_otel import (
 )
 from saga_otel._outcome import is_async_callable
 from saga_otel._registry import describe_text
+from saga_otel._text import printable
 from saga_otel.records import exception_text
 
 IDEMPOTENCY_PARAM = "idempotency_key"
@@ -122,11 +123,12 @@ def map_declared(
     """
     declare = dict(declare or {})
     names = {t.name for t in tools}
+    offered = ", ".join(printable(n) for n in sorted(names))
     unknown = sorted(set(declare) - names)
     if unknown:
         raise ConfigurationError(
             f"declarations name tools {where} does not offer: {', '.join(unknown)} "
-            f"(it offers: {', '.join(sorted(names)) or 'none'}); fix the names"
+            f"(it offers: {offered or 'none'}); fix the names"
         )
     if unannotated not in ("refuse", "irreversible"):
         raise ConfigurationError(
@@ -152,7 +154,7 @@ def map_declared(
             if other is not None and other not in names:
                 raise ConfigurationError(
                     f"tool {t.name!r} names {other!r} as its {role}, which {where} does not "
-                    f"offer (it offers: {', '.join(sorted(names))}); name one of its tools"
+                    f"offer (it offers: {offered}); name one of its tools"
                 )
         if d.snapshot is not None and d.undo is None:
             raise ConfigurationError(
@@ -205,7 +207,7 @@ def map_declared(
 
 def review(rows: Iterable[ToolMapping]) -> str:
     """The mapping as a table a person reads before the agent runs."""
-    head = ("tool", "class", "pivot", "from", "hints", "undo")
+    head: tuple[str, ...] = ("tool", "class", "pivot", "from", "hints", "undo")
     lines = [head]
     for r in rows:
         undo = "-"
@@ -214,7 +216,9 @@ def review(rows: Iterable[ToolMapping]) -> str:
             if r.snapshot:
                 undo += f" after snapshot {r.snapshot}"
         cls = r.step_class.value if r.step_class else "UNCLASSIFIED"
-        lines.append((r.name, cls, "yes" if r.is_pivot else "", r.source, r.hints, undo))
+        row = (r.name, cls, "yes" if r.is_pivot else "", r.source, r.hints, undo)
+        # Names come from a server: shown on a terminal, never obeyed (or a row broken).
+        lines.append(tuple(printable(cell) for cell in row))
     widths = [max(len(line[i]) for line in lines) for i in range(len(head) - 1)]
     return "\n".join(
         "  ".join(c.ljust(w) for c, w in zip(line[:-1], widths, strict=True)) + "  " + line[-1]
@@ -223,7 +227,7 @@ def review(rows: Iterable[ToolMapping]) -> str:
 
 
 def refusal(rows: Sequence[ToolMapping]) -> str | None:
-    missing = [r.name for r in rows if r.step_class is None]
+    missing = [printable(r.name) for r in rows if r.step_class is None]
     if not missing:
         return None
     return (

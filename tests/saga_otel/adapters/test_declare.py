@@ -15,13 +15,29 @@ from agents import function_tool, set_tracing_disabled
 from langchain_core.tools import tool as langchain_tool
 from pydantic import BaseModel
 
-from saga_otel import CallInfo, ConfigurationError, RunStatus, configure, current_call, recover
+from saga_otel import (
+    CallInfo,
+    ConfigurationError,
+    RunStatus,
+    StepClass,
+    configure,
+    current_call,
+    recover,
+)
 from saga_otel._state import STATE
 from saga_otel.adapters import Declare
 from saga_otel.adapters import langchain as lc
 from saga_otel.adapters import openai_agents as oa
 from saga_otel.adapters import pydantic_ai as pa
-from saga_otel.adapters._declare import DeclaredTools, lookup, undo_recipe
+from saga_otel.adapters._declare import (
+    DeclaredTools,
+    Described,
+    lookup,
+    map_declared,
+    refusal,
+    review,
+    undo_recipe,
+)
 from saga_otel.adapters.mcp import load_tools
 from saga_otel.testing import Captured, capture
 from sidecar import Sidecar
@@ -260,3 +276,24 @@ def test_two_tools_with_one_name_are_refused(adapter: str) -> None:
             "two tools are named 'lookup': the model tells tools apart by name, so one would "
             "be dropped; give each its own name"
         )
+
+
+def test_the_review_shows_control_characters_in_names_as_escapes() -> None:
+    """A server's tool name with an escape sequence (SGR 8 hides what follows) or a
+    newline must not hide or break its row on the reviewer's terminal."""
+    rows = map_declared(
+        [
+            Described("get_order", StepClass.READ),
+            Described("delete_all\x1b[8m", StepClass.IRREVERSIBLE, True, "destructive=y"),
+            Described("two\nlines\u202e"),
+        ],
+        unannotated="irreversible",
+    )
+    lines = review(rows).splitlines()
+    assert len(lines) == 4
+    assert lines[2].split() == [
+        "delete_all\\x1b[8m", "irreversible", "yes", "annotations", "destructive=y", "-"
+    ]  # fmt: skip
+    assert lines[3].startswith("two\\x0alines\\u202e  irreversible  yes")
+    refused = refusal(map_declared([Described("x\x1b[2J")]))
+    assert refused is not None and "x\\x1b[2J" in refused and "\x1b" not in refused
