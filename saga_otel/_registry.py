@@ -101,7 +101,6 @@ class Tool:
             return None
         recipe = self.compensate_args or _default_args
         args = recipe(info)
-        plain = f"{self.compensate}({', '.join([f'{k}={v!r}' for k, v in args.items()])})"
         if isinstance(self.describe, str):
             description = describe_text(self.describe, info, args)
         elif callable(self.describe):
@@ -111,9 +110,9 @@ class Tool:
                 if not isinstance(description, str):
                     raise TypeError(f"describe returned a {type(description).__name__}, not a str")
             except Exception as exc:
-                description = _not_built(plain, exc)
+                description = _not_built(_plain(self.compensate, args), exc)
         else:
-            description = plain
+            description = _plain(self.compensate, args)
         return Compensation(
             tool=self.compensate, args=args, description=description, step=step, index=info.index
         )
@@ -130,6 +129,11 @@ def describe_text(template: str, info: CallInfo, args: Mapping[str, Any]) -> str
         return template.format(**{**dict(info.args), **dict(args), "result": info.result})
     except Exception as exc:
         return _not_built(template, exc)
+
+
+def _plain(undo: str, args: Mapping[str, Any]) -> str:
+    """The undo's call, for a step with no description of its own."""
+    return f"{undo}({', '.join([f'{k}={v!r}' for k, v in args.items()])})"
 
 
 def _not_built(fallback: str, exc: Exception) -> str:
