@@ -28,7 +28,8 @@ from saga_otel._recovery import (
     recover_with_hints,
 )
 from saga_otel._registry import ToolRegistry
-from saga_otel.records import RetryPolicy, RunStatus, describe_error, exception_text
+from saga_otel._text import printable
+from saga_otel.records import RetryPolicy, RunStatus, SagaReport, describe_error, exception_text
 
 ENV_TOOLS = "SAGA_OTEL_TOOLS"
 ENV_OTLP = "SAGA_OTEL_SIDECAR_ENDPOINT"
@@ -345,14 +346,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.as_json:
         print(json.dumps(report.to_dict(), indent=2, sort_keys=True))
     else:
-        done = len(report.compensations_run)
-        verdict = "recovered" if report.status is RunStatus.COMPENSATED else report.status.value
-        ran = f"{done} compensation{'' if done == 1 else 's'} run"
-        print(f"run {report.run_id}: {verdict} ({ran})")
-        for o in report.compensations:
-            mark = "✓" if o.ok else "✗"
-            print(f"  {mark} {o.compensation.tool}({json.dumps(dict(o.compensation.args))})")
-        card = report.escalation_card()
-        if card is not None:
-            print(card.render())
+        print(report_text(report))
     return EXIT_RECOVERED if report.status is RunStatus.COMPENSATED else EXIT_FAILED
+
+
+def report_text(report: SagaReport) -> str:
+    """A recovery's outcome for the terminal. The card quotes what the agent sent (its
+    undos' descriptions) and what the undos raised: shown with escapes, never obeyed."""
+    done = len(report.compensations_run)
+    verdict = "recovered" if report.status is RunStatus.COMPENSATED else report.status.value
+    ran = f"{done} compensation{'' if done == 1 else 's'} run"
+    lines = [f"run {report.run_id}: {verdict} ({ran})"]
+    for o in report.compensations:
+        mark = "✓" if o.ok else "✗"
+        lines.append(f"  {mark} {o.compensation.tool}({json.dumps(dict(o.compensation.args))})")
+    card = report.escalation_card()
+    if card is not None:
+        lines.extend(card.render().splitlines())
+    return "\n".join(printable(line) for line in lines)

@@ -234,3 +234,28 @@ def test_a_run_id_that_begins_with_a_dash_goes_after_double_dash(
     assert "after '--': saga-otel recover --tools MODULE:NAME -- -RUN" in " ".join(
         capsys.readouterr().out.split()
     )
+
+
+def test_a_recovery_report_shows_what_the_agent_sent_as_escapes_never_obeyed() -> None:
+    """The report quotes the undos' descriptions (the agent's text, via the sidecar) and
+    what the undos raised: a terminal control sequence in them is shown, not run."""
+    from saga_otel._cli import report_text
+    from saga_otel.testing import capture
+
+    @tool("compensable", compensate="reverse_credit", describe="reverse \x1b[2J\u202ecr_1")
+    def issue_credit() -> str:
+        return "cr_1"
+
+    @tool("convergent", retry=RetryPolicy(attempts=1))
+    def reverse_credit(**_: Any) -> None:
+        raise RuntimeError("ledger \x1b]0;pwned\x07 down")
+
+    saga = capture().saga("refund", tools=[issue_credit, reverse_credit])
+    with pytest.raises(RuntimeError), saga.run_sync() as run:
+        run.call("issue_credit")
+        raise RuntimeError("the reply failed")
+    assert run.report is not None
+    text = report_text(run.report)
+    assert "\x1b" not in text and "\u202e" not in text and "\x07" not in text
+    assert "reverse \\x1b[2J\\u202ecr_1" in text and "ledger \\x1b]0;pwned\\x07 down" in text
+    assert text.count("\n") >= 4  # the card keeps its lines
