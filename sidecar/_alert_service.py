@@ -65,6 +65,7 @@ class AlertService:
             clock=clock,
             sleep=sleep,
             rng=rng,
+            send_timeout=self.settings.timeout,  # the HTTP sinks' own, see SEND_MARGIN_S
         )
 
     def on_change(self, before: View | None, after: View, now: float) -> list[AlertEvent]:

@@ -43,7 +43,15 @@ from ._backends import alert_rows, open_alert_store
 from ._errors import ConfigError, StoreError
 from ._log import get_logger
 from ._outbox_sql import DELIVERED, FAILED, HELD, PENDING
-from ._sinks import SINK_KINDS, DeliveryRejected, DeliveryRetry, Sink, shown_sink, shown_url
+from ._sinks import (
+    DEFAULT_TIMEOUT,
+    SINK_KINDS,
+    DeliveryRejected,
+    DeliveryRetry,
+    Sink,
+    shown_sink,
+    shown_url,
+)
 from ._storage import (
     AlertStore,
     AlertTx,
@@ -60,6 +68,9 @@ T = TypeVar("T")
 log = get_logger("sidecar.alerts")
 
 POLL_S: Final = 1.0  # shared stores: how often an idle worker looks for others' rows
+# On a shared store a row is held for its send (AlertStore.sending) this long past the
+# send's limit, at which the outbox cuts it: the hold begins before the send does.
+SEND_MARGIN_S: Final = 5.0
 # The sink column of an alert no configured sink takes (no sink, or routed nowhere): the
 # row is kept in state HELD and handed to the sinks of a later start that route it.
 NO_SINK: Final = "(none)"
@@ -203,6 +214,7 @@ class Outbox:
         clock: Callable[[], float] = time.time,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         rng: random.Random | None = None,
+        send_timeout: float = DEFAULT_TIMEOUT,
     ) -> None:
         names = [s.name for s in sinks]
         if len(set(names)) != len(names):
@@ -217,6 +229,7 @@ class Outbox:
         self._clock = clock
         self._sleep = sleep
         self._rng = rng or random.Random()
+        self._send_limit = send_timeout  # the HTTP sinks' own; a backstop for any other
         self._wake: dict[str, asyncio.Event] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -455,9 +468,18 @@ class Outbox:
         return None if row is None else _row(row)
 
     def _mark(
-        self, row_id: int, state: str, error: str | None, sent: bool, hold: float = 0.0
+        self, row: OutboxRow, state: str, error: str | None, sent: bool, hold: float = 0.0
     ) -> None:
-        self._store.mark(row_id, state, error, sent, self._clock(), hold)
+        if not self._store.mark(row.id, state, error, sent, self._clock(), hold):
+            # The send outlived its claim (a paused process) and another replica took the
+            # row over: that one records the row, and ours may have been a second delivery.
+            log.warning(
+                "sidecar.alert.claim_lost",
+                sink=shown_sink(row.sink),
+                action=row.action,
+                dedup_key=row.dedup_key,
+                outcome=state,
+            )
         if state != PENDING:
             self._update_depth()
 
@@ -474,14 +496,18 @@ class Outbox:
             if row is None:
                 await self._idle(sink, wake)
                 continue
+            # Still ours, and held for the whole send: a claim that ran out while this
+            # replica was paused was taken over, and the replica that took it sends it.
+            if not await self.call(self._store.sending, row.id, self._send_limit + SEND_MARGIN_S):
+                continue
             try:
-                await sink.send(row.event)
+                await self._send(sink, row.event)
             except DeliveryRejected as exc:
                 failures = 0
                 # Counted before it is recorded: once the row is no longer pending, a
                 # waiter (wait_idle, then stop) may cancel this worker at its next await.
                 self._count(row.event.alertname, sink.kind, OUTCOME_FAILED)
-                await self._settle(row.id, FAILED, str(exc), False)
+                await self._settle(row, FAILED, str(exc), False)
                 log.error(
                     "sidecar.alert.rejected",
                     sink=shown_sink(sink.name),
@@ -497,7 +523,7 @@ class Outbox:
                 retry_after = exc.retry_after if isinstance(exc, DeliveryRetry) else None
                 delay = self.backoff.delay(failures, self._rng, retry_after)
                 # Held for the delay: another replica must not retry it sooner.
-                await self._settle(row.id, PENDING, f"{type(exc).__name__}: {exc}", False, delay)
+                await self._settle(row, PENDING, f"{type(exc).__name__}: {exc}", False, delay)
                 self._count(row.event.alertname, sink.kind, OUTCOME_RETRIED)
                 if failures == 1:
                     # Once per outage (and once when it ends): the retries are counted
@@ -522,15 +548,27 @@ class Outbox:
                 if self.metrics is not None:
                     delay_s = max(0.0, self._clock() - row.event.at)
                     self.metrics.delay.labels(sink=sink.kind).observe(delay_s)
-                await self._settle(row.id, DELIVERED, None, True)
+                await self._settle(row, DELIVERED, None, True)
+
+    async def _send(self, sink: Sink, event: AlertEvent) -> None:
+        """``sink.send(event)``, cut at the send's limit (a retry): no send outlives the
+        hold on its row (see SEND_MARGIN_S)."""
+        cut = asyncio.timeout(self._send_limit)
+        try:
+            async with cut:
+                await sink.send(event)
+        except TimeoutError:
+            if not cut.expired():
+                raise
+            raise DeliveryRetry(f"no answer within {self._send_limit:g} s") from None
 
     async def _settle(
-        self, row_id: int, state: str, error: str | None, sent: bool, hold: float = 0.0
+        self, row: OutboxRow, state: str, error: str | None, sent: bool, hold: float = 0.0
     ) -> None:
         """Record what a send did, even when the sidecar stops meanwhile: a delivered
         alert left pending would page again after the restart. Shielded, the write
         still runs on the database thread, and `close` waits for it."""
-        await asyncio.shield(self.call(self._mark, row_id, state, error, sent, hold))
+        await asyncio.shield(self.call(self._mark, row, state, error, sent, hold))
 
     async def _idle(self, sink: Sink, wake: asyncio.Event) -> None:
         interval = sink.resend_interval

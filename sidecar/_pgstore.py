@@ -26,7 +26,14 @@ from urllib.parse import urlsplit
 from ._errors import StoreError
 from ._leases import Lease, LeaseRefusal, Owner
 from ._log import get_logger
-from ._outbox_sql import OUTBOX_V4, PRUNE_RUN_ALERTS, RESOLVE_FIRE, OutboxReads, sql
+from ._outbox_sql import (
+    OUTBOX_V4,
+    PENDING,
+    PRUNE_RUN_ALERTS,
+    RESOLVE_FIRE,
+    OutboxReads,
+    sql,
+)
 from ._storage import (
     HELD_OWNER_ROWS,
     LEASE_ROW,
@@ -175,12 +182,26 @@ CLAIM_TTL_S = 120.0
 # (this class, a random key) on a connection of its own. A replica that dies loses it
 # with its sessions, so its claims are free at once, not after CLAIM_TTL_S.
 _PRESENCE_LOCK = 0x5A6A_0003
-# The presence keys held now, as text (a claim's claimed_by starts with "<key>@").
+# The presence keys held now, as text (a claim's claimed_by is "<key>@<store>").
 _LIVE_KEYS = (
     "ARRAY(SELECT l.objid::text FROM pg_locks l WHERE l.locktype = 'advisory' "
     "AND l.classid = %(ns)s::oid AND l.objsubid = 2 AND l.granted AND l.database = "
     "(SELECT oid FROM pg_database WHERE datname = current_database()))"
 )
+# A claim whose send has begun ("send:<key>@<store>", see PgAlertStore.sending) holds
+# its row until claimed_until alone: a request in flight goes on when its replica's
+# presence connection is cut, and the database cannot tell that from a dead replica.
+_SENDING = "send:"
+# Whether another store's claim has let row {o} go (an expression over alert_outbox {o}
+# and the CTE live): never claimed or released, past its time (the database's clock),
+# or not yet sending and its store's presence lock is gone.
+_CLAIM_FREE = (
+    "({o}.claimed_until IS NULL OR {o}.claimed_until < extract(epoch FROM clock_timestamp()) "
+    "OR (NOT starts_with({o}.claimed_by, %(sending)s) "
+    "AND split_part({o}.claimed_by, '@', 1) <> ALL(live.keys)))"
+)
+# This store's claim on row {o}, whatever presence key it was made under (see _take_presence).
+_OURS = "split_part({o}.claimed_by, '@', 2) = %(store)s"
 
 
 def _changes(
@@ -817,7 +838,9 @@ class PgAlertStore(OutboxReads, _Pooled):
         super().__init__(target, max_size=2, name="saga-sidecar-outbox")
         self._key = ""  # the presence lock's key, as text; "" while none is held
         self._presence: Any = None  # the connection holding it
-        self._where = f"{socket.gethostname()}:{os.getpid()}"
+        # This store in its claims ("<key>@<who>"): its process, and a nonce for two
+        # stores of one process; unlike the key, it outlives a lost presence lock.
+        self._who = f"{socket.gethostname()}:{os.getpid()}/{secrets.token_hex(4)}"
         # Taken now, well before the first claim (other replicas judge claims by it).
         with contextlib.suppress(StoreError):
             self._take_presence()
@@ -832,13 +855,26 @@ class PgAlertStore(OutboxReads, _Pooled):
                 self._presence.close()
             self._presence, self._key = None, ""
 
+    def _args(self, **more: object) -> dict[str, object]:
+        """The parameters every claim statement names (see _CLAIM_FREE, _OURS), and more."""
+        return {
+            "me": f"{self._key}@{self._who}",
+            "store": self._who,
+            "sending": _SENDING,
+            "ns": _PRESENCE_LOCK,
+            **more,
+        }
+
     @contextlib.contextmanager
     def transaction(self) -> Iterator[AlertTx]:
         with self._tx("write alerts to the outbox") as conn:
             yield _PgAlertTx(conn)
 
     def _take_presence(self) -> None:
-        """Hold a presence lock of our own on a connection of its own (a new one)."""
+        """Hold a presence lock of our own on a connection of its own (a new one), and
+        move this store's claims on pending rows to it: claims made under a lock lost with
+        its connection (a database restart, idle_session_timeout) would look like a dead
+        replica's, and another replica would take a row this one holds back for a retry."""
         psycopg = self._psycopg
         self._drop_presence()
         conn = None
@@ -853,6 +889,12 @@ class PgAlertStore(OutboxReads, _Pooled):
                 ).fetchone()
                 if row and row[0]:
                     break
+            conn.execute(
+                "UPDATE alert_outbox SET claimed_by = CASE WHEN starts_with(claimed_by, "
+                "%(sending)s) THEN %(sending)s ELSE '' END || %(key)s || '@' || %(store)s "
+                f"WHERE state = %(pending)s AND {_OURS.format(o='alert_outbox')}",
+                self._args(key=str(key), pending=PENDING),
+            )
         except psycopg.Error as exc:
             if conn is not None:  # connected, but the lock failed: no session left open
                 with contextlib.suppress(Exception):
@@ -865,9 +907,9 @@ class PgAlertStore(OutboxReads, _Pooled):
 
     def next_row(self, sink: str, state: str) -> OutboxRecord | None:
         """Claim the next row: rows locked by another replica's claim are skipped (SKIP
-        LOCKED), and so are rows another replica holds (claimed_until, on the database's
-        clock) while its presence lock is held. A store claims only while its own
-        presence lock is seen held: others must never take its claims for a dead one's."""
+        LOCKED), and so are rows another replica holds (see _CLAIM_FREE). A store claims
+        only while its own presence lock is seen held: others must never take its claims
+        for a dead one's."""
         present, row = self._claim(sink, state)
         if not present:
             self._take_presence()  # lost with its connection (a restart of the database)
@@ -878,14 +920,7 @@ class PgAlertStore(OutboxReads, _Pooled):
         """(whether our presence lock is held, the row claimed): one statement, so a
         store that finds nothing to claim learns in the same round trip whether it lost
         its lock (the one snapshot of pg_locks, ``live``, answers both)."""
-        args = {
-            "me": f"{self._key}@{self._where}",
-            "key": self._key,
-            "ns": _PRESENCE_LOCK,
-            "ttl": CLAIM_TTL_S,
-            "sink": sink,
-            "state": state,
-        }
+        args = self._args(key=self._key, ttl=CLAIM_TTL_S, sink=sink, state=state)
         with self._tx("claim an alert") as conn:
             got = conn.execute(
                 f"WITH live AS (SELECT {_LIVE_KEYS} AS keys), c AS ("
@@ -893,9 +928,7 @@ class PgAlertStore(OutboxReads, _Pooled):
                 "extract(epoch FROM clock_timestamp()) + %(ttl)s WHERE id = ("
                 "SELECT o.id FROM alert_outbox o, live WHERE %(key)s = ANY(live.keys) "
                 "AND o.sink = %(sink)s AND o.state = %(state)s "
-                "AND (o.claimed_until IS NULL OR o.claimed_by = %(me)s "
-                "OR o.claimed_until < extract(epoch FROM clock_timestamp()) "
-                "OR split_part(o.claimed_by, '@', 1) <> ALL(live.keys)) "
+                f"AND ({_OURS.format(o='o')} OR {_CLAIM_FREE.format(o='o')}) "
                 "AND NOT EXISTS (SELECT 1 FROM alert_outbox e WHERE e.sink = o.sink AND "
                 "e.dedup_key = o.dedup_key AND e.id < o.id AND e.state = %(state)s) "
                 "ORDER BY o.id LIMIT 1 FOR UPDATE OF o SKIP LOCKED) "
@@ -907,18 +940,35 @@ class PgAlertStore(OutboxReads, _Pooled):
             return False, None
         return bool(got[0]), (OutboxRecord(*got[1:]) if got[1] is not None else None)
 
+    def sending(self, row_id: int, seconds: float) -> bool:
+        """Make this store's claim on a pending row a send's, for ``seconds`` (see
+        _SENDING); False when the claim is no longer ours (another replica took the row
+        over when it expired, and sends it) or the row is no longer pending."""
+        with self._tx("claim an alert's send") as conn:
+            cur = conn.execute(
+                "UPDATE alert_outbox SET claimed_by = %(sending)s || %(me)s, claimed_until = "
+                "extract(epoch FROM clock_timestamp()) + %(seconds)s WHERE id = %(id)s "
+                f"AND state = %(pending)s AND {_OURS.format(o='alert_outbox')}",
+                self._args(id=row_id, seconds=seconds, pending=PENDING),
+            )
+            return bool(cur.rowcount)
+
     def mark(
         self, row_id: int, state: str, error: str | None, sent: bool, now: float, hold: float = 0
-    ) -> None:
+    ) -> bool:
         with self._tx("update an alert") as conn:
-            conn.execute(
-                "UPDATE alert_outbox SET state = %s, attempts = attempts + 1, last_error = %s, "
-                "delivered_at = CASE WHEN %s THEN %s ELSE delivered_at END, "
-                "last_sent_at = CASE WHEN %s THEN %s ELSE last_sent_at END, "
-                "claimed_until = CASE WHEN %s > 0 THEN extract(epoch FROM clock_timestamp()) "
-                "+ %s END, claimed_by = CASE WHEN %s > 0 THEN claimed_by END WHERE id = %s",
-                (state, error, sent, now, sent, now, hold, hold, hold, row_id),
+            cur = conn.execute(
+                "UPDATE alert_outbox SET state = %(state)s, attempts = attempts + 1, "
+                "last_error = %(error)s, "
+                "delivered_at = CASE WHEN %(sent)s THEN %(now)s ELSE delivered_at END, "
+                "last_sent_at = CASE WHEN %(sent)s THEN %(now)s ELSE last_sent_at END, "
+                "claimed_until = CASE WHEN %(hold)s > 0 THEN extract(epoch FROM "
+                "clock_timestamp()) + %(hold)s END, "
+                "claimed_by = CASE WHEN %(hold)s > 0 THEN %(me)s END "
+                f"WHERE id = %(id)s AND {_OURS.format(o='alert_outbox')}",
+                self._args(state=state, error=error, sent=sent, now=now, hold=hold, id=row_id),
             )
+            return bool(cur.rowcount)
 
     def touch_sent(self, row_id: int, at: float) -> None:
         with self._tx("update an alert") as conn:

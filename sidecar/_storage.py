@@ -452,11 +452,20 @@ class AlertStore(Protocol):
         """
         ...
 
+    def sending(self, row_id: int, seconds: float) -> bool:
+        """Just before a row claimed by :meth:`next_row` is sent: True while the claim is
+        still this process's (a shared store then holds the row ``seconds`` from now, the
+        send's limit and a margin, whether or not the claimer is seen alive). False: the
+        claim ran out and another process took the row over, which sends it: do not.
+        """
+        ...
+
     def mark(
         self, row_id: int, state: str, error: str | None, sent: bool, now: float, hold: float = 0
-    ) -> None:
-        """Record a delivery attempt. ``hold`` > 0 (a retry's delay): no other process may
-        take the row for that long; otherwise the row's claim (see :meth:`next_row`) ends."""
+    ) -> bool:
+        """Record a delivery attempt, if the row's claim is still this process's (False:
+        another process took the row over, and records its own). ``hold`` > 0 (a retry's
+        delay): no other process may take the row for that long; otherwise the claim ends."""
         ...
 
     def firing(self, sink: str, delivered: str) -> list[tuple[int, float, str]]:

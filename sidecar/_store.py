@@ -848,6 +848,9 @@ class SqliteAlertStore(OutboxReads):
         rows = self._all(ROW + " WHERE sink = ? AND state = ? ORDER BY id LIMIT 1", (sink, state))
         return OutboxRecord(*rows[0]) if rows else None
 
+    def sending(self, row_id: int, seconds: float) -> bool:  # noqa: ARG002
+        return True  # one process per file: its rows are its own
+
     def mark(
         self,
         row_id: int,
@@ -856,7 +859,7 @@ class SqliteAlertStore(OutboxReads):
         sent: bool,
         now: float,
         hold: float = 0,  # noqa: ARG002 (one process per file: no claims to hold)
-    ) -> None:
+    ) -> bool:
         with self._lock:
             self._db.execute(
                 "UPDATE alert_outbox SET state = ?, attempts = attempts + 1, last_error = ?, "
@@ -864,6 +867,7 @@ class SqliteAlertStore(OutboxReads):
                 "last_sent_at = CASE WHEN ? THEN ? ELSE last_sent_at END WHERE id = ?",
                 (state, error, sent, now, sent, now, row_id),
             )
+        return True
 
     def touch_sent(self, row_id: int, at: float) -> None:
         with self._lock:

@@ -269,6 +269,32 @@ async def test_retries_503_and_429_with_backoff_then_delivers_once(
     assert registry.get_sample_value(sc.M_SIDECAR_ALERTS, {**labels, "outcome": "delivered"}) == 1
 
 
+async def test_a_send_that_never_answers_is_cut_and_retried(tmp_path: Path) -> None:
+    """A sink that never answers (one without a timeout of its own) is cut at the sinks'
+    timeout and retried: on PostgreSQL no send may outlive the hold that keeps other
+    replicas off its row."""
+
+    class Hangs(FakeSink):
+        hung = False
+
+        async def send(self, event: AlertEvent) -> None:
+            if not self.hung:
+                self.hung = True
+                await asyncio.Event().wait()  # the first request is never answered
+            await super().send(event)
+
+    sink = Hangs()
+    box = Outbox(db_for(tmp_path / "db"), [sink], sleep=no_sleep, send_timeout=0.05)
+    box.add([fire("r1")])
+    await box.start()
+    try:
+        assert await box.wait_idle()
+    finally:
+        await box.stop()
+    assert [e.action for e in sink.got] == [Action.FIRE]
+    assert [(r.state, r.attempts) for r in box.rows()] == [(DELIVERED, 2)]
+
+
 async def test_a_webhook_urls_secret_stays_out_of_logs_and_the_run_page(
     tmp_path: Path, receiver: Receiver, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -43,7 +43,7 @@ from sidecar._errors import StoreError
 from sidecar._groups import Groups
 from sidecar._leases import Lease
 from sidecar._otlp import Decoded, extract, parse_protobuf
-from sidecar._outbox import PENDING, Backoff, Outbox
+from sidecar._outbox import DELIVERED, PENDING, Backoff, Outbox
 from sidecar._pgstore import CLAIM_TTL_S, PgAlertStore, PgStore
 from sidecar._sinks import DeliveryRetry
 from sidecar._storage import parse_db
@@ -734,6 +734,135 @@ def test_a_replica_that_lost_its_presence_takes_it_again_before_it_claims(
         assert a._presence.info.backend_pid != pid
         second = b.next_row(sink.name, PENDING)  # the next row, not a's older one
         assert second is not None and second.id > first.id
+    finally:
+        a.close()
+        b.close()
+
+
+class HeldSink(SharedSink):
+    """A receiver slow to answer: each send waits for ``release`` (set ``entered`` first)."""
+
+    def __init__(self, got: list[tuple[str, AlertEvent]], replica: str) -> None:
+        super().__init__(got, replica)
+        self.entered, self.release = asyncio.Event(), asyncio.Event()
+
+    async def send(self, event: AlertEvent) -> None:
+        self.entered.set()
+        await self.release.wait()
+        await super().send(event)
+
+
+@pytest.mark.parametrize("looks_dead", ["presence_cut", "claim_expired"])
+async def test_a_row_whose_send_is_in_flight_is_not_taken_over(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, looks_dead: str
+) -> None:
+    """Replica a is sending a fire when its claim stops looking alive to the others: its
+    presence connection is cut (a database restart, idle_session_timeout), or the claim
+    ran out (a send slower than it; CLAIM_TTL_S is 0 here). The request is still in
+    flight: no other replica may take the fire, nor send its resolve, before a has
+    recorded it. (Another replica sent both at once, and a's fire landed last: a fire
+    after its resolve.)"""
+    if looks_dead == "claim_expired":
+        monkeypatch.setattr("sidecar._pgstore.CLAIM_TTL_S", 0.0)
+    url = db_for(tmp_path / "sidecar.db")
+    got: list[tuple[str, AlertEvent]] = []
+    sink = HeldSink(got, "a")
+    a = Outbox(url, [sink])
+    other = PgAlertStore(parse_db(url))
+    fire, resolve = _events(["r1"])
+    try:
+        await a.start()
+        await a.call(a.add, [fire])
+        await asyncio.wait_for(sink.entered.wait(), 10)  # claimed, and its send begun
+        if looks_dead == "presence_cut":
+            presence = a._store._presence  # type: ignore[attr-defined]
+            with psycopg.connect(url, autocommit=True) as admin:
+                pid = presence.info.backend_pid  # its lock gone once this returns
+                admin.execute("SELECT pg_terminate_backend(%s, 10000)", (pid,))
+        await a.call(a.add, [resolve])  # the run ended meanwhile
+        assert await asyncio.to_thread(other.next_row, sink.name, PENDING) is None
+        sink.release.set()
+        await _until(lambda: len(got) == 2, "the fire and its resolve delivered")
+        assert await a.wait_idle()
+    finally:
+        sink.release.set()
+        await a.stop()
+        a.close()
+        other.close()
+    assert [(who, e.action) for who, e in got] == [("a", Action.FIRE), ("a", Action.RESOLVE)]
+
+
+async def test_a_replica_paused_past_its_claim_does_not_send_what_another_took_over(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Replica a claims a fire and is paused (a stopped process, a long GC pause) until
+    its claim runs out (CLAIM_TTL_S is 0 here); b takes the fire over and delivers it,
+    then its resolve. Woken, a must not send the fire it claimed (it did: a second
+    page, after the resolve) nor record anything on the row."""
+    monkeypatch.setattr("sidecar._pgstore.CLAIM_TTL_S", 0.0)
+    url = db_for(tmp_path / "sidecar.db")
+    got: list[tuple[str, AlertEvent]] = []
+    a, b = Outbox(url, [SharedSink(got, "a")]), Outbox(url, [SharedSink(got, "b")])
+    store = a._store
+    claim = store.next_row
+    claimed, resume = threading.Event(), threading.Event()
+    claims: list[object] = []
+
+    def paused(sink: str, state: str) -> Any:
+        row = claim(sink, state)
+        claims.append(row)
+        if row is not None and not claimed.is_set():
+            claimed.set()
+            resume.wait(10)  # a is paused between its claim and its send
+        return row
+
+    store.next_row = paused  # type: ignore[method-assign]
+    fire, resolve = _events(["r1"])
+    try:
+        await a.start()
+        await a.call(a.add, [fire])
+        assert await asyncio.to_thread(claimed.wait, 10)
+        await b.start()
+        await b.call(b.add, [resolve])
+        await _until(lambda: len(got) == 2, "b delivered the fire and its resolve")
+        resume.set()
+        await _until(lambda: len(claims) >= 2, "a woke and looked for its next row")
+        assert await a.wait_idle() and await b.wait_idle()
+        rows = [(r.action, r.state, r.attempts) for r in a.rows()]
+    finally:
+        resume.set()
+        for box in (a, b):
+            await box.stop()
+            box.close()
+    assert [(who, e.action) for who, e in got] == [("b", Action.FIRE), ("b", Action.RESOLVE)]
+    assert rows == [("fire", DELIVERED, 1), ("resolve", DELIVERED, 1)]
+
+
+def test_claims_made_before_a_lost_presence_are_held_under_the_new_one(tmp_path: Path) -> None:
+    """A replica whose presence connection was cut takes a new presence lock and moves
+    its claims to it: a row it claimed before (being sent, or held back for a retry)
+    does not look like a dead replica's to the others once it is present again."""
+    url = db_for(tmp_path / "sidecar.db")
+
+    class OtherSink(SharedSink):
+        name = "webhook:http://other"
+
+    first, second = SharedSink([], "w"), OtherSink([], "w")
+    writer = Outbox(url, [first, second])
+    try:
+        assert writer.add(_events(["r1"])[:1]) == 2  # the fire, once per sink
+    finally:
+        writer.close()
+    a, b = PgAlertStore(parse_db(url)), PgAlertStore(parse_db(url))
+    try:
+        held = a.next_row(first.name, PENDING)
+        assert held is not None
+        with psycopg.connect(url, autocommit=True) as admin:
+            pid = a._presence.info.backend_pid  # its lock gone once this returns
+            admin.execute("SELECT pg_terminate_backend(%s, 10000)", (pid,))
+        assert a.next_row(second.name, PENDING) is not None  # present again
+        assert b.next_row(first.name, PENDING) is None  # still a's
+        assert a.sending(held.id, 10.0)
     finally:
         a.close()
         b.close()
