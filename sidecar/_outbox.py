@@ -599,13 +599,21 @@ class Outbox:
         return max(0.0, min(sent for _, sent, _ in firing) + interval - self._clock())
 
     async def _resend(self, sink: Sink, interval: float) -> None:
-        """Re-send still-firing alerts: an Alertmanager that restarted gets them back."""
+        """Re-send still-firing alerts: an Alertmanager that restarted gets them back.
+
+        Each is claimed first (``resending``), checking it still fires and is due: the
+        list was read before, and meanwhile another replica may have delivered its
+        resolve (a fire re-sent after it pages again) or re-sent it. Its resolve waits
+        while the claim lives."""
         now = self._clock()
+        hold = self._send_limit + SEND_MARGIN_S
         for row_id, sent, text in await self.call(self._firing, sink.name):
             if sent + interval > now:
                 continue
+            if not await self.call(self._store.resending, row_id, now - interval, hold):
+                continue
             try:
-                await sink.send(_load(text))
+                await self._send(sink, _load(text))
             except Exception as exc:
                 error = f"{type(exc).__name__}: {exc}"
                 log.warning("sidecar.alert.resend_failed", sink=shown_sink(sink.name), error=error)

@@ -23,14 +23,19 @@ ROW = "SELECT id, dedup_key, action, sink, state, attempts, last_error, event FR
 # Outbox depth: served by the index on state (schema 4), so it costs what is pending,
 # not what the outbox ever held (it runs after every write and every delivery).
 COUNT_IN_STATE = "SELECT COUNT(*) FROM alert_outbox WHERE state = ?"
-# Fires still firing (a resolve row exists for none of them), delivered to a sink that
-# re-sends them (Alertmanager): read after every delivery, so served by the partial index
-# alert_outbox_firing (schema 4) and as cheap as what is firing, however many fires were
-# resolved since. A fire row is marked resolved when its resolve row is written.
-FIRING = (
-    "SELECT id, last_sent_at, event FROM alert_outbox WHERE sink = ? AND action = 'fire' "
-    "AND resolved_at IS NULL AND state = ?"
+# A fire still firing: delivered (the state {state}), no resolve row written since (the
+# resolve marks it, RESOLVE_FIRE).
+_STILL_FIRING = "action = 'fire' AND resolved_at IS NULL AND state = {state}"
+# Fires still firing, delivered to a sink that re-sends them (Alertmanager): read after
+# every delivery, so served by the partial index alert_outbox_firing (schema 4) and as
+# cheap as what is firing, however many fires were resolved since.
+FIRING = "SELECT id, last_sent_at, event FROM alert_outbox WHERE sink = ? AND " + (
+    _STILL_FIRING.format(state="?")
 )
+# A fire to re-send now: still firing, and not sent since {due}. Checked again as its
+# re-send is claimed (AlertStore.resending): the list was read before, and a resolve may
+# have been written since, or another replica may have re-sent it.
+RESEND_DUE = _STILL_FIRING + " AND (last_sent_at IS NULL OR last_sent_at <= {due})"
 RESOLVE_FIRE = (
     "UPDATE alert_outbox SET resolved_at = ? WHERE dedup_key = ? AND sink = ? "
     "AND action = 'fire' AND resolved_at IS NULL"

@@ -27,9 +27,11 @@ from ._errors import StoreError
 from ._leases import Lease, LeaseRefusal, Owner
 from ._log import get_logger
 from ._outbox_sql import (
+    DELIVERED,
     OUTBOX_V4,
     PENDING,
     PRUNE_RUN_ALERTS,
+    RESEND_DUE,
     RESOLVE_FIRE,
     OutboxReads,
     sql,
@@ -929,8 +931,11 @@ class PgAlertStore(OutboxReads, _Pooled):
                 "SELECT o.id FROM alert_outbox o, live WHERE %(key)s = ANY(live.keys) "
                 "AND o.sink = %(sink)s AND o.state = %(state)s "
                 f"AND ({_OURS.format(o='o')} OR {_CLAIM_FREE.format(o='o')}) "
+                # Nor while an older row of its alert waits, or is being sent (a fire
+                # re-sent to Alertmanager, see resending): a resolve goes after its fire.
                 "AND NOT EXISTS (SELECT 1 FROM alert_outbox e WHERE e.sink = o.sink AND "
-                "e.dedup_key = o.dedup_key AND e.id < o.id AND e.state = %(state)s) "
+                "e.dedup_key = o.dedup_key AND e.id < o.id AND (e.state = %(state)s "
+                f"OR NOT {_CLAIM_FREE.format(o='e')})) "
                 "ORDER BY o.id LIMIT 1 FOR UPDATE OF o SKIP LOCKED) "
                 "RETURNING id, dedup_key, action, sink, state, attempts, last_error, event) "
                 "SELECT %(key)s = ANY(live.keys), c.* FROM live LEFT JOIN c ON true",
@@ -970,9 +975,26 @@ class PgAlertStore(OutboxReads, _Pooled):
             )
             return bool(cur.rowcount)
 
+    def resending(self, row_id: int, due: float, seconds: float) -> bool:
+        due_now = RESEND_DUE.format(state="%(delivered)s", due="%(due)s")
+        with self._tx("claim an alert's re-send") as conn:
+            cur = conn.execute(
+                f"WITH live AS (SELECT {_LIVE_KEYS} AS keys) UPDATE alert_outbox SET "
+                "claimed_by = %(sending)s || %(me)s, claimed_until = "
+                "extract(epoch FROM clock_timestamp()) + %(seconds)s FROM live "
+                f"WHERE id = %(id)s AND {due_now} AND ({_OURS.format(o='alert_outbox')} "
+                f"OR {_CLAIM_FREE.format(o='alert_outbox')})",
+                self._args(id=row_id, due=due, seconds=seconds, delivered=DELIVERED),
+            )
+            return bool(cur.rowcount)
+
     def touch_sent(self, row_id: int, at: float) -> None:
         with self._tx("update an alert") as conn:
-            conn.execute("UPDATE alert_outbox SET last_sent_at = %s WHERE id = %s", (at, row_id))
+            conn.execute(
+                "UPDATE alert_outbox SET last_sent_at = %(at)s, claimed_by = NULL, "
+                f"claimed_until = NULL WHERE id = %(id)s AND {_OURS.format(o='alert_outbox')}",
+                self._args(at=at, id=row_id),
+            )
 
     def history(self, run_id: str) -> list[HistoryRecord]:
         return pg_history(self.target, run_id)

@@ -472,7 +472,16 @@ class AlertStore(Protocol):
         """(id, last_sent_at, event JSON) of delivered fires of ``sink`` without a resolve."""
         ...
 
-    def touch_sent(self, row_id: int, at: float) -> None: ...
+    def resending(self, row_id: int, due: float, seconds: float) -> bool:
+        """Just before a fire from :meth:`firing` is re-sent: True while it still fires
+        and was not sent since ``due``. A shared store then holds it ``seconds`` (as
+        :meth:`sending`), and its resolve waits meanwhile (:meth:`next_row`); False when
+        another process holds it (re-sending it)."""
+        ...
+
+    def touch_sent(self, row_id: int, at: float) -> None:
+        """Record a re-send (its time) and end its hold, if the hold is still ours."""
+        ...
 
     def history(self, run_id: str) -> list[HistoryRecord]:
         """The rows of one run, oldest first; empty when the outbox was never created."""

@@ -23,7 +23,15 @@ from typing import Any
 from ._errors import StoreError
 from ._leases import Lease, LeaseRefusal, Override, Owner
 from ._log import get_logger
-from ._outbox_sql import OUTBOX_V4, PRUNE_RUN_ALERTS, RESOLVE_FIRE, ROW, OutboxReads
+from ._outbox_sql import (
+    DELIVERED,
+    OUTBOX_V4,
+    PRUNE_RUN_ALERTS,
+    RESEND_DUE,
+    RESOLVE_FIRE,
+    ROW,
+    OutboxReads,
+)
 from ._putaway_filter import PutAwayFilter
 from ._storage import (
     HELD_OWNER_ROWS,
@@ -868,6 +876,11 @@ class SqliteAlertStore(OutboxReads):
                 (state, error, sent, now, sent, now, row_id),
             )
         return True
+
+    def resending(self, row_id: int, due: float, seconds: float) -> bool:  # noqa: ARG002
+        where = RESEND_DUE.format(state="?", due="?")
+        query = f"SELECT 1 FROM alert_outbox WHERE id = ? AND {where}"
+        return bool(self._all(query, (row_id, DELIVERED, due)))
 
     def touch_sent(self, row_id: int, at: float) -> None:
         with self._lock:

@@ -866,3 +866,86 @@ def test_claims_made_before_a_lost_presence_are_held_under_the_new_one(tmp_path:
     finally:
         a.close()
         b.close()
+
+
+class Alertmanager(SharedSink):
+    """An Alertmanager seen through a replica; with ``hold_resend``, its first re-send
+    waits for ``release`` (``entered`` set first): a re-send pass in progress."""
+
+    kind = "alertmanager"
+    name = "alertmanager:http://am"
+
+    def __init__(
+        self, got: list[tuple[str, AlertEvent]], replica: str, resend: float | None
+    ) -> None:
+        super().__init__(got, replica)
+        self.resend = resend
+        self.held: AlertEvent | None = None  # the re-send held, once it is
+        self.entered, self.release = asyncio.Event(), asyncio.Event()
+
+    @property  # type: ignore[override]
+    def resend_interval(self) -> float | None:
+        return self.resend
+
+    async def send(self, event: AlertEvent) -> None:
+        again = any(e.dedup_key == event.dedup_key for _, e in self.got)
+        if again and event.action is Action.FIRE and self.held is None:
+            self.held = event
+            self.entered.set()
+            await self.release.wait()
+        await super().send(event)
+
+
+async def test_a_resend_pass_at_one_replica_never_follows_a_resolve_from_another(
+    tmp_path: Path,
+) -> None:
+    """Replica a re-sends its firing alerts to Alertmanager, one at a time from a list it
+    read first, while replica b delivers resolves. The fire a is re-sending holds its
+    resolve back until that re-send is done; a fire whose resolve b delivered meanwhile
+    is not re-sent (it was: Alertmanager took the alert as firing again and notified)."""
+    url = db_for(tmp_path / "sidecar.db")
+    got: list[tuple[str, AlertEvent]] = []
+    sink, clock = Alertmanager(got, "a", resend=60.0), FakeClock()
+    a = Outbox(url, [sink], clock=clock)
+    b = Outbox(url, [Alertmanager(got, "b", resend=None)])
+    store = a._store
+    read = store.firing
+    passes = [0]
+
+    def firing(sink_name: str, delivered: str) -> list[tuple[int, float, str]]:
+        passes[0] += 1
+        return read(sink_name, delivered)
+
+    store.firing = firing  # type: ignore[method-assign]
+    events = _events(["r1", "r2"])
+    fires = [e for e in events if e.action is Action.FIRE]
+    resolves = {e.run_id: e for e in events if e.action is Action.RESOLVE}
+    try:
+        await a.start()
+        await a.call(a.add, fires)
+        await _until(lambda: len(got) == 2, "both fires delivered")
+        clock.now += 61.0  # both due: a's next pass (within POLL_S) re-sends them
+        await asyncio.wait_for(sink.entered.wait(), 10)  # a pass is re-sending a fire
+        resending = sink.held
+        assert resending is not None
+        other = "r2" if resending.run_id == "r1" else "r1"
+        await b.start()
+        await b.call(b.add, [resolves[resending.run_id], resolves[other]])
+
+        def resolved(run_id: str) -> bool:
+            return any(e.run_id == run_id and e.action is Action.RESOLVE for _, e in got)
+
+        await _until(lambda: resolved(other), "b delivered the other run's resolve")
+        assert not resolved(resending.run_id)  # held back behind the re-send
+        looked = passes[0]
+        sink.release.set()
+        await _until(lambda: resolved(resending.run_id), "then its resolve")
+        await _until(lambda: passes[0] > looked, "a's pass ended")
+    finally:
+        sink.release.set()
+        for box in (a, b):
+            await box.stop()
+            box.close()
+    for run_id in ("r1", "r2"):
+        mine = [e.action for _, e in got if e.run_id == run_id]
+        assert mine[-1] is Action.RESOLVE and mine.count(Action.RESOLVE) == 1, (run_id, mine)
