@@ -489,66 +489,93 @@ class Outbox:
 
     async def _worker(self, sink: Sink) -> None:
         wake = self._wake[sink.name]
-        failures = 0
+        failures = 0  # the sink's, in a row
+        outage = 0  # the database's, in a row
         while True:
-            wake.clear()
-            row = await self.call(self._next, sink.name)
-            if row is None:
-                await self._idle(sink, wake)
-                continue
-            # Still ours, and held for the whole send: a claim that ran out while this
-            # replica was paused was taken over, and the replica that took it sends it.
-            if not await self.call(self._store.sending, row.id, self._send_limit + SEND_MARGIN_S):
-                continue
             try:
-                await self._send(sink, row.event)
-            except DeliveryRejected as exc:
-                failures = 0
-                # Counted before it is recorded: once the row is no longer pending, a
-                # waiter (wait_idle, then stop) may cancel this worker at its next await.
-                self._count(row.event.alertname, sink.kind, OUTCOME_FAILED)
-                await self._settle(row, FAILED, str(exc), False)
-                log.error(
-                    "sidecar.alert.rejected",
+                failures = await self._deliver_next(sink, wake, failures)
+            except StoreError as exc:
+                # The database is down or unreachable (a restart, a failover): nothing is
+                # lost, the rows wait in it. Keep looking, backing off, as for a sink.
+                outage += 1
+                delay = self.backoff.delay(outage, self._rng)
+                if outage == 1:
+                    log.error(
+                        "sidecar.outbox.store_failed",
+                        sink=shown_sink(sink.name),
+                        error=str(exc),
+                        retry_in_s=round(delay, 3),
+                    )
+                await self._sleep(delay)
+                continue
+            if outage:
+                log.info(
+                    "sidecar.outbox.store_recovered",
+                    sink=shown_sink(sink.name),
+                    failed_attempts=outage,
+                )
+                outage = 0
+
+    async def _deliver_next(self, sink: Sink, wake: asyncio.Event, failures: int) -> int:
+        """Deliver ``sink``'s next row, or wait for one; the sink's failures in a row
+        after it. Raises StoreError when the database fails."""
+        wake.clear()
+        row = await self.call(self._next, sink.name)
+        if row is None:
+            await self._idle(sink, wake)
+            return failures
+        # Still ours, and held for the whole send: a claim that ran out while this
+        # replica was paused was taken over, and the replica that took it sends it.
+        if not await self.call(self._store.sending, row.id, self._send_limit + SEND_MARGIN_S):
+            return failures
+        try:
+            await self._send(sink, row.event)
+        except DeliveryRejected as exc:
+            failures = 0
+            # Counted before it is recorded: once the row is no longer pending, a
+            # waiter (wait_idle, then stop) may cancel this worker at its next await.
+            self._count(row.event.alertname, sink.kind, OUTCOME_FAILED)
+            await self._settle(row, FAILED, str(exc), False)
+            log.error(
+                "sidecar.alert.rejected",
+                sink=shown_sink(sink.name),
+                action=row.action,
+                dedup_key=row.dedup_key,
+                error=str(exc),
+                fix="a configuration error (routing key, URL, token): fix the sink's "
+                "settings; this alert is not retried",
+            )
+        except Exception as exc:
+            # DeliveryRetry, or a bug in a sink: keep the row, never lose the alert.
+            failures += 1
+            retry_after = exc.retry_after if isinstance(exc, DeliveryRetry) else None
+            delay = self.backoff.delay(failures, self._rng, retry_after)
+            # Held for the delay: another replica must not retry it sooner.
+            await self._settle(row, PENDING, f"{type(exc).__name__}: {exc}", False, delay)
+            self._count(row.event.alertname, sink.kind, OUTCOME_RETRIED)
+            if failures == 1:
+                # Once per outage (and once when it ends): the retries are counted
+                # in saga_sidecar_alerts_total{outcome="retried"}.
+                log.warning(
+                    "sidecar.sink.down",
                     sink=shown_sink(sink.name),
                     action=row.action,
                     dedup_key=row.dedup_key,
-                    error=str(exc),
-                    fix="a configuration error (routing key, URL, token): fix the sink's "
-                    "settings; this alert is not retried",
+                    error=f"{type(exc).__name__}: {exc}",
+                    retry_in_s=round(delay, 3),
+                    exc_info=not isinstance(exc, DeliveryRetry),
                 )
-            except Exception as exc:
-                # DeliveryRetry, or a bug in a sink: keep the row, never lose the alert.
-                failures += 1
-                retry_after = exc.retry_after if isinstance(exc, DeliveryRetry) else None
-                delay = self.backoff.delay(failures, self._rng, retry_after)
-                # Held for the delay: another replica must not retry it sooner.
-                await self._settle(row, PENDING, f"{type(exc).__name__}: {exc}", False, delay)
-                self._count(row.event.alertname, sink.kind, OUTCOME_RETRIED)
-                if failures == 1:
-                    # Once per outage (and once when it ends): the retries are counted
-                    # in saga_sidecar_alerts_total{outcome="retried"}.
-                    log.warning(
-                        "sidecar.sink.down",
-                        sink=shown_sink(sink.name),
-                        action=row.action,
-                        dedup_key=row.dedup_key,
-                        error=f"{type(exc).__name__}: {exc}",
-                        retry_in_s=round(delay, 3),
-                        exc_info=not isinstance(exc, DeliveryRetry),
-                    )
-                await self._sleep(delay)
-            else:
-                if failures:
-                    log.info(
-                        "sidecar.sink.up", sink=shown_sink(sink.name), failed_attempts=failures
-                    )
-                failures = 0
-                self._count(row.event.alertname, sink.kind, OUTCOME_DELIVERED)  # as above
-                if self.metrics is not None:
-                    delay_s = max(0.0, self._clock() - row.event.at)
-                    self.metrics.delay.labels(sink=sink.kind).observe(delay_s)
-                await self._settle(row, DELIVERED, None, True)
+            await self._sleep(delay)
+        else:
+            if failures:
+                log.info("sidecar.sink.up", sink=shown_sink(sink.name), failed_attempts=failures)
+            failures = 0
+            self._count(row.event.alertname, sink.kind, OUTCOME_DELIVERED)  # as above
+            if self.metrics is not None:
+                delay_s = max(0.0, self._clock() - row.event.at)
+                self.metrics.delay.labels(sink=sink.kind).observe(delay_s)
+            await self._settle(row, DELIVERED, None, True)
+        return failures
 
     async def _send(self, sink: Sink, event: AlertEvent) -> None:
         """``sink.send(event)``, cut at the send's limit (a retry): no send outlives the

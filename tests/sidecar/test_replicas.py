@@ -949,3 +949,50 @@ async def test_a_resend_pass_at_one_replica_never_follows_a_resolve_from_another
     for run_id in ("r1", "r2"):
         mine = [e.action for _, e in got if e.run_id == run_id]
         assert mine[-1] is Action.RESOLVE and mine.count(Action.RESOLVE) == 1, (run_id, mine)
+
+
+async def test_delivery_goes_on_after_the_database_was_unreachable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The database refuses connections for longer than the pool waits (a restart, a
+    failover): the outbox's reads fail, and its worker keeps looking, backing off,
+    instead of ending (it ended: that replica delivered no alert until restarted)."""
+    monkeypatch.setattr("sidecar._pgstore.POOL_WAIT_S", 0.2)
+    url = db_for(tmp_path / "sidecar.db")
+    name = url.rsplit("/", 1)[1]
+    admin_url = url.rsplit("/", 1)[0] + "/postgres"
+    got: list[tuple[str, AlertEvent]] = []
+    a = Outbox(url, [SharedSink(got, "a")], backoff=Backoff(initial=0.01, maximum=0.05))
+    store = a._store
+    claim = store.next_row
+    failed: list[StoreError] = []
+
+    def next_row(sink: str, state: str) -> Any:
+        try:
+            return claim(sink, state)
+        except StoreError as exc:
+            failed.append(exc)
+            raise
+
+    store.next_row = next_row  # type: ignore[method-assign]
+    try:
+        await a.start()
+        with psycopg.connect(admin_url, autocommit=True) as admin:
+            admin.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS false')
+            admin.execute(
+                "SELECT pg_terminate_backend(pid, 10000) FROM pg_stat_activity WHERE datname = %s",
+                (name,),
+            )
+            try:
+                await _until(lambda: len(failed) >= 2, "the worker's reads failed")
+            finally:
+                admin.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true')
+        writer = Outbox(url, [SharedSink([], "w")])
+        try:
+            assert writer.add(_events(["r1"])[:1]) == 1
+        finally:
+            writer.close()
+        await _until(lambda: len(got) == 1, "the alert written after the outage delivered")
+    finally:
+        await a.stop()
+        a.close()
