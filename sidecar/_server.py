@@ -871,10 +871,7 @@ class Sidecar:
                 state.set_owner(run_id, owner)
         for lease in leases:
             current = state.lease(lease.run_id)
-            if current is None or (lease.token, lease.expires_at) > (
-                current.token,
-                current.expires_at,
-            ):
+            if current is None or _lease_order(lease) > _lease_order(current):
                 state.set_lease(lease)
 
     @staticmethod
@@ -1390,6 +1387,13 @@ class Sidecar:
         assert after is not None
         self._notify(before, after, now)
         return after
+
+
+def _lease_order(lease: Lease) -> tuple[int, bool, float, float]:
+    """Which of two versions of a run's lease is the later: a new grant has a larger token,
+    a release ends its token (it lowers the expiry, so the expiry alone would keep the
+    lease live here), and a renewal extends the expiry of its grant."""
+    return (lease.token, lease.released, lease.granted_at, lease.expires_at)
 
 
 def _grant(

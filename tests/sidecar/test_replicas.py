@@ -255,6 +255,34 @@ async def test_an_agent_back_at_one_replica_stops_the_recoverer_renewing_at_the_
             assert answer.reason == "agent_alive", answer
 
 
+async def test_a_lease_released_through_one_replica_is_released_at_the_other(
+    tmp_path: Path,
+) -> None:
+    """A grants the lease, the recoverer gives up and releases it through B: once A has
+    read the release (which lowers the expiry), A's lease is released too: the leader
+    judges the run as nobody's, not as taken until the grant's expiry ten minutes on."""
+    clock = FakeClock()
+    settings = settings_for(tmp_path, idle_timeout=5.0, tick_interval=3600.0)
+    async with Sidecar(settings, clock=clock) as a, Sidecar(settings, clock=clock) as b:
+        run = open_run(instance="agent-1")
+        assert not (await _post(a, run.spans())).partial_success.rejected_spans
+        clock.now += 10.0
+        a.tick()
+        lease = await a.lease(run.run_id, "grant", {"holder": "rec:1", "ttl_s": 600})
+        assert isinstance(lease, Lease)
+        undo = RunScript(instance="recoverer", run_id=run.run_id)
+        undo.unwind("recovery", "issue_credit", [])
+        spans = [rejoin(s, run, token=lease.token) for s in undo.spans() if s.name != undo.run.name]
+        assert not (await _post(b, spans)).partial_success.rejected_spans  # it began
+        await a.sync()
+        released = await b.lease(run.run_id, "release", {"holder": "rec:1", "token": 1})
+        assert isinstance(released, Lease) and released.released
+        await a.sync()
+        assert a.state.lease(run.run_id) == released
+        view = await _run_json(a, run.run_id)
+        assert view["recovery"]["released"] is True
+
+
 def _altered(span: ReadableSpan) -> ReadableSpan:
     """The same span id with other content (a buggy agent reusing an id)."""
     return ReadableSpan(
