@@ -1111,14 +1111,20 @@ class Sidecar:
                 [(t.run_id, t.at) for t in transitions],
                 event="sidecar.orphan_marks.not_stored", fix="they are derived again at restart",
             )  # fmt: skip
-        if self._listeners:
-            for t in transitions:
-                after = self.state.view(t.run_id)
-                if after is not None and t.before is not None:  # orphaning: a known run
-                    before = after.copy()
-                    before["status"] = t.before
-                    self._notify(before, after, now)
+        self._announce(transitions, now)
         return transitions
+
+    def _announce(self, transitions: Iterable[Transition], now: float) -> None:
+        """Tell the listeners of status changes no span made (an orphaning, here or read
+        from another replica): the view before is the view after with the status before."""
+        if not self._listeners:
+            return
+        for t in transitions:
+            after = self.state.view(t.run_id)
+            if after is not None and t.before is not None:  # a known run
+                before = after.copy()
+                before["status"] = t.before
+                self._notify(before, after, now)
 
     def _lapsed(self, transitions: Iterable[Transition]) -> None:
         """Forget, in the store too, the resolutions that lapsed (``_state._lapse``): a
@@ -1232,15 +1238,22 @@ class Sidecar:
             except (ValueError, TypeError):
                 named = []
             state.heard(instance, at, interval, named, now, self.settings.retention)
+        marked: list[Transition] = []
         for mark in changes.marks:
             view = state.view(mark.run_id)
             if view is None:
                 continue
-            if mark.orphaned_at is not None and view["status"] != sc.STATE_ORPHANED:
-                state.restore_orphaned(mark.run_id, mark.orphaned_at)
+            if mark.orphaned_at is not None:
+                moved = state.restore_orphaned(mark.run_id, mark.orphaned_at)
+                if moved is not None:
+                    marked.append(moved)
             if mark.resolution_at is not None and not view["resolution"]:
                 state.resolve(mark.run_id, mark.resolution_note or "", mark.resolution_at)
         self._learn({}, changes.leases)
+        # The leader raised the alert of its mark after storing the mark (in another
+        # transaction: it may have died in between); every replica that folds the mark
+        # raises it too, and the outbox keeps one row per dedup key, action and sink.
+        self._announce(marked, now)
 
     def prune(self) -> list[str]:
         """Forget finished runs past the retention, in memory and in the store, and of the

@@ -1211,14 +1211,22 @@ class RunState:
             return []
         return [Transition(run_id, before, run.status, now, _lapse(run))]
 
-    def restore_orphaned(self, run_id: str, at: float) -> None:
-        """Re-apply an orphan mark loaded from the store (no transition: it was reported)."""
+    def restore_orphaned(self, run_id: str, at: float) -> Transition | None:
+        """Apply an orphan mark read from the store (this sidecar's before a restart, or
+        another replica's); the transition when it moved the run's status, None when the
+        run is unknown, ended or orphaned already."""
         run = self._runs.get(run_id)
-        if run is not None and not run.has_ended():
-            run.orphaned_at = at
-            run.status = run.derive()
-            self._idle.pop(run_id, None)
-            self._watched.pop(run_id, None)
+        if run is None or run.has_ended() or run.orphaned_at is not None:
+            return None
+        before = run.status
+        run.orphaned_at = at
+        run.status = run.derive()
+        self._idle.pop(run_id, None)
+        self._watched.pop(run_id, None)
+        self._recovering.pop(run_id, None)
+        if run.status == before:
+            return None
+        return Transition(run_id, before, run.status, at)
 
     def presence_opened(self, instance: str) -> None:
         """The instance (re)opened its live connection: any loss is forgotten."""

@@ -184,6 +184,30 @@ async def test_spans_at_one_replica_heartbeats_at_the_other(tmp_path: Path) -> N
     assert [e.action for e in orphaned] == [Action.FIRE]
 
 
+async def test_a_replica_that_folds_an_orphan_mark_raises_its_alert(tmp_path: Path) -> None:
+    """The leader stores its orphan mark, then its alert in another transaction; killed in
+    between (here: a leader with no outbox at all), the alert must still be raised. The
+    other replica folds the mark and raises it: the run is paged once."""
+    clock = FakeClock()
+    got: list[tuple[str, AlertEvent]] = []
+    settings = settings_for(tmp_path, idle_timeout=5.0, tick_interval=3600.0)
+    leader, follower = Sidecar(settings, clock=clock), Sidecar(settings, clock=clock)
+    install_alerting(follower, AlertSettings(log_sink=False), sinks=[SharedSink(got, "b")])
+    async with leader, follower:
+        run = open_run(instance="agent-1")
+        await export_http(follower, run.spans())
+        await leader.sync()
+        clock.now += 10.0  # the agent is gone
+        assert [t.after for t in leader.tick()] == [sc.STATE_ORPHANED]
+        await leader.flush()  # the mark is stored; its alert never is
+        await follower.sync()
+        assert follower.state.status(run.run_id) == sc.STATE_ORPHANED
+        await _until(lambda: bool(got), "paged")
+        await follower.sync()
+        await asyncio.sleep(0.1)  # nothing more arrives
+    assert [(e.alertname, e.action) for _, e in got] == [(sc.ALERT_RUN_ORPHANED, Action.FIRE)]
+
+
 async def _post(sidecar: Sidecar, spans: list[Any]) -> ExportTraceServiceResponse:
     body = encode_spans(spans).SerializeToString()
     async with httpx.AsyncClient() as client:
