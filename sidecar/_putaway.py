@@ -56,7 +56,7 @@ def fold_stored(
         if mark.orphaned_at is not None:
             state.restore_orphaned(mark.run_id, mark.orphaned_at)
         if mark.resolution_at is not None:
-            state.resolve(mark.run_id, mark.resolution_note or "", mark.resolution_at)
+            state.restore_resolution(mark.run_id, mark.resolution_note or "", mark.resolution_at)
     for lease in leases:
         state.set_lease(lease)
     return count

@@ -1137,7 +1137,8 @@ class Sidecar:
             self._write_later(
                 "clear lapsed resolutions", self.store.clear_resolutions, lapsed,
                 event="sidecar.resolutions.not_cleared",
-                fix="a restart restores them: the run is hidden again until re-resolved",
+                fix="a restart restores them (an orphaned run's excepted): the run is "
+                "hidden again until re-resolved",
             )  # fmt: skip
 
     async def _tick_loop(self) -> None:
@@ -1240,19 +1241,19 @@ class Sidecar:
             state.heard(instance, at, interval, named, now, self.settings.retention)
         marked: list[Transition] = []
         for mark in changes.marks:
-            view = state.view(mark.run_id)
-            if view is None:
-                continue
             if mark.orphaned_at is not None:
                 moved = state.restore_orphaned(mark.run_id, mark.orphaned_at)
                 if moved is not None:
                     marked.append(moved)
-            if mark.resolution_at is not None and not view["resolution"]:
-                state.resolve(mark.run_id, mark.resolution_note or "", mark.resolution_at)
+            if mark.resolution_at is not None:
+                state.restore_resolution(
+                    mark.run_id, mark.resolution_note or "", mark.resolution_at
+                )
         self._learn({}, changes.leases)
         # The leader raised the alert of its mark after storing the mark (in another
         # transaction: it may have died in between); every replica that folds the mark
         # raises it too, and the outbox keeps one row per dedup key, action and sink.
+        self._lapsed(marked)
         self._announce(marked, now)
 
     def prune(self) -> list[str]:

@@ -410,6 +410,14 @@ def _lapse(run: _Run) -> bool:
     return True
 
 
+def _before_mark(resolved_at: float, orphaned_at: float | None) -> bool:
+    """Whether a resolution made at ``resolved_at`` predates the run's orphan mark: a
+    person resolved an earlier situation, so it lapses (``_lapse``); one made after the
+    mark stands. The rule for marks and resolutions read from the store, whichever a
+    replica folds first; at the same moment, the run is paged again rather than hidden."""
+    return orphaned_at is not None and resolved_at <= orphaned_at
+
+
 def _copier(cls: type[_Run]) -> Callable[[_Run], _Run]:
     """``cls``'s field-by-field copy as one straight-line function (a run is copied per
     batch it changes in: a loop of getattr/setattr over its slots cost three times as much)."""
@@ -1226,7 +1234,9 @@ class RunState:
         self._recovering.pop(run_id, None)
         if run.status == before:
             return None
-        return Transition(run_id, before, run.status, at)
+        resolution = run.resolution
+        lapsed = resolution is not None and _before_mark(resolution.at, at) and _lapse(run)
+        return Transition(run_id, before, run.status, at, lapsed)
 
     def presence_opened(self, instance: str) -> None:
         """The instance (re)opened its live connection: any loss is forgotten."""
@@ -1284,6 +1294,23 @@ class RunState:
         watch = self._instances.get(instance)
         if watch is None or at > watch.stored:
             self._beat(_intern(instance), at, interval, open_runs, now)
+
+    def restore_resolution(self, run_id: str, note: str, at: float) -> bool:
+        """Apply a resolution read from the store (this sidecar's before a restart, or one
+        made through another replica) to a run that has none; False when the run is
+        unknown, resolved already, or orphaned after it (a replica that orphaned the run
+        before reading the resolution drops it, as ``_lapse`` would have had they come in
+        that order)."""
+        run = self._runs.get(run_id)
+        if run is None or run.resolution is not None:
+            return False
+        orphaned = run.orphaned_at
+        if orphaned is None and run.revived is not None:  # the mark it was revived from
+            orphaned = run.revived.orphaned_at
+        if _before_mark(at, orphaned):
+            return False
+        run.resolution = Resolution(note, at)
+        return True
 
     def resolve(self, run_id: str, note: str, now: float) -> bool:
         """Record that a person settled the run. False for an unknown run."""

@@ -208,6 +208,44 @@ async def test_a_replica_that_folds_an_orphan_mark_raises_its_alert(tmp_path: Pa
     assert [(e.alertname, e.action) for _, e in got] == [(sc.ALERT_RUN_ORPHANED, Action.FIRE)]
 
 
+async def test_a_resolution_older_than_the_orphan_mark_lapses_on_every_replica(
+    tmp_path: Path,
+) -> None:
+    """A person resolves a run through B while the leader A, which has not read that yet,
+    orphans it: as on one sidecar (resolved, then orphaned), the resolution lapses on
+    both replicas and after a restart, and the run waits for a person again; resolving it
+    again through either replica then settles it everywhere."""
+    clock = FakeClock()
+    settings = settings_for(tmp_path, idle_timeout=5.0, tick_interval=3600.0)
+    async with Sidecar(settings, clock=clock) as a, Sidecar(settings, clock=clock) as b:
+        run = open_run(instance="agent-1")
+        await export_http(a, run.spans())
+        await b.sync()
+        clock.now += 10.0  # the agent is gone
+        assert await b.resolve(run.run_id, "agent redeployed") is not None
+        clock.now += 0.5
+        assert [t.after for t in a.tick()] == [sc.STATE_ORPHANED]
+        for _ in range(2):
+            await a.flush()
+            await b.flush()
+            await a.sync()
+            await b.sync()
+        for replica in (a, b):
+            view = replica.state.view(run.run_id)
+            assert view is not None and view["status"] == sc.STATE_ORPHANED
+            assert view["resolution"] is None, view["resolution"]
+            assert [s["run_id"] for s in replica.state.summaries(needs_person=True)] == [run.run_id]
+        async with Sidecar(settings, clock=clock) as restarted:
+            view = restarted.state.view(run.run_id)
+            assert view is not None and view["resolution"] is None
+        clock.now += 1.0
+        assert await b.resolve(run.run_id, "rerun by hand") is not None
+        await a.sync()
+        for replica in (a, b):
+            view = replica.state.view(run.run_id)
+            assert view is not None and view["resolution"] is not None
+
+
 async def _post(sidecar: Sidecar, spans: list[Any]) -> ExportTraceServiceResponse:
     body = encode_spans(spans).SerializeToString()
     async with httpx.AsyncClient() as client:
