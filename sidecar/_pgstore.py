@@ -94,6 +94,10 @@ CREATE TABLE IF NOT EXISTS alert_outbox (
 CREATE INDEX IF NOT EXISTS alert_outbox_pending ON alert_outbox (sink, state, id);
 CREATE INDEX IF NOT EXISTS alert_outbox_run ON alert_outbox (run_id);
 """
+# A row's change number: the id of the transaction that wrote it (64 bits, never
+# wrapping). A replica reads the rows changed since its last read by these, not by the
+# writers' clocks (changes()).
+_CHANGED = "pg_current_xact_id()::text::bigint"
 # One step per schema version, as in _store.py (same numbers, same meaning).
 _STEPS: dict[int, str] = {
     1: """
@@ -160,6 +164,14 @@ CREATE INDEX IF NOT EXISTS run_index_seen ON run_index (last_seen);
     4: OUTBOX_V4.format(add="ADD COLUMN IF NOT EXISTS", real="DOUBLE PRECISION"),
     # 5: as SQLite's (a start reads the runs held through the owners' flag).
     5: PUT_AWAY_FLAG_V5.format(add="ADD COLUMN IF NOT EXISTS"),
+    # 6: run marks carry their change number, and a cleared mark the mark it ended, so a
+    # replica reads a clear (orphaned_at NULL) as it reads a mark.
+    6: f"""
+ALTER TABLE run_marks ADD COLUMN IF NOT EXISTS cleared DOUBLE PRECISION;
+ALTER TABLE run_marks ADD COLUMN IF NOT EXISTS changed BIGINT NOT NULL DEFAULT 0;
+ALTER TABLE run_marks ALTER COLUMN changed SET DEFAULT ({_CHANGED});
+CREATE INDEX IF NOT EXISTS run_marks_changed ON run_marks (changed);
+""",
 }
 # The owners' put-away flag (schema 5) of sorted run ids, their rows locked in that
 # order (as the intake locks them), so two replicas' put-aways cannot deadlock on them.
@@ -174,8 +186,16 @@ _LEADER_LOCK = 0x5A6A_0002  # pg_try_advisory_lock key: the replica that detects
 # looked up again for this long, then given up.
 GAP_WAIT_S = 30.0
 GAP_WINDOW = 10_000  # at start, only the newest numbers can belong to open transactions
-# Heartbeats, marks and leases carry writer clock times: read back this much further.
+# Heartbeats and leases carry writer clock times: read back this much further.
 CLOCK_MARGIN_S = 5.0
+# The oldest transaction still running as a read begins (its snapshot's xmin): a row
+# that read could not see was written by a transaction at least this old, so the next
+# read asks for the change numbers from here (and skips the rows it has read already).
+_XMIN = "SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint"
+_MARK_CHANGES = (
+    "SELECT run_id, orphaned_at, resolution_note, resolution_at, cleared, changed "
+    "FROM run_marks WHERE changed >= %s"
+)
 SYNC_BATCH = 5000
 # An outbox row's claim lasts while its replica lives (its presence lock, below); this
 # is the backstop for a replica alive but stuck, whose connection still holds the lock.
@@ -392,6 +412,10 @@ class PgStore(_Pooled):
         self._own_beats: dict[str, float] = {}
         self._gaps: dict[int, float | None] = {}  # missing numbers -> give up at (None: unset)
         self._since: float | None = None  # writer time of the last changes() read
+        self._floor = 0  # the change number the next changes() reads from (_XMIN)
+        # (table, key) -> change number of the rows read at or above the floor: a read
+        # returns them again, and they are folded once.
+        self._versions: dict[tuple[str, str], int] = {}
         self._lead: Any = None  # the connection holding the leader lock
         self._leading = False
 
@@ -429,13 +453,14 @@ class PgStore(_Pooled):
     def changes(self, now: float) -> Changes:
         since = self._since if self._since is not None else now
         self._since = now
-        floor = since - CLOCK_MARGIN_S
+        clock_floor = since - CLOCK_MARGIN_S
         self._gaps = {
             g: (now + GAP_WAIT_S if until is None else until)
             for g, until in self._gaps.items()
             if until is None or until > now
         }
         with self._tx("read what other replicas stored") as conn:
+            ((floor,),) = conn.execute(_XMIN).fetchall()  # before any read: see _XMIN
             rows = conn.execute(
                 "SELECT seq, run_id, span_id, service, instance, data FROM spans "
                 "WHERE seq > %s OR seq = ANY(%s) ORDER BY seq LIMIT %s",
@@ -457,23 +482,34 @@ class PgStore(_Pooled):
             instances = conn.execute(
                 "SELECT instance, last_heartbeat, interval_s, open_runs FROM instances "
                 "WHERE last_heartbeat > %s",
-                (floor,),
+                (clock_floor,),
             ).fetchall()
-            since_floor = (floor, floor)
-            marks = conn.execute(
-                MARK_ROW + " WHERE orphaned_at > %s OR resolution_at > %s", since_floor
-            ).fetchall()
+            marks = conn.execute(_MARK_CHANGES, (self._floor,)).fetchall()
             leases = conn.execute(
-                LEASE_ROW + " WHERE granted_at > %s OR expires_at > %s", since_floor
+                LEASE_ROW + " WHERE granted_at > %s OR expires_at > %s", (clock_floor, clock_floor)
             ).fetchall()
+        marks = self._unseen("run_marks", marks)
+        self._versions = {k: n for k, n in self._versions.items() if n >= floor}
+        self._floor = int(floor)
         own = self._own_beats
         heard = [
             (str(a), float(b), float(c), str(d or "[]"))
             for a, b, c, d in instances
             if own.get(str(a)) != float(b)
         ]
-        self._own_beats = {i: at for i, at in own.items() if at > floor}
+        self._own_beats = {i: at for i, at in own.items() if at > clock_floor}
         return _changes(spans, owners, heard, marks, leases)
+
+    def _unseen(self, table: str, rows: list[Any]) -> list[Any]:
+        """Rows (key first, change number last, left off) not read before."""
+        versions = self._versions
+        out = []
+        for row in rows:
+            key, number = (table, str(row[0])), int(row[-1])
+            if versions.get(key) != number:
+                versions[key] = number
+                out.append(row[:-1])
+        return out
 
     def schema_version(self) -> int:
         ((value,),) = self._all("SELECT value FROM meta WHERE key = 'schema'")
@@ -570,23 +606,28 @@ class PgStore(_Pooled):
             with self._tx("store orphan marks") as conn, conn.cursor() as cur:
                 cur.executemany(
                     "INSERT INTO run_marks(run_id, orphaned_at) VALUES (%s, %s) "
-                    "ON CONFLICT (run_id) DO UPDATE SET orphaned_at = excluded.orphaned_at",
+                    "ON CONFLICT (run_id) DO UPDATE SET orphaned_at = excluded.orphaned_at, "
+                    "cleared = NULL, changed = excluded.changed",
                     rows,
                 )
 
-    def clear_orphaned(self, run_ids: Iterable[str]) -> None:
-        rows = [(r,) for r in run_ids]
+    def clear_orphaned(self, marks: Iterable[tuple[str, float]]) -> None:
+        rows = list(marks)
         if rows:
             with self._tx("clear orphan marks") as conn, conn.cursor() as cur:
-                cur.executemany("UPDATE run_marks SET orphaned_at = NULL WHERE run_id = %s", rows)
+                cur.executemany(
+                    "UPDATE run_marks SET cleared = orphaned_at, orphaned_at = NULL, "
+                    f"changed = {_CHANGED} WHERE run_id = %s AND orphaned_at = %s",
+                    rows,
+                )
 
     def clear_resolutions(self, run_ids: Iterable[str]) -> None:
         rows = [(r,) for r in run_ids]
         if rows:
             with self._tx("clear lapsed resolutions") as conn, conn.cursor() as cur:
                 cur.executemany(
-                    "UPDATE run_marks SET resolution_note = NULL, resolution_at = NULL "
-                    "WHERE run_id = %s",
+                    "UPDATE run_marks SET resolution_note = NULL, resolution_at = NULL, "
+                    f"changed = {_CHANGED} WHERE run_id = %s",
                     rows,
                 )
 
@@ -596,7 +637,7 @@ class PgStore(_Pooled):
                 "INSERT INTO run_marks(run_id, resolution_note, resolution_at) "
                 "VALUES (%s, %s, %s) ON CONFLICT (run_id) DO UPDATE SET "
                 "resolution_note = excluded.resolution_note, "
-                "resolution_at = excluded.resolution_at",
+                "resolution_at = excluded.resolution_at, changed = excluded.changed",
                 (run_id, note, at),
             )
 
@@ -651,6 +692,10 @@ class PgStore(_Pooled):
 
     def spans(self) -> Iterator[StoredSpan]:
         with self._tx("read spans") as conn, conn.cursor(name="saga_spans") as cur:
+            # What a start reads of the marks comes after this: changes() reads on from
+            # here (the marks folded twice are the same).
+            ((floor,),) = conn.execute(_XMIN).fetchall()
+            self._floor, self._versions = int(floor), {}
             # Later changes() read on from the newest number; numbers missing just below
             # it may belong to transactions still open: they are looked up again a while.
             # (All spans count here, those of runs put away too: they are not missing.)

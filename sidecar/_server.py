@@ -911,22 +911,7 @@ class Sidecar:
         stream.spans(counted, self.state)
         stream.transitions(applied.transitions, self.state)
         self._lapsed(applied.transitions)
-        revived = [t.run_id for t in applied.transitions if t.before == sc.STATE_ORPHANED]
-        if revived:
-            # Late, not dead: their agent spoke again after the orphan mark. Or a
-            # recoverer took the run up (its agent is still dead): the mark goes either way.
-            taken = [r for r in revived if self.state.recovering(r)]
-            late = [r for r in revived if r not in taken]
-            if late:
-                log.warning("sidecar.runs.revived", count=len(late), run_ids=late[:5])
-            if taken:
-                log.info("sidecar.runs.recovery_began", count=len(taken), run_ids=taken[:5])
-            if self.store is not None:
-                self._write_later(
-                    "clear orphan marks", self.store.clear_orphaned, revived,
-                    event="sidecar.orphan_marks.not_cleared",
-                    fix="they come back at restart, until the agent is heard from again",
-                )  # fmt: skip
+        self._unmarked(applied.transitions)
         self._spans_counter(transport, "accepted").inc(len(decoded.spans))
         if decoded.ignored:
             self._spans_counter(transport, "ignored").inc(decoded.ignored)
@@ -1043,6 +1028,29 @@ class Sidecar:
             owners,
             resent,
         )
+
+    def _unmarked(self, transitions: Iterable[Transition], *, told: bool = True) -> None:
+        """Clear in the store the orphan marks these transitions ended (each only while it
+        is the run's mark: a later orphaning stands). Late, not dead: their agent spoke
+        again after the orphan mark. Or a recoverer took the run up (its agent is still
+        dead): the mark goes either way. ``told``: say so in the log (a replica folding
+        another's spans or heartbeats does not repeat it)."""
+        ended = [(t.run_id, t.unmarked) for t in transitions if t.unmarked is not None]
+        if not ended:
+            return
+        if told:
+            taken = [r for r, _ in ended if self.state.recovering(r)]
+            late = [r for r, _ in ended if r not in taken]
+            if late:
+                log.warning("sidecar.runs.revived", count=len(late), run_ids=late[:5])
+            if taken:
+                log.info("sidecar.runs.recovery_began", count=len(taken), run_ids=taken[:5])
+        if self.store is not None:
+            self._write_later(
+                "clear orphan marks", self.store.clear_orphaned, ended,
+                event="sidecar.orphan_marks.not_cleared",
+                fix="they come back at restart, until the agent is heard from again",
+            )  # fmt: skip
 
     def _spans_counter(self, transport: str, outcome: str) -> Counter:
         # labels() costs more than the increment: keep the children.
@@ -1227,24 +1235,32 @@ class Sidecar:
         if records:
             listeners = self._listeners
             applied = state.apply(records, now, keep_before=bool(listeners), owners=owners)
+            # The writing replica may not have held the orphan mark its spans ended.
+            self._unmarked(applied.transitions, told=False)
             # Alerts the writing replica raised are raised here too: the outbox keeps
             # one row per dedup key, action and sink, whoever inserts it first.
             for run_id in applied.facts_changed:
                 after = state.view(run_id)
                 if after is not None:
                     self._notify(state.view_before(applied, run_id), after, now)
+        # Heartbeats revive the orphaned runs they name, as when received here.
+        revived: list[Transition] = []
         for instance, at, interval, open_runs in changes.instances:
             try:
                 named = [str(r) for r in json.loads(open_runs)]
             except (ValueError, TypeError):
                 named = []
-            state.heard(instance, at, interval, named, now, self.settings.retention)
+            revived += state.heard(instance, at, interval, named, now, self.settings.retention)
+        self._unmarked(revived, told=False)
         marked: list[Transition] = []
         for mark in changes.marks:
+            moved = None
             if mark.orphaned_at is not None:
-                moved = state.restore_orphaned(mark.run_id, mark.orphaned_at)
-                if moved is not None:
-                    marked.append(moved)
+                moved = state.read_orphaned(mark.run_id, mark.orphaned_at)
+            elif mark.cleared is not None:
+                moved = state.read_unmarked(mark.run_id, mark.cleared, now)
+            if moved is not None:
+                marked.append(moved)
             if mark.resolution_at is not None:
                 state.restore_resolution(
                     mark.run_id, mark.resolution_note or "", mark.resolution_at
@@ -1254,7 +1270,7 @@ class Sidecar:
         # transaction: it may have died in between); every replica that folds the mark
         # raises it too, and the outbox keeps one row per dedup key, action and sink.
         self._lapsed(marked)
-        self._announce(marked, now)
+        self._announce([*revived, *marked], now)
 
     def prune(self) -> list[str]:
         """Forget finished runs past the retention, in memory and in the store, and of the

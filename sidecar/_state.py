@@ -160,6 +160,8 @@ class Transition:
     at: float
     # A person's resolution of the run lapsed with this change (see RunState._lapse).
     lapsed: bool = False
+    # The orphan mark (its orphaned_at) this change ended: the store clears that one.
+    unmarked: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -396,6 +398,20 @@ def _heard_under_lease(run: _Run, at: float) -> None:
     lease = run.lease
     if lease is not None and at > lease.granted_at and (run.returned or 0.0) < at:
         run.returned = at
+
+
+def _unmark(run: _Run, at: float) -> float | None:
+    """End the orphan mark of an open run heard from at ``at``: its owner spoke (late, not
+    dead: kept as ``revived``) or a recoverer took it up (its agent is still dead; the run
+    is watched for quiet again, see ``RunState._orphan``). The mark ended, or None. One
+    rule for spans and heartbeats received here and read from other replicas."""
+    mark = run.orphaned_at
+    if mark is None or run.has_ended():
+        return None
+    if not run.recovering():
+        run.revived = Revived(mark, at)
+    run.orphaned_at = None
+    return mark
 
 
 def _lapse(run: _Run) -> bool:
@@ -895,25 +911,25 @@ class RunState:
                 if run_id not in touched:
                     touch(run_id)
                 heard.add(run_id)
+        unmarked: dict[str, float] = {}  # the orphan marks ended, by run
         for run_id in heard:
             run = touched[run_id]
             if run.lease is not None:
                 _heard_under_lease(run, now)
-            if run.orphaned_at is not None and not run.has_ended() and not run.recovering():
-                # Heard from again: it was late, not dead. The orphan mark goes.
-                run.revived = Revived(run.orphaned_at, now)
-                run.orphaned_at = None
-                changed[run_id] = None
+            if run.orphaned_at is not None and not run.recovering():
+                mark = _unmark(run, now)  # heard from again: it was late, not dead
+                if mark is not None:
+                    unmarked[run_id] = mark
+                    changed[run_id] = None
         idle = self._idle
         # Once per run, not per span: every run of the batch was seen at ``now``, so
         # their order among themselves in the idle queue does not matter.
         for run_id, run in touched.items():
             if run_id in changed:
-                if run.orphaned_at is not None and not run.has_ended() and run.recovering():
-                    # A recoverer took it up: the mark goes (not revived: its agent is still
-                    # dead), and the run is watched for quiet again; past the idle timeout
-                    # with its lease ended it is orphaned anew (see _orphan).
-                    run.orphaned_at = None
+                if run.orphaned_at is not None and run.recovering():
+                    mark = _unmark(run, now)  # a recoverer took it up
+                    if mark is not None:
+                        unmarked[run_id] = mark
                 run.status = run.derive()
             if now > run.last_seen:
                 run.last_seen = now
@@ -926,9 +942,15 @@ class RunState:
         for run_id in changed:
             run = runs[run_id]
             status = run.status
-            if status != before_status[run_id]:
+            before = before_status[run_id]
+            if status != before:
                 lapsed = status in NEEDS_PERSON and _lapse(run)
-                transitions.append(Transition(run_id, before_status[run_id], status, now, lapsed))
+                # An orphaned run that ended keeps its mark in memory (its status is its
+                # end's); the store's goes all the same.
+                mark = None
+                if before == sc.STATE_ORPHANED:
+                    mark = unmarked.get(run_id, run.orphaned_at)
+                transitions.append(Transition(run_id, before, status, now, lapsed, mark))
         facts_changed: tuple[str, ...] = ()
         if keep_before:
             facts_changed = tuple(r for r in changed if _facts(runs[r]) != before_facts[r])
@@ -991,7 +1013,7 @@ class RunState:
 
     def _beat(
         self, instance: str, at: float, interval: float, open_runs: Iterable[str], now: float
-    ) -> None:
+    ) -> list[Transition]:
         """A heartbeat another replica stored at ``at`` and this one read at ``now``
         (``heard``): the watch moves on, what it learned of the instance's cadence stays.
         It counts as heard when read: the other replica's COMMIT may have waited (a lock, a
@@ -1006,8 +1028,29 @@ class RunState:
             watch.beating(at, heard_at)
         watch.stored = at
         self._schedule(instance, watch)
+        transitions = []
         for run_id in open_runs:
-            self._owner_heard(instance, run_id, heard_at)
+            run = self._owner_heard(instance, run_id, heard_at)
+            if run is not None and run.orphaned_at is not None and not run.recovering():
+                revived = self._unmarked(run, heard_at)  # as a heartbeat received here
+                if revived is not None:
+                    transitions.append(revived)
+        return transitions
+
+    def _unmarked(self, run: _Run, at: float) -> Transition | None:
+        """End the run's orphan mark (``_unmark``) outside a batch of spans: its status and
+        idle queue follow; the transition, or None when there was no mark to end."""
+        before = run.status
+        mark = _unmark(run, at)
+        if mark is None:
+            return None
+        run_id = run.run_id
+        run.status = run.derive()
+        self._idle.pop(run_id, None)
+        self._watched.pop(run_id, None)
+        self._recovering.pop(run_id, None)
+        self._idle[run_id] = None  # open, not orphaned: watched for quiet from now
+        return Transition(run_id, before, run.status, at, unmarked=mark)
 
     def _fold(
         self, run: _Run, span: SpanRecord, phase: object, saved: _Saved | None = None
@@ -1238,6 +1281,23 @@ class RunState:
         lapsed = resolution is not None and _before_mark(resolution.at, at) and _lapse(run)
         return Transition(run_id, before, run.status, at, lapsed)
 
+    def read_orphaned(self, run_id: str, at: float) -> Transition | None:
+        """An orphan mark another replica stored (``restore_orphaned``), unless this replica
+        heard from the run after it (its owner, or a recoverer): the leader judged before
+        it read that, and ends the mark once it does."""
+        run = self._runs.get(run_id)
+        if run is None or run.last_seen > at:
+            return None
+        return self.restore_orphaned(run_id, at)
+
+    def read_unmarked(self, run_id: str, mark: float, now: float) -> Transition | None:
+        """Another replica ended the orphan mark ``mark`` (it heard from the run): end it
+        here too, if the run still has that one (a later orphaning stands)."""
+        run = self._runs.get(run_id)
+        if run is None or run.orphaned_at != mark:
+            return None
+        return self._unmarked(run, now)
+
     def presence_opened(self, instance: str) -> None:
         """The instance (re)opened its live connection: any loss is forgotten."""
         watch = self._instances.get(instance)
@@ -1284,16 +1344,17 @@ class RunState:
         open_runs: Iterable[str],
         now: float,
         retention: float,
-    ) -> None:
+    ) -> list[Transition]:
         """A heartbeat another replica received at ``at``, read by this one at ``now``
         (ignored when this replica has read it already, or when it is already past the
         retention: a sync that read it before a prune forgot the instance must not bring
-        it back)."""
+        it back). The orphaned runs it names are revived, as by one received here."""
         if _stale(now, at, retention):
-            return
+            return []
         watch = self._instances.get(instance)
         if watch is None or at > watch.stored:
-            self._beat(_intern(instance), at, interval, open_runs, now)
+            return self._beat(_intern(instance), at, interval, open_runs, now)
+        return []
 
     def restore_resolution(self, run_id: str, note: str, at: float) -> bool:
         """Apply a resolution read from the store (this sidecar's before a restart, or one

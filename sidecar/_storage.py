@@ -26,11 +26,13 @@ from urllib.parse import urlsplit
 from ._errors import ConfigError
 from ._leases import Lease, LeaseRefusal, Owner
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 """The schema this sidecar writes. 1: the first (no outbox claims); 2: outbox claims;
 3: the index of finished runs put away from memory (``run_index``); 4: the outbox's
 fires marked ``resolved_at`` and its indexes on state and on the fires still firing;
-5: the owners' ``put_away`` flag and its partial index (what a start folds).
+5: the owners' ``put_away`` flag and its partial index (what a start folds); 6
+(PostgreSQL; nothing on SQLite): the run marks' change numbers and the mark a clear
+ended, so replicas read every change of a mark, clears included.
 
 Opening an older database upgrades it in place; a newer one is refused
 (``_store.py`` and ``_pgstore.py`` hold the steps, one per version).
@@ -146,6 +148,8 @@ class RunMark:
     orphaned_at: float | None
     resolution_note: str | None
     resolution_at: float | None
+    # The orphan mark a clear ended (replicas: another one heard from the run).
+    cleared: float | None = None
 
 
 class Changes(NamedTuple):
@@ -263,8 +267,10 @@ class Store(Protocol):
 
     def mark_orphaned(self, marks: Iterable[tuple[str, float]]) -> None: ...
 
-    def clear_orphaned(self, run_ids: Iterable[str]) -> None:
-        """Drop the orphan marks of runs whose agent was heard from again."""
+    def clear_orphaned(self, marks: Iterable[tuple[str, float]]) -> None:
+        """Drop the orphan marks (run id, orphaned_at) of runs heard from again (their
+        agent, or a recoverer), each only while it is the run's mark: a later orphaning
+        stands."""
 
     def resolve(self, run_id: str, note: str, at: float) -> None: ...
 

@@ -166,6 +166,8 @@ CREATE INDEX IF NOT EXISTS run_index_seen ON run_index (last_seen);
     4: OUTBOX_V4.format(add="ADD COLUMN", real="REAL"),
     # 5: the runs a start folds, read through the owners' put-away flag (NOT_PUT_AWAY).
     5: PUT_AWAY_FLAG_V5.format(add="ADD COLUMN"),
+    # 6: replicas' change numbers (PostgreSQL's): one process per file reads nothing back.
+    6: "",
 }
 
 
@@ -487,10 +489,10 @@ class SqliteStore:
             list(marks),
         )
 
-    def clear_orphaned(self, run_ids: Iterable[str]) -> None:
-        """Drop the orphan marks of runs whose agent was heard from again."""
+    def clear_orphaned(self, marks: Iterable[tuple[str, float]]) -> None:
         self._marks(
-            "UPDATE run_marks SET orphaned_at = NULL WHERE run_id = ?", [(r,) for r in run_ids]
+            "UPDATE run_marks SET orphaned_at = NULL WHERE run_id = ? AND orphaned_at = ?",
+            list(marks),
         )
 
     def clear_resolutions(self, run_ids: Iterable[str]) -> None:

@@ -1,12 +1,12 @@
 """kill -9 of `saga-sidecar serve` while it upgrades a big version-4 database.
 
-The upgrade to version 5 flags every put-away run's owner row (one UPDATE over all of
-them, ~1.6 s a million runs on SQLite) and builds an index, inside the one transaction
-that also writes the new version. A sidecar killed in the middle (a deploy, an
-orchestrator's liveness probe) must leave the database at version 4 as it was, or at
-version 5 complete, never a version 5 with flags missing (the start would fold those
-runs back into memory) or a version 4 with the column half there (the next upgrade
-would fail); the next start finishes the upgrade.
+The upgrade's step to version 5 flags every put-away run's owner row (one UPDATE over
+all of them, ~1.6 s a million runs on SQLite) and builds an index, inside the one
+transaction that runs every later step too and writes the new version. A sidecar
+killed in the middle (a deploy, an orchestrator's liveness probe) must leave the
+database at version 4 as it was, or wholly upgraded, never upgraded with flags missing
+(the start would fold those runs back into memory) or a version 4 with the column half
+there (the next upgrade would fail); the next start finishes the upgrade.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import pytest
 from support import sql_on
 
 from sidecar._pgstore import _STEPS as PG_STEPS
+from sidecar._storage import SCHEMA_VERSION
 from sidecar._store import _STEPS as SQLITE_STEPS
 from sidecar._store import _statements
 
@@ -77,13 +78,13 @@ def _version(db: str) -> int:
         if int(version) == 4:
             assert "put_away" not in columns, "version 4 with the version-5 column"
             return 4
-        assert int(version) == 5, version
+        assert int(version) == SCHEMA_VERSION, version
         flagged = {r for (r,) in run("SELECT run_id FROM run_owners WHERE put_away = 1")}
         expected = {f"{i:032x}" for i in range(RUNS) if i % 20 and _status(i) is not None}
         assert flagged == expected, f"{len(expected - flagged)} put-away runs not flagged"
         ((n,),) = run("SELECT count(*) FROM run_owners")
         assert n == RUNS
-    return 5
+    return SCHEMA_VERSION
 
 
 def _upgrading(db: str) -> bool:
@@ -118,7 +119,7 @@ def _serve(db: str, log: Path) -> subprocess.Popen[str]:
         )  # fmt: skip
 
 
-def test_a_sidecar_killed_while_upgrading_leaves_version_4_or_a_whole_version_5(
+def test_a_sidecar_killed_while_upgrading_leaves_version_4_or_a_whole_upgrade(
     tmp_path: Path, db_backend: str | None, chaos_results: dict[str, Any]
 ) -> None:
     db = db_backend or str(tmp_path / "sidecar.db")
@@ -136,7 +137,7 @@ def test_a_sidecar_killed_while_upgrading_leaves_version_4_or_a_whole_version_5(
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         seen.append(_version(db))
-        if seen[-1] == 5:
+        if seen[-1] == SCHEMA_VERSION:
             break
     assert 4 in seen, f"no kill landed inside the upgrade: {seen}"
     proc = _serve(db, log)
@@ -146,7 +147,7 @@ def test_a_sidecar_killed_while_upgrading_leaves_version_4_or_a_whole_version_5(
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
-    assert _version(db) == 5
+    assert _version(db) == SCHEMA_VERSION
     chaos_results["upgrade_kill" if db_backend is None else "upgrade_kill_postgresql"] = {
         "owner_rows": RUNS,
         "kills": len(seen),

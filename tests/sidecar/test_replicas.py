@@ -246,6 +246,115 @@ async def test_a_resolution_older_than_the_orphan_mark_lapses_on_every_replica(
             assert view is not None and view["resolution"] is not None
 
 
+async def test_an_agent_back_with_heartbeats_at_the_follower_is_back_at_the_leader(
+    tmp_path: Path,
+) -> None:
+    """Orphaned, then heard from again with heartbeats only, at the follower: the leader
+    sees it back (it refuses an unforced lease while the agent beats), and the agent's
+    real death afterwards is paged again, as on one sidecar."""
+    clock = FakeClock()
+    got: list[tuple[str, AlertEvent]] = []
+    settings = settings_for(tmp_path, idle_timeout=5.0, tick_interval=3600.0)
+    leader, follower = _alerting_replicas(settings, clock, got)
+    async with leader, follower:
+        run = open_run(instance="agent-1")
+        await export_http(follower, run.spans())
+        await export_http(follower, heartbeat_spans("agent-1", [run.run_id], clock.now))
+        await leader.sync()
+        clock.now += 10.0  # silent past its window
+        assert [t.after for t in leader.tick()] == [sc.STATE_ORPHANED]
+        await leader.flush()
+        await follower.sync()
+        assert follower.state.status(run.run_id) == sc.STATE_ORPHANED
+        for _ in range(3):  # it was only late: it beats again, at the follower only
+            clock.now += 1.0
+            await export_http(follower, heartbeat_spans("agent-1", [run.run_id], clock.now))
+            await leader.sync()
+            assert leader.tick() == []
+        for replica in (leader, follower):
+            assert replica.state.status(run.run_id) == sc.STATE_RUNNING
+        refused = await leader.lease(run.run_id, "grant", {"holder": "recoverer:1"})
+        assert not isinstance(refused, Lease) and refused.reason == "agent_alive", refused
+        clock.now += 10.0  # now it dies
+        assert [t.after for t in leader.tick()] == [sc.STATE_ORPHANED]
+        await leader.flush()
+        await follower.sync()
+        assert follower.state.status(run.run_id) == sc.STATE_ORPHANED
+        await _until(lambda: len(got) >= 3, "paged, resolved, paged again")
+        await asyncio.sleep(0.1)  # nothing more arrives
+    orphaned = [(e.action, e.dedup_key) for _, e in got if e.alertname == sc.ALERT_RUN_ORPHANED]
+    assert [a for a, _ in orphaned] == [Action.FIRE, Action.RESOLVE, Action.FIRE]
+    assert orphaned[0][1] == orphaned[1][1] != orphaned[2][1]  # a second episode
+
+
+async def test_a_follower_that_heard_the_agent_after_the_mark_does_not_restore_it(
+    tmp_path: Path,
+) -> None:
+    """The leader orphans the run; before the follower reads that mark, the agent beats
+    at the follower: the follower never goes back to orphaned (no second page for one
+    death), and the leader, reading the heartbeat, ends the mark in the store, so a
+    replica started later does not restore it either."""
+    clock = FakeClock()
+    got: list[tuple[str, AlertEvent]] = []
+    settings = settings_for(tmp_path, idle_timeout=5.0, tick_interval=3600.0)
+    leader, follower = _alerting_replicas(settings, clock, got)
+    async with leader, follower:
+        run = open_run(instance="agent-1")
+        await export_http(follower, run.spans())
+        await leader.sync()
+        clock.now += 10.0
+        assert [t.after for t in leader.tick()] == [sc.STATE_ORPHANED]
+        await leader.flush()
+        clock.now += 1.0
+        await export_http(follower, heartbeat_spans("agent-1", [run.run_id], clock.now))
+        await follower.sync()  # reads the mark, older than the heartbeat it took
+        assert follower.state.status(run.run_id) == sc.STATE_RUNNING
+        await leader.sync()
+        assert leader.state.status(run.run_id) == sc.STATE_RUNNING
+        await leader.flush()
+        await follower.sync()
+        assert follower.state.status(run.run_id) == sc.STATE_RUNNING
+        await _until(lambda: len(got) >= 2, "paged, then resolved")
+        await asyncio.sleep(0.1)  # nothing more arrives
+        async with Sidecar(settings, clock=clock) as started:
+            assert started.state.status(run.run_id) == sc.STATE_RUNNING
+    orphaned = [e.action for _, e in got if e.alertname == sc.ALERT_RUN_ORPHANED]
+    assert orphaned == [Action.FIRE, Action.RESOLVE]
+
+
+async def test_a_mark_cleared_through_one_replica_is_cleared_at_the_others(
+    tmp_path: Path,
+) -> None:
+    """A clear (the orphan mark ended by a replica that heard from the run) is read by the
+    others as a mark is, with the mark it ended: a replica holding that mark ends it, a
+    later mark stands, and a clear is read once."""
+    clock = FakeClock()
+    settings = settings_for(tmp_path, idle_timeout=5.0, tick_interval=3600.0)
+    assert settings.db_url is not None
+    other = PgStore(parse_db(settings.db_url))  # a replica that heard from the run
+    try:
+        async with Sidecar(settings, clock=clock) as replica:
+            run = open_run(instance="agent-1")
+            await export_http(replica, run.spans())
+            clock.now += 10.0
+            other.mark_orphaned([(run.run_id, clock.now)])
+            await replica.sync()
+            assert replica.state.status(run.run_id) == sc.STATE_ORPHANED
+            other.clear_orphaned([(run.run_id, clock.now - 1.0)])  # not this mark
+            await replica.sync()
+            assert replica.state.status(run.run_id) == sc.STATE_ORPHANED
+            other.clear_orphaned([(run.run_id, clock.now)])
+            await replica.sync()
+            assert replica.state.status(run.run_id) == sc.STATE_RUNNING
+            view = replica.state.view(run.run_id)
+            assert view is not None and view["revived"] is not None
+            assert view["revived"]["orphaned_at"] == clock.now
+            assert replica.store is not None
+            assert await replica._call(replica.store.changes, clock.now) == ([], [], [], [], [])
+    finally:
+        other.close()
+
+
 async def _post(sidecar: Sidecar, spans: list[Any]) -> ExportTraceServiceResponse:
     body = encode_spans(spans).SerializeToString()
     async with httpx.AsyncClient() as client:

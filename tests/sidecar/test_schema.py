@@ -194,7 +194,7 @@ async def test_a_version_1_database_is_upgraded_in_place(tmp_path: Path, backend
     async with Sidecar(settings, clock=FakeClock()) as sc_:
         view = sc_.state.view(run_id)
         assert view is not None and view["status"] == sc.STATUS_COMPENSATION_FAILED
-        assert sc_.store is not None and sc_.store.schema_version() == SCHEMA_VERSION == 5
+        assert sc_.store is not None and sc_.store.schema_version() == SCHEMA_VERSION == 6
     # The outbox row written by version 1 is still there, pending, in the new shape.
     box = Outbox(where, [])
     try:

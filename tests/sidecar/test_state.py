@@ -446,6 +446,29 @@ def test_an_orphaned_run_heard_from_again_runs_again_and_its_alert_resolves() ->
     assert again.after == sc.STATE_ORPHANED
 
 
+def test_a_heartbeat_read_from_another_replica_revives_as_one_received_here() -> None:
+    """One rule for the heartbeats of both paths: the orphaned run a heartbeat another
+    replica stored names is revived, with the mark it ended (the store clears that one),
+    and watched again."""
+    here, there = RunState(idle_timeout=60), RunState(idle_timeout=60)
+    run = open_run(instance="agent-b")
+    for state in (here, there):
+        state.apply(records(run.spans()), T)
+        state.apply(beats([run.run_id], [T]), T)
+        (t,) = state.tick(T + 10.0)
+        assert (t.after, t.unmarked) == (sc.STATE_ORPHANED, None)
+    (received,) = here.apply(beats([run.run_id], [T + 11]), T + 11).transitions
+    (read,) = there.heard("agent-b", T + 11, 1.0, [run.run_id], T + 11, retention=3600.0)
+    for t in (received, read):
+        assert (t.before, t.after, t.unmarked) == (sc.STATE_ORPHANED, sc.STATE_RUNNING, T + 10)
+    assert here.view(run.run_id) == there.view(run.run_id)
+    assert there.read_unmarked(run.run_id, T + 10.0, T + 12) is None  # ended already
+    for state in (here, there):
+        assert state.tick(T + 11 + 6.9) == []
+        (again,) = state.tick(T + 11 + 7.1)
+        assert again.after == sc.STATE_ORPHANED
+
+
 def test_a_resolution_lapses_when_the_run_comes_to_need_a_person_again() -> None:
     """Resolved while it unwound, then its undo failed; resolved while orphaned, then its
     agent came back and died: each time the run needs a person anew, its alert fires and
