@@ -164,14 +164,18 @@ CREATE INDEX IF NOT EXISTS run_index_seen ON run_index (last_seen);
     4: OUTBOX_V4.format(add="ADD COLUMN IF NOT EXISTS", real="DOUBLE PRECISION"),
     # 5: as SQLite's (a start reads the runs held through the owners' flag).
     5: PUT_AWAY_FLAG_V5.format(add="ADD COLUMN IF NOT EXISTS"),
-    # 6: run marks carry their change number, and a cleared mark the mark it ended, so a
+    # 6: heartbeats, run marks and leases carry their change number (replicas read them
+    # by it, not by the times they hold), and a cleared mark the mark it ended, so a
     # replica reads a clear (orphaned_at NULL) as it reads a mark.
-    6: f"""
-ALTER TABLE run_marks ADD COLUMN IF NOT EXISTS cleared DOUBLE PRECISION;
-ALTER TABLE run_marks ADD COLUMN IF NOT EXISTS changed BIGINT NOT NULL DEFAULT 0;
-ALTER TABLE run_marks ALTER COLUMN changed SET DEFAULT ({_CHANGED});
-CREATE INDEX IF NOT EXISTS run_marks_changed ON run_marks (changed);
-""",
+    6: "ALTER TABLE run_marks ADD COLUMN IF NOT EXISTS cleared DOUBLE PRECISION;"
+    + "".join(
+        f"""
+ALTER TABLE {table} ADD COLUMN IF NOT EXISTS changed BIGINT NOT NULL DEFAULT 0;
+ALTER TABLE {table} ALTER COLUMN changed SET DEFAULT ({_CHANGED});
+CREATE INDEX IF NOT EXISTS {table}_changed ON {table} (changed);
+"""
+        for table in ("instances", "run_marks", "run_leases")
+    ),
 }
 # The owners' put-away flag (schema 5) of sorted run ids, their rows locked in that
 # order (as the intake locks them), so two replicas' put-aways cannot deadlock on them.
@@ -186,16 +190,18 @@ _LEADER_LOCK = 0x5A6A_0002  # pg_try_advisory_lock key: the replica that detects
 # looked up again for this long, then given up.
 GAP_WAIT_S = 30.0
 GAP_WINDOW = 10_000  # at start, only the newest numbers can belong to open transactions
-# Heartbeats and leases carry writer clock times: read back this much further.
-CLOCK_MARGIN_S = 5.0
 # The oldest transaction still running as a read begins (its snapshot's xmin): a row
 # that read could not see was written by a transaction at least this old, so the next
 # read asks for the change numbers from here (and skips the rows it has read already).
+# Writers' clocks play no part: a replica whose clock is behind is read as any other.
 _XMIN = "SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint"
-_MARK_CHANGES = (
-    "SELECT run_id, orphaned_at, resolution_note, resolution_at, cleared, changed "
-    "FROM run_marks WHERE changed >= %s"
+_INSTANCE_CHANGES = (
+    "SELECT instance, last_heartbeat, interval_s, open_runs, changed FROM instances "
+    "WHERE changed >= %s"
 )
+# The shared rows' columns, then the mark a clear ended (marks), then the change number.
+_MARK_CHANGES = MARK_ROW.replace(" FROM ", ", cleared, changed FROM ") + " WHERE changed >= %s"
+_LEASE_CHANGES = LEASE_ROW.replace(" FROM ", ", changed FROM ") + " WHERE changed >= %s"
 SYNC_BATCH = 5000
 # An outbox row's claim lasts while its replica lives (its presence lock, below); this
 # is the backstop for a replica alive but stuck, whose connection still holds the lock.
@@ -407,14 +413,10 @@ class PgStore(_Pooled):
         super().__init__(target, max_size=4, name="saga-sidecar-store")
         self._seq = 0  # the newest span sequence number folded in
         self._own: set[int] = set()  # sequence numbers of spans this process wrote
-        # Heartbeat rows this process wrote (instance -> its time): folded already, so
-        # changes() leaves them out (kept while a read can still return them).
-        self._own_beats: dict[str, float] = {}
         self._gaps: dict[int, float | None] = {}  # missing numbers -> give up at (None: unset)
-        self._since: float | None = None  # writer time of the last changes() read
         self._floor = 0  # the change number the next changes() reads from (_XMIN)
-        # (table, key) -> change number of the rows read at or above the floor: a read
-        # returns them again, and they are folded once.
+        # (table, key) -> change number of the rows read (or, heartbeats, written here:
+        # folded already) at or above the floor: a read returns them again, folded once.
         self._versions: dict[tuple[str, str], int] = {}
         self._lead: Any = None  # the connection holding the leader lock
         self._leading = False
@@ -451,9 +453,6 @@ class PgStore(_Pooled):
         return self._leading
 
     def changes(self, now: float) -> Changes:
-        since = self._since if self._since is not None else now
-        self._since = now
-        clock_floor = since - CLOCK_MARGIN_S
         self._gaps = {
             g: (now + GAP_WAIT_S if until is None else until)
             for g, until in self._gaps.items()
@@ -479,25 +478,17 @@ class PgStore(_Pooled):
                 spans.append(span_from_row((run_id, span_id, service, instance, data)))
             run_ids = sorted({s.run_id for s in spans})
             owners = conn.execute(OWNER_ROW + " WHERE run_id = ANY(%s)", (run_ids,)).fetchall()
-            instances = conn.execute(
-                "SELECT instance, last_heartbeat, interval_s, open_runs FROM instances "
-                "WHERE last_heartbeat > %s",
-                (clock_floor,),
-            ).fetchall()
-            marks = conn.execute(_MARK_CHANGES, (self._floor,)).fetchall()
-            leases = conn.execute(
-                LEASE_ROW + " WHERE granted_at > %s OR expires_at > %s", (clock_floor, clock_floor)
-            ).fetchall()
-        marks = self._unseen("run_marks", marks)
+            instances, marks, leases = (
+                self._unseen(table, conn.execute(select, (self._floor,)).fetchall())
+                for table, select in (
+                    ("instances", _INSTANCE_CHANGES),
+                    ("run_marks", _MARK_CHANGES),
+                    ("run_leases", _LEASE_CHANGES),
+                )
+            )
         self._versions = {k: n for k, n in self._versions.items() if n >= floor}
         self._floor = int(floor)
-        own = self._own_beats
-        heard = [
-            (str(a), float(b), float(c), str(d or "[]"))
-            for a, b, c, d in instances
-            if own.get(str(a)) != float(b)
-        ]
-        self._own_beats = {i: at for i, at in own.items() if at > clock_floor}
+        heard = [(str(a), float(b), float(c), str(d or "[]")) for a, b, c, d in instances]
         return _changes(spans, owners, heard, marks, leases)
 
     def _unseen(self, table: str, rows: list[Any]) -> list[Any]:
@@ -590,15 +581,17 @@ class PgStore(_Pooled):
             # One row per instance, its last heartbeat (one statement may not update a
             # row twice): what a heartbeat at a time would leave.
             last = {row[0]: row for row in heartbeats}
-            self._own_beats.update((i, row[1]) for i, row in last.items())
             cur.execute(
                 "INSERT INTO instances(instance, last_heartbeat, interval_s, open_runs) "
                 "SELECT * FROM unnest(%b::text[], %b::float8[], %b::float8[], %b::text[]) "
                 "ON CONFLICT (instance) DO UPDATE SET "
                 "last_heartbeat = excluded.last_heartbeat, interval_s = excluded.interval_s, "
-                "open_runs = excluded.open_runs",
+                "open_runs = excluded.open_runs, changed = excluded.changed "
+                "RETURNING instance, changed",
                 _columns(list(last.values()), 4),
             )
+            # Ours are in our state already: changes() skips them (as our own spans).
+            self._versions.update((("instances", str(i)), int(n)) for i, n in cur.fetchall())
 
     def mark_orphaned(self, marks: Iterable[tuple[str, float]]) -> None:
         rows = list(marks)
@@ -675,7 +668,8 @@ class PgStore(_Pooled):
                     "SET holder = excluded.holder, token = excluded.token, "
                     "granted_at = excluded.granted_at, expires_at = excluded.expires_at, "
                     "released = excluded.released, forced_reason = excluded.forced_reason, "
-                    "forced_by = excluded.forced_by, forced_at = excluded.forced_at",
+                    "forced_by = excluded.forced_by, forced_at = excluded.forced_at, "
+                    "changed = excluded.changed",
                     (
                         run_id,
                         outcome.holder,

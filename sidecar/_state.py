@@ -1026,7 +1026,6 @@ class RunState:
         else:
             watch.interval = interval
             watch.beating(at, heard_at)
-        watch.stored = at
         self._schedule(instance, watch)
         transitions = []
         for run_id in open_runs:
@@ -1345,16 +1344,13 @@ class RunState:
         now: float,
         retention: float,
     ) -> list[Transition]:
-        """A heartbeat another replica received at ``at``, read by this one at ``now``
-        (ignored when this replica has read it already, or when it is already past the
-        retention: a sync that read it before a prune forgot the instance must not bring
-        it back). The orphaned runs it names are revived, as by one received here."""
+        """A heartbeat another replica received at ``at``, read by this one at ``now`` (the
+        store hands each row over once; ignored when already past the retention: a sync
+        that read it before a prune forgot the instance must not bring it back). The
+        orphaned runs it names are revived, as by one received here."""
         if _stale(now, at, retention):
             return []
-        watch = self._instances.get(instance)
-        if watch is None or at > watch.stored:
-            return self._beat(_intern(instance), at, interval, open_runs, now)
-        return []
+        return self._beat(_intern(instance), at, interval, open_runs, now)
 
     def restore_resolution(self, run_id: str, note: str, at: float) -> bool:
         """Apply a resolution read from the store (this sidecar's before a restart, or one
@@ -1532,7 +1528,6 @@ class _Watch:
     gaps: tuple[float, ...] = ()
     lost_at: float | None = None  # its live connection closed uncleanly, not yet confirmed
     scheduled: float = float("inf")  # the due last queued for it (RunState._dues)
-    stored: float = float("-inf")  # receipt time of the last other replica's heartbeat read
 
     def learn(self, gap: float) -> None:
         self.gaps = (*self.gaps, gap)[-_GAP_SAMPLES:]

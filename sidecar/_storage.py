@@ -31,8 +31,9 @@ SCHEMA_VERSION = 6
 3: the index of finished runs put away from memory (``run_index``); 4: the outbox's
 fires marked ``resolved_at`` and its indexes on state and on the fires still firing;
 5: the owners' ``put_away`` flag and its partial index (what a start folds); 6
-(PostgreSQL; nothing on SQLite): the run marks' change numbers and the mark a clear
-ended, so replicas read every change of a mark, clears included.
+(PostgreSQL; nothing on SQLite): change numbers on heartbeats, run marks and leases,
+and the mark a clear ended, so replicas read every change by the database's order,
+clears included, whatever their clocks say.
 
 Opening an older database upgrades it in place; a newer one is refused
 (``_store.py`` and ``_pgstore.py`` hold the steps, one per version).
@@ -355,7 +356,9 @@ class Store(Protocol):
     def changes(self, now: float) -> Changes:
         """Spans (with their runs' owners), heartbeats, marks and leases committed since
         the last call (or since :meth:`spans`), by any process. A span may come twice
-        (folding is idempotent); none is missed. Empty for a store of one process.
+        (folding is idempotent); a heartbeat, mark or lease row comes once a version (a
+        heartbeat read twice would count as heard twice); none is missed. Empty for a
+        store of one process.
         """
         ...
 

@@ -781,7 +781,8 @@ def test_a_replica_reads_back_only_the_heartbeats_others_stored(tmp_path: Path) 
         assert [row[0] for row in a.changes(102.0).instances] == ["agent-b"]
         assert [row[0] for row in b.changes(102.0).instances] == ["agent-a"]
         b.write([], [("agent-a", 103.0, 1.0, "[]")])  # the agent now beats through b
-        assert sorted(row[0] for row in a.changes(104.0).instances) == ["agent-a", "agent-b"]
+        assert [row[0] for row in a.changes(104.0).instances] == ["agent-a"]  # b's new row
+        assert a.changes(105.0).instances == []  # each row once: a reread is not a beat
     finally:
         a.close()
         b.close()
@@ -838,6 +839,37 @@ async def test_a_heartbeat_another_replica_committed_late_does_not_orphan_its_ag
         clock.now += 10.0  # the agent died: no more heartbeats
         await _until(lambda: leader.state.status(run.run_id) == sc.STATE_ORPHANED, "orphaned")
         await _until(lambda: any(e.alertname == sc.ALERT_RUN_ORPHANED for _, e in got), "paged")
+
+
+async def test_a_replica_whose_clock_is_behind_is_read_as_any_other(tmp_path: Path) -> None:
+    """The follower's clock runs 10 s behind the leader's (nothing requires them within
+    5 s): the leader reads its heartbeats, marks and leases all the same (by the
+    database's change numbers, not by the times the rows hold), so its live agent is
+    never paged, its death is, and a lease released through it ends at the leader."""
+    ahead, behind = FakeClock(), FakeClock()
+    behind.now = ahead.now - 10.0
+    settings = settings_for(tmp_path, idle_timeout=5.0, tick_interval=3600.0)
+    async with Sidecar(settings, clock=ahead) as leader, Sidecar(settings, clock=behind) as b:
+        run = open_run(instance="agent-1")
+        await export_http(b, run.spans())
+        for _ in range(15):  # a live agent beating every second at the follower
+            ahead.now += 1.0
+            behind.now += 1.0
+            await export_http(b, heartbeat_spans("agent-1", [run.run_id], behind.now))
+            await leader.sync()
+            assert leader.tick() == [], "a live agent paged"
+        ahead.now += 10.0  # it died
+        behind.now += 10.0
+        await leader.sync()
+        assert [t.after for t in leader.tick()] == [sc.STATE_ORPHANED]
+        await leader.flush()
+        await b.sync()
+        lease = await b.lease(run.run_id, "grant", {"holder": "rec:1", "ttl_s": 600})
+        assert isinstance(lease, Lease)
+        assert await b.lease(run.run_id, "release", {"holder": "rec:1", "token": 1})
+        await leader.sync()
+        mine = leader.state.lease(run.run_id)
+        assert mine is not None and mine.released, mine
 
 
 # A replica that claims the oldest pending row of a sink, says which, and lives on.
