@@ -185,16 +185,28 @@ _FLAG_HELD = (
 )
 _MIGRATION_LOCK = 0x5A6A_0001  # pg_advisory_xact_lock key: one schema upgrade at a time
 _LEADER_LOCK = 0x5A6A_0002  # pg_try_advisory_lock key: the replica that detects orphans
-# A sequence number below the newest one seen may still commit (its transaction began
-# first) or never (ON CONFLICT DO NOTHING and rollbacks burn numbers): such gaps are
-# looked up again for this long, then given up.
-GAP_WAIT_S = 30.0
+# A sequence number below the newest one seen may still commit (its transaction took it
+# first and is still open: waiting on a lock, a slow disk) or never (ON CONFLICT DO
+# NOTHING and rollbacks burn numbers). Such a gap is looked up again at every read until
+# every transaction that could hold it has ended, however long that takes, never for a
+# time: its holder took it before the number seen above it, so it had its xid (see
+# _insert) before the read that found the gap; once a later read's xmin (_XMIN, at its
+# start) reaches that read's xmax (_XMAX), the holder has ended, and the read that follows
+# would have returned the row had it committed.
 GAP_WINDOW = 10_000  # at start, only the newest numbers can belong to open transactions
+# The bound on the numbers looked up again, only reached while one transaction stays
+# open for hours (an idle-in-transaction session, a forgotten prepared transaction): the
+# xmin stands still and every burnt number since stays a gap, each sent with every read.
+# Past it the lowest are given up (logged as sidecar.sync.gaps_dropped).
+MAX_GAPS = 100_000
 # The oldest transaction still running as a read begins (its snapshot's xmin): a row
 # that read could not see was written by a transaction at least this old, so the next
 # read asks for the change numbers from here (and skips the rows it has read already).
 # Writers' clocks play no part: a replica whose clock is behind is read as any other.
 _XMIN = "SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint"
+# The first transaction id not yet given out as a statement's snapshot is taken: every
+# transaction that had its xid before that statement began has an xid below it.
+_XMAX = "(SELECT pg_snapshot_xmax(pg_current_snapshot())::text::bigint)"
 _INSTANCE_CHANGES = (
     "SELECT instance, last_heartbeat, interval_s, open_runs, changed FROM instances "
     "WHERE changed >= %s"
@@ -413,7 +425,10 @@ class PgStore(_Pooled):
         super().__init__(target, max_size=4, name="saga-sidecar-store")
         self._seq = 0  # the newest span sequence number folded in
         self._own: set[int] = set()  # sequence numbers of spans this process wrote
-        self._gaps: dict[int, float | None] = {}  # missing numbers -> give up at (None: unset)
+        # Missing sequence numbers -> the xmax of the read that found them: given up once
+        # a read begins with its xmin at or past it (see GAP_WINDOW).
+        self._gaps: dict[int, int] = {}
+        self._gaps_capped = False  # MAX_GAPS reached (logged once until below again)
         self._floor = 0  # the change number the next changes() reads from (_XMIN)
         # (table, key) -> change number of the rows read (or, heartbeats, written here:
         # folded already) at or above the floor: a read returns them again, folded once.
@@ -452,30 +467,28 @@ class PgStore(_Pooled):
             self._lead, self._leading = None, False
         return self._leading
 
-    def changes(self, now: float) -> Changes:
-        self._gaps = {
-            g: (now + GAP_WAIT_S if until is None else until)
-            for g, until in self._gaps.items()
-            if until is None or until > now
-        }
+    def changes(self, now: float) -> Changes:  # noqa: ARG002 (the interface's)
         with self._tx("read what other replicas stored") as conn:
             ((floor,),) = conn.execute(_XMIN).fetchall()  # before any read: see _XMIN
             rows = conn.execute(
-                "SELECT seq, run_id, span_id, service, instance, data FROM spans "
+                f"SELECT seq, run_id, span_id, service, instance, data, {_XMAX} FROM spans "
                 "WHERE seq > %s OR seq = ANY(%s) ORDER BY seq LIMIT %s",
                 (self._seq, list(self._gaps), SYNC_BATCH),
             ).fetchall()
             spans = []
-            for seq, run_id, span_id, service, instance, data in rows:
+            for seq, run_id, span_id, service, instance, data, xmax in rows:
                 self._gaps.pop(seq, None)
                 if seq > self._seq:
                     for missing in range(self._seq + 1, seq):
-                        self._gaps[missing] = now + GAP_WAIT_S
+                        self._gaps[missing] = int(xmax)
                     self._seq = seq
                 if seq in self._own:
                     self._own.discard(seq)
                     continue
                 spans.append(span_from_row((run_id, span_id, service, instance, data)))
+            # Every number up to the last row read was looked up (a full batch stops there).
+            read_to = rows[-1][0] if len(rows) == SYNC_BATCH else self._seq
+            self._give_up_gaps(int(floor), read_to)
             run_ids = sorted({s.run_id for s in spans})
             owners = conn.execute(OWNER_ROW + " WHERE run_id = ANY(%s)", (run_ids,)).fetchall()
             instances, marks, leases = (
@@ -490,6 +503,29 @@ class PgStore(_Pooled):
         self._floor = int(floor)
         heard = [(str(a), float(b), float(c), str(d or "[]")) for a, b, c, d in instances]
         return _changes(spans, owners, heard, marks, leases)
+
+    def _give_up_gaps(self, floor: int, read_to: int) -> None:
+        """Forget the gaps up to ``read_to`` whose holders had all ended as the read began
+        (``floor``, its xmin, at or past the xmax of the read that found them): not read
+        now, they were burnt. Then keep at most MAX_GAPS, giving up the lowest."""
+        gaps = {g: x for g, x in self._gaps.items() if x > floor or g > read_to}
+        if len(gaps) > MAX_GAPS:
+            lowest = sorted(gaps)[: len(gaps) - MAX_GAPS]
+            if not self._gaps_capped:
+                log.warning(
+                    "sidecar.sync.gaps_dropped",
+                    db=_where(self.target),
+                    dropped=len(lowest),
+                    below=lowest[-1] + 1,
+                    oldest_running_xid=floor,
+                    hint="a transaction has stayed open for long (see pg_stat_activity "
+                    "'idle in transaction' and pg_prepared_xacts): spans it stores are "
+                    "not read by this replica until it restarts",
+                )
+            for g in lowest:
+                del gaps[g]
+        self._gaps_capped = len(gaps) >= MAX_GAPS
+        self._gaps = gaps
 
     def _unseen(self, table: str, rows: list[Any]) -> list[Any]:
         """Rows (key first, change number last, left off) not read before."""
@@ -568,11 +604,20 @@ class PgStore(_Pooled):
             )
         if spans:
             # In array order: of two rows with one key, the first is stored (DO NOTHING).
+            # The transaction takes its xid (pg_current_xact_id, a one-time filter run
+            # before the first row's default nextval) before any sequence number: a
+            # transaction gets one at its first write, and this may be it (nothing may
+            # be written or locked before: write(), a screening that locked no row),
+            # while a row's nextval (its default) comes before its heap write, so the
+            # first number would be taken with no xid. A replica gives a gap up once
+            # every transaction with an xid
+            # from before the gap was seen has ended (see GAP_WINDOW): a holder of a
+            # number with no xid yet would be given up while it could still commit.
             cur.execute(
                 "INSERT INTO spans(run_id, span_id, received_at, service, instance, data) "
                 "SELECT * FROM unnest(%b::text[], %b::text[], %b::float8[], %b::text[], "
-                "%b::text[], %b::bytea[]) ON CONFLICT (run_id, span_id) DO NOTHING "
-                "RETURNING seq",
+                "%b::text[], %b::bytea[]) WHERE pg_current_xact_id() IS NOT NULL "
+                "ON CONFLICT (run_id, span_id) DO NOTHING RETURNING seq",
                 _columns(spans, 6),
             )
             # Our own spans are in our state already: changes() skips them.
@@ -691,16 +736,16 @@ class PgStore(_Pooled):
             ((floor,),) = conn.execute(_XMIN).fetchall()
             self._floor, self._versions = int(floor), {}
             # Later changes() read on from the newest number; numbers missing just below
-            # it may belong to transactions still open: they are looked up again a while.
+            # it may belong to transactions still open: they are looked up again until
+            # those have ended (as changes() does, from this read's xmax).
             # (All spans count here, those of runs put away too: they are not missing.)
-            recent = {
-                int(seq)
-                for (seq,) in conn.execute(
-                    "SELECT seq FROM spans WHERE seq > "
-                    "(SELECT coalesce(max(seq), 0) FROM spans) - %s",
-                    (GAP_WINDOW,),
-                )
-            }
+            found = conn.execute(
+                f"SELECT seq, {_XMAX} FROM spans WHERE seq > "
+                "(SELECT coalesce(max(seq), 0) FROM spans) - %s",
+                (GAP_WINDOW,),
+            ).fetchall()
+            recent = {int(seq) for seq, _ in found}
+            xmax = int(found[0][1]) if found else 0
             cur.itersize = 2000
             cur.execute(
                 SPAN_ROW + " WHERE " + NOT_PUT_AWAY.format(table="spans") + " ORDER BY run_id"
@@ -709,7 +754,7 @@ class PgStore(_Pooled):
                 yield span_from_row(row)
             newest = max(recent, default=self._seq)
             low = max(self._seq, newest - GAP_WINDOW)
-            self._gaps = {g: None for g in range(low + 1, newest) if g not in recent}
+            self._gaps = {g: xmax for g in range(low + 1, newest) if g not in recent}
             self._seq = max(self._seq, newest)
 
     def stored_spans(self, keys: Iterable[tuple[str, str]]) -> dict[tuple[str, str], bytes]:

@@ -18,6 +18,7 @@ import pytest
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export import SpanExportResult
 from sidecar_testkit import (
     CREDIT,
     FakeClock,
@@ -870,6 +871,95 @@ async def test_a_replica_whose_clock_is_behind_is_read_as_any_other(tmp_path: Pa
         await leader.sync()
         mine = leader.state.lease(run.run_id)
         assert mine is not None and mine.released, mine
+
+
+def _lock_waits(url: str) -> int:
+    """Sessions of the database at ``url`` waiting on a lock now."""
+    with psycopg.connect(url) as conn:
+        ((n,),) = conn.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+            "AND wait_event_type = 'Lock'"
+        ).fetchall()
+    return int(n)
+
+
+async def test_a_span_committed_long_after_it_took_its_number_is_still_read(
+    tmp_path: Path,
+) -> None:
+    """The follower's intake takes the sequence number of a run's end, then waits on a
+    row lock (another session holds the agent's instances row) far past the 30 s after
+    which the leader used to give the missing number up, while the leader reads higher
+    numbers committed meanwhile. Then it commits (the agent got its 200): the leader
+    must fold the run's end, not keep the run open forever and page it as orphaned."""
+    clock = FakeClock()
+    settings = settings_for(tmp_path, idle_timeout=3600.0, tick_interval=3600.0)
+    assert settings.db_url is not None
+    url = settings.db_url
+    async with Sidecar(settings, clock=clock) as leader, Sidecar(settings, clock=clock) as b:
+        run = open_run(instance="agent-1")
+        await export_http(b, [*run.spans(), *heartbeat_spans("agent-1", [run.run_id], clock.now)])
+        await leader.sync()
+        assert leader.state.status(run.run_id) == sc.STATE_RUNNING
+        held, release = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            with psycopg.connect(url) as conn:
+                conn.execute("SELECT 1 FROM instances WHERE instance = 'agent-1' FOR UPDATE")
+                held.set()
+                release.wait(30)
+
+        holder = asyncio.create_task(asyncio.to_thread(hold))
+        try:
+            assert await asyncio.to_thread(held.wait, 10)
+            run.end(sc.STATUS_COMPLETED)
+            end = [s for s in run.spans() if s.name == run.run.name]
+            beat = heartbeat_spans("agent-1", [], clock.now)
+            ending = asyncio.create_task(export_http(b, [*end, *beat]))
+            # Its spans hold their numbers; its heartbeat waits for the row.
+            await _until(lambda: _lock_waits(url) > 0, "the intake waiting on the row")
+            other = completed_run(instance="agent-2")  # later numbers, committed
+            await export_http(leader, other.spans())
+            for _ in range(3):  # each read far past the old give-up time
+                await leader.sync()
+                clock.now += 60.0
+            assert leader.state.status(other.run_id) == sc.STATUS_COMPLETED
+            assert leader.state.status(run.run_id) == sc.STATE_RUNNING
+        finally:
+            release.set()
+            await holder
+        assert await ending is SpanExportResult.SUCCESS
+        await b.sync()
+        assert b.state.status(run.run_id) == sc.STATUS_COMPLETED
+        await leader.sync()
+        assert leader.state.status(run.run_id) == sc.STATUS_COMPLETED
+
+
+def test_a_burnt_sequence_number_is_given_up_once_its_transaction_ended(
+    tmp_path: Path,
+) -> None:
+    """A number a rolled-back transaction took is missing for good: once every
+    transaction that could hold it has ended, it is no longer looked up."""
+    url = db_for(tmp_path / "sidecar.db")
+    a, b = PgStore(parse_db(url)), PgStore(parse_db(url))
+    try:
+        a.changes(0.0)
+        with psycopg.connect(url) as conn:  # takes a number, then rolls back
+            conn.execute(
+                "INSERT INTO spans(run_id, span_id, received_at, service, instance, data) "
+                "VALUES ('r', 's0', 0, 'svc', 'i', '')"
+            )
+            conn.rollback()
+        b.write([("r", "s1", 0.0, "svc", "i", b"")])
+        a.changes(0.0)  # finds the gap below s1's number
+        for _ in range(100):  # any transaction of the cluster open meanwhile ends
+            if not a._gaps:
+                break
+            a.changes(0.0)
+            threading.Event().wait(0.01)
+        assert a._gaps == {}
+    finally:
+        a.close()
+        b.close()
 
 
 # A replica that claims the oldest pending row of a sink, says which, and lives on.
