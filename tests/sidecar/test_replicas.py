@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -1050,6 +1051,14 @@ def test_a_replica_that_lost_its_presence_takes_it_again_before_it_claims(
         with psycopg.connect(url, autocommit=True) as admin:
             pid = a._presence.info.backend_pid
             admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+            # It signals the backend and returns: wait until the backend has gone, or the
+            # claim below may still find the old connection alive.
+            gone = "SELECT NOT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = %s)"
+            for _ in range(1000):
+                row = admin.execute(gone, (pid,)).fetchone()
+                if row is not None and row[0]:
+                    break
+                time.sleep(0.01)
         first = a.next_row(sink.name, PENDING)
         assert first is not None
         assert a._presence.info.backend_pid != pid
