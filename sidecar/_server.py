@@ -1339,6 +1339,13 @@ class Sidecar:
             label = {"grant": "granted", "renew": "renewed", "release": "released"}[action]
             if action == "grant" and outcome.forced():
                 label = "forced"
+                assert outcome.override is not None  # forced() says so
+                log.warning(
+                    "sidecar.lease.forced",
+                    run_id=run_id,
+                    holder=outcome.holder,
+                    reason=outcome.override.reason,
+                )
         else:
             label = outcome.reason
             if action == "renew" and outcome.reason == "agent_alive":
@@ -1382,13 +1389,6 @@ class Sidecar:
             after = self.state.view(run_id)
             if action == "grant" and after is not None:
                 self._notify(before, after, now)
-            if outcome.override is not None and outcome.override.at == now:
-                log.warning(
-                    "sidecar.lease.forced",
-                    run_id=run_id,
-                    holder=outcome.holder,
-                    reason=outcome.override.reason,
-                )
         return outcome
 
     async def resolve(self, run_id: str, note: str, *, first: bool = False) -> RunView | None:
