@@ -569,15 +569,18 @@ class SagaSpanProcessor(SpanProcessor):
         self._down = True
         with self._cond:
             waiting = [i.ticket for i in (*batch, *self._queue) if i.ticket is not None]
-        for ticket in waiting:
-            resolve(ticket, REASON_SIDECAR_DOWN)  # the steps waiting on them go on now
+            queued = len(self._queue)
+        # Logged before the waiters are released: once they go on, the agent (or a
+        # test) may read the log before this thread runs again.
         self.log_failure(
             REASON_SIDECAR_DOWN,
             "sidecar unreachable; steps go on without waiting for acknowledgement, "
             "saga spans are kept and retried with backoff",
             cause=what,
-            queued=len(self._queue),
+            queued=queued,
         )
+        for ticket in waiting:
+            resolve(ticket, REASON_SIDECAR_DOWN)  # the steps waiting on them go on now
 
     def count(self, reason: str, n: int = 1) -> None:
         with contextlib.suppress(Exception):  # a metrics failure must not hurt the agent

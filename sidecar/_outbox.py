@@ -532,10 +532,10 @@ class Outbox:
             await self._send(sink, row.event)
         except DeliveryRejected as exc:
             failures = 0
-            # Counted before it is recorded: once the row is no longer pending, a
-            # waiter (wait_idle, then stop) may cancel this worker at its next await.
+            # Counted and logged before it is recorded: once the row is no longer
+            # pending, a waiter (wait_idle, then stop) may cancel this worker at its
+            # next await.
             self._count(row.event.alertname, sink.kind, OUTCOME_FAILED)
-            await self._settle(row, FAILED, str(exc), False)
             log.error(
                 "sidecar.alert.rejected",
                 sink=shown_sink(sink.name),
@@ -545,6 +545,7 @@ class Outbox:
                 fix="a configuration error (routing key, URL, token): fix the sink's "
                 "settings; this alert is not retried",
             )
+            await self._settle(row, FAILED, str(exc), False)
         except Exception as exc:
             # DeliveryRetry, or a bug in a sink: keep the row, never lose the alert.
             failures += 1
