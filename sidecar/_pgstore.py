@@ -71,6 +71,8 @@ from ._store import lease_from_row, newer_schema_message
 log = get_logger("sidecar")
 
 CONNECT_TIMEOUT_S = 5
+# idle_session_timeout (the lead connection) and pg_current_xact_id (sync) need 14.
+MIN_SERVER_VERSION = 140000
 POOL_WAIT_S = 5.0  # a request waits this long for a connection, then answers 503
 INSTALL_HINT = "pip install 'saga-otel[sidecar]' (psycopg[binary] and psycopg-pool)"
 
@@ -334,6 +336,7 @@ def _open_pool(target: DbTarget, max_size: int, name: str) -> Any:
     psycopg, psycopg_pool = _psycopg()
     try:
         with psycopg.connect(target.url, connect_timeout=CONNECT_TIMEOUT_S) as conn:
+            check_version(conn.info.server_version, target)
             migrate(conn, target)
     except psycopg.Error as exc:
         raise connect_error(target, exc) from None
@@ -353,6 +356,22 @@ def _open_pool(target: DbTarget, max_size: int, name: str) -> Any:
         pool.close()
         raise connect_error(target, exc) from None
     return pool
+
+
+def check_version(version: int, target: DbTarget) -> None:
+    """Refuse a server too old for what replicas rely on, before the schema is touched."""
+    if version < MIN_SERVER_VERSION:
+        # server_version_num: 130012 is 13.12; before 10, 90624 is 9.6.24.
+        shown = (
+            f"{version // 10000}.{version % 10000}"
+            if version >= 100000
+            else f"{version // 10000}.{version // 100 % 100}.{version % 100}"
+        )
+        raise StoreError(
+            f"PostgreSQL at {_where(target)} is version {shown}; the sidecar needs "
+            f"{MIN_SERVER_VERSION // 10000} or newer (leader hand-over and replica sync rely "
+            "on it): upgrade the server, or run one sidecar on SQLite (--db PATH)"
+        )
 
 
 def migrate(conn: Any, target: DbTarget) -> int:
@@ -443,9 +462,13 @@ class PgStore(_Pooled):
             self._lead = None
         super().close()
 
-    def try_lead(self) -> bool:
+    def try_lead(self, hold: float) -> bool:
         """The session advisory lock on its own connection: held while the connection lives,
-        so a replica that dies (or loses the database) hands it on."""
+        so a replica that dies (or loses the database) hands it on. The server ends the
+        session once it has been idle ``hold`` seconds (idle_session_timeout, on the
+        database's clock), so a replica paused, or cut off with no FIN, hands it on too;
+        the leader asks on every tick, and a replica that lost it learns so before it
+        judges (the ``SELECT 1``)."""
         psycopg = self._psycopg
         try:
             if self._lead is None or self._lead.closed:
@@ -453,11 +476,17 @@ class PgStore(_Pooled):
                 self._lead = psycopg.connect(
                     self.target.url, autocommit=True, connect_timeout=CONNECT_TIMEOUT_S
                 )
+                self._lead.execute(
+                    "SELECT set_config('idle_session_timeout', %s, false)",
+                    (str(max(1, round(hold * 1000))),),
+                )
             if self._leading:
                 self._lead.execute("SELECT 1")
                 return True
             row = self._lead.execute("SELECT pg_try_advisory_lock(%s)", (_LEADER_LOCK,)).fetchone()
             self._leading = bool(row and row[0])
+            if self._leading:
+                log.info("sidecar.leader.taken", db=_where(self.target), hold_s=hold)
         except psycopg.Error as exc:
             log.warning(
                 "sidecar.leader.lost", db=_where(self.target), error=scrub(self.target, exc)

@@ -89,6 +89,11 @@ T = TypeVar("T")
 # writes), never further back than this: a sidecar deaf for longer still orphans the
 # dead, a little later.
 MAX_DEAF_DEFER_S = 5.0
+# Replicas: the leader (the one replica that judges orphans) asks the database every
+# tick; one that has not asked for this long (paused, cut off without a FIN, its loop
+# blocked) loses the lead on the database's clock, and another replica takes it. Longer
+# than a slow sync, short beside the orphan window.
+LEADER_HOLD_S = 10.0
 
 
 class TickGate:
@@ -1153,6 +1158,8 @@ class Sidecar:
         loop = asyncio.get_running_loop()
         interval = self.settings.tick_interval
         gate = TickGate(slack=max(interval, 0.1))
+        # A leader silent this long (paused, cut off) hands on orphan detection.
+        hold = max(LEADER_HOLD_S, 10 * interval)
         judge, stalled = True, False
         while True:
             asked = loop.time() + interval
@@ -1163,7 +1170,7 @@ class Sidecar:
                 # of them (the holder of the leader lock) decide which runs are orphaned.
                 try:
                     await self.sync()
-                    self.leading = await self._call(self._require_store().try_lead)
+                    self.leading = await self._call(self._require_store().try_lead, hold)
                 except StoreError as exc:
                     log.warning("sidecar.sync.failed", error=str(exc))
                     continue

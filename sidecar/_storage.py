@@ -362,9 +362,10 @@ class Store(Protocol):
         """
         ...
 
-    def try_lead(self) -> bool:
+    def try_lead(self, hold: float) -> bool:
         """Whether this process is (or now became) the one that runs orphan detection and
-        retention. Always True for a store of one process."""
+        retention; one that stops asking for ``hold`` seconds (paused, cut off) hands it
+        on. Always True for a store of one process."""
         ...
 
 

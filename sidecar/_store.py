@@ -737,7 +737,7 @@ class SqliteStore:
     def changes(self, now: float) -> Changes:  # noqa: ARG002 (the interface's)
         return NO_CHANGES  # one process per file: nothing changes behind its back
 
-    def try_lead(self) -> bool:
+    def try_lead(self, hold: float) -> bool:  # noqa: ARG002 (the interface's)
         return True
 
 

@@ -228,3 +228,75 @@ def test_three_replicas_one_killed_behave_as_one_sidecar(
             one.stop()
         pager.stop()
         postgres.drop(name)
+
+
+def _log_has(rep: SidecarProcess, event: str) -> bool:
+    return f'"event":"{event}"' in rep.log.read_text().replace(" ", "")
+
+
+def test_a_paused_leader_hands_on_orphan_detection(tmp_path: Path, postgres: PgServer) -> None:
+    """A leader SIGSTOPped (a long GC pause; a host cut off without a FIN looks the same
+    to the database) keeps its connection and, with it, the leader lock: without a
+    hand-over no replica would page the agents that die meanwhile. The database ends its
+    idle session, the other replica leads and pages the dead agent (not the live one);
+    the old leader, continued, learns it lost the lead, and the dead agent is paged once."""
+    name = postgres.create()
+    url = postgres.url(name)
+    pager = AlertReceiver()
+    replicas = [start_sidecar(tmp_path, "--webhook", pager.url, db=url) for _ in range(2)]
+    procs: list[subprocess.Popen[str]] = []
+    stopped: SidecarProcess | None = None
+    try:
+        found = wait_until(
+            lambda: [r for r in replicas if _log_has(r, "sidecar.leader.taken")],
+            timeout=30,
+            what="a leader",
+        )
+        assert isinstance(found, list) and len(found) == 1
+        (leader,) = found
+        (follower,) = [r for r in replicas if r is not leader]
+        os.kill(leader.proc.pid, signal.SIGSTOP)
+        stopped = leader
+        # Both agents reach the follower only; one stays alive through the hand-over.
+        live = _agent("slow", follower.otlp, "25")
+        victim = _agent("victim", follower.otlp)
+        procs += [live, victim]
+        assert victim.stdout is not None
+        victim_run = json.loads(victim.stdout.readline())["run_id"]
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.wait()
+        wait_until(
+            lambda: pager.find(sc.ALERT_RUN_ORPHANED, victim_run) is not None,
+            timeout=90,
+            what="the dead agent paged while the leader is paused",
+        )
+        assert _log_has(follower, "sidecar.leader.taken")
+        os.kill(leader.proc.pid, signal.SIGCONT)
+        stopped = None
+        wait_until(
+            lambda: _log_has(leader, "sidecar.leader.lost"),
+            timeout=30,
+            what="the continued leader to learn it lost the lead",
+        )
+        out, err = live.communicate(timeout=120)
+        assert live.returncode == 0, err[-2000:]
+        live_run = json.loads(out.splitlines()[-1])["run_id"]
+        for rep in replicas:  # each replica has judged a few ticks since
+            wait_until(
+                lambda rep=rep: _view(rep.api, live_run).get("status") == sc.STATUS_COMPLETED,
+                timeout=30,
+                what=f"the live run completed at {rep.api}",
+            )
+        orphaned = {k: n for k, n in pager.keys().items() if sc.ALERT_RUN_ORPHANED in k[0]}
+        assert orphaned == {(f"saga-otel/{sc.ALERT_RUN_ORPHANED}/{victim_run}", "firing"): 1}
+    finally:
+        if stopped is not None:
+            os.kill(stopped.proc.pid, signal.SIGCONT)
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for rep in replicas:
+            rep.stop()
+        pager.stop()
+        postgres.drop(name)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import subprocess
@@ -46,7 +47,7 @@ from sidecar._groups import Groups
 from sidecar._leases import Lease
 from sidecar._otlp import Decoded, extract, parse_protobuf
 from sidecar._outbox import DELIVERED, PENDING, Backoff, Outbox
-from sidecar._pgstore import CLAIM_TTL_S, PgAlertStore, PgStore
+from sidecar._pgstore import CLAIM_TTL_S, PgAlertStore, PgStore, check_version
 from sidecar._sinks import DeliveryRetry
 from sidecar._storage import parse_db
 
@@ -769,6 +770,48 @@ async def test_a_sync_read_before_a_prune_does_not_bring_instances_back(
         await sidecar.flush()
         assert sidecar.state.instance_count() == 0
     other.close()
+
+
+def test_a_silent_leader_hands_on_the_lead_and_learns_it_lost_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A leader paused (SIGSTOP, a long GC pause) or cut off without a FIN keeps its
+    connection, and with it the session lock: the database ends the session once it has
+    been idle ``hold`` seconds, another replica leads, and the old one, asking again,
+    is told it no longer leads before it would judge."""
+    url = db_for(tmp_path / "sidecar.db")
+    a, b = PgStore(parse_db(url)), PgStore(parse_db(url))
+    try:
+        assert a.try_lead(0.3) is True
+        assert b.try_lead(0.3) is False  # held while a asks within the hold
+        for _ in range(5):
+            time.sleep(0.1)
+            assert a.try_lead(0.3) is True
+            assert b.try_lead(0.3) is False
+        deadline = time.monotonic() + 30
+        while not b.try_lead(0.3):  # a is silent now
+            assert time.monotonic() < deadline, "the silent leader kept the lead"
+            time.sleep(0.05)
+        with caplog.at_level(logging.WARNING, logger="sidecar"):
+            assert a.try_lead(0.3) is False  # back: told before it would judge
+        assert [r.getMessage() for r in caplog.records] == ["sidecar.leader.lost"]
+        assert a.try_lead(0.3) is False  # b leads, and keeps the lead while it asks
+        assert b.try_lead(0.3) is True
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_server_older_than_14_is_refused_before_the_schema_is_touched() -> None:
+    target = parse_db("postgresql://saga:s3cret@db.internal:5432/saga")
+    with pytest.raises(StoreError) as info:
+        check_version(130012, target)
+    message = str(info.value)
+    assert "version 13.12" in message and "14 or newer" in message and "SQLite" in message
+    assert "s3cret" not in message
+    with pytest.raises(StoreError, match=r"version 9\.6\.24;"):
+        check_version(90624, target)
+    check_version(140000, target)  # 14.0 and later pass
 
 
 def test_a_replica_reads_back_only_the_heartbeats_others_stored(tmp_path: Path) -> None:
