@@ -485,30 +485,34 @@ class SagaSpanProcessor(SpanProcessor):
         """Lose ``item`` loudly and queue a small marker of its run in its place."""
         attrs = item.span.attributes or {}
         self.count(REASON_TOO_LARGE)
-        if item.ticket is not None:
-            resolve(item.ticket, REASON_TOO_LARGE)
-        self.log_failure(
-            REASON_TOO_LARGE,
-            f"saga span too large to send ({why}); a marker span replaces it",
-            run_id=attrs.get(sc.SAGA_RUN_ID),
-            step=attrs.get(sc.SAGA_STEP_NAME),
-            span_name=item.span.name,
-            size_bytes=size,
-            marker=not item.marker and not _is_heartbeat(item.span),
-        )
-        if item.marker or _is_heartbeat(item.span):
-            # A refused marker: nothing smaller to send. A heartbeat: one without
-            # its run list would say "no runs open"; the next one may fit.
-            return
+        # The waiter is released last: once it goes on, the agent (or a test) may read
+        # the log, or flush for the marker, before this thread runs again.
         try:
-            marker = self._marker(item.span, size)
-        except Exception as exc:
-            self._hook_error("marker", exc)
-            return
-        with self._cond:
-            # First in line: the marker is what the sidecar needs to hear next.
-            self._queue.appendleft(_Item(marker, None, True, True))
-            self._cond.notify()
+            self.log_failure(
+                REASON_TOO_LARGE,
+                f"saga span too large to send ({why}); a marker span replaces it",
+                run_id=attrs.get(sc.SAGA_RUN_ID),
+                step=attrs.get(sc.SAGA_STEP_NAME),
+                span_name=item.span.name,
+                size_bytes=size,
+                marker=not item.marker and not _is_heartbeat(item.span),
+            )
+            if item.marker or _is_heartbeat(item.span):
+                # A refused marker: nothing smaller to send. A heartbeat: one without
+                # its run list would say "no runs open"; the next one may fit.
+                return
+            try:
+                marker = self._marker(item.span, size)
+            except Exception as exc:
+                self._hook_error("marker", exc)
+                return
+            with self._cond:
+                # First in line: the marker is what the sidecar needs to hear next.
+                self._queue.appendleft(_Item(marker, None, True, True))
+                self._cond.notify()
+        finally:
+            if item.ticket is not None:
+                resolve(item.ticket, REASON_TOO_LARGE)
 
     def _marker(self, span: ReadableSpan, size: int) -> ReadableSpan:
         kept: dict[str, Any] = {}
@@ -549,10 +553,12 @@ class SagaSpanProcessor(SpanProcessor):
 
     def _lose(self, batch: Sequence[_Item], reason: str, message: str, **kw: object) -> None:
         self.count(reason, len(batch))
+        # Logged before the waiters are released (as in _note_down): once they go on,
+        # the agent (or a test) may read the log before this thread runs again.
+        self.log_failure(reason, message, spans=len(batch), **kw)
         for item in batch:
             if item.ticket is not None:
                 resolve(item.ticket, reason)
-        self.log_failure(reason, message, spans=len(batch), **kw)
 
     def _note_down(self, what: str, batch: Sequence[_Item], *, unreachable: bool) -> None:
         """Open the circuit when the sidecar is known down; one log line per outage.
