@@ -782,21 +782,21 @@ def test_a_silent_leader_hands_on_the_lead_and_learns_it_lost_it(
     url = db_for(tmp_path / "sidecar.db")
     a, b = PgStore(parse_db(url)), PgStore(parse_db(url))
     try:
-        assert a.try_lead(0.3) is True
-        assert b.try_lead(0.3) is False  # held while a asks within the hold
+        assert a.try_lead(1.0) is True
+        assert b.try_lead(1.0) is False  # held while a asks within the hold
         for _ in range(5):
             time.sleep(0.1)
-            assert a.try_lead(0.3) is True
-            assert b.try_lead(0.3) is False
+            assert a.try_lead(1.0) is True
+            assert b.try_lead(1.0) is False
         deadline = time.monotonic() + 30
-        while not b.try_lead(0.3):  # a is silent now
+        while not b.try_lead(1.0):  # a is silent now
             assert time.monotonic() < deadline, "the silent leader kept the lead"
             time.sleep(0.05)
         with caplog.at_level(logging.WARNING, logger="sidecar"):
-            assert a.try_lead(0.3) is False  # back: told before it would judge
+            assert a.try_lead(1.0) is False  # back: told before it would judge
         assert [r.getMessage() for r in caplog.records] == ["sidecar.leader.lost"]
-        assert a.try_lead(0.3) is False  # b leads, and keeps the lead while it asks
-        assert b.try_lead(0.3) is True
+        assert a.try_lead(1.0) is False  # b leads, and keeps the lead while it asks
+        assert b.try_lead(1.0) is True
     finally:
         a.close()
         b.close()

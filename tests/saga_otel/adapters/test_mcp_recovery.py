@@ -162,7 +162,8 @@ def slow_registry(session: SlowSession) -> Any:
     async def connect() -> AsyncIterator[SlowSession]:
         yield session
 
-    return blocking_registry(connect, timeout=0.2).get("reverse_credit").fn
+    # Long enough for a starved loop thread on CI to open the session and confirm a cancel.
+    return blocking_registry(connect, timeout=1.0).get("reverse_credit").fn
 
 
 def test_a_blocking_call_past_its_timeout_is_cancelled_before_the_retry() -> None:
