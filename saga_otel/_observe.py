@@ -149,6 +149,7 @@ def _adhoc_run(instr: Instrumentation) -> ObservedRun:
             sc.SAGA_NAME: instr.saga,
             sc.SAGA_CONTRACT_VERSION: sc.CONTRACT_VERSION,
         },
+        span_context=ctx,
     )
     return ObservedRun(instr, tel)
 

@@ -93,14 +93,17 @@ class RunTelemetry:
     context: Context
     started: float
     identity: dict[str, Any] = field(default_factory=dict)
+    # The span's ids, read once when it opened (guarded there): a span that raises when
+    # asked them must not keep the run from closing. Invalid (ids 0) if unreadable.
+    span_context: SpanContext = trace.INVALID_SPAN_CONTEXT
 
     @property
     def trace_id(self) -> int:
-        return self.span.get_span_context().trace_id
+        return self.span_context.trace_id
 
     @property
     def span_id(self) -> int:
-        return self.span.get_span_context().span_id
+        return self.span_context.span_id
 
 
 _OK = Status(StatusCode.OK)
@@ -444,8 +447,9 @@ class Instrumentation:
             )
             or trace.INVALID_SPAN
         )
-        rid = run_id or _hex_trace(span.get_span_context())
-        if rid == "0" * 32:  # no SDK installed: still give the run a unique id
+        ctx = self._guard("span", lambda: span.get_span_context()) or trace.INVALID_SPAN_CONTEXT
+        rid = run_id or _hex_trace(ctx)
+        if rid == "0" * 32:  # no SDK installed, or no ids to read: still a unique id
             rid = os.urandom(16).hex()
         run = RunTelemetry(
             run_id=rid,
@@ -457,6 +461,7 @@ class Instrumentation:
                 sc.SAGA_NAME: self.saga,
                 sc.SAGA_CONTRACT_VERSION: sc.CONTRACT_VERSION,
             },
+            span_context=ctx,
         )
         self._guard("span", lambda: span.set_attributes(self._identity(run, sc.PHASE_RUN)))
         self._guard("metric", lambda: self._child(self.metrics.runs_started, self.saga).inc())

@@ -214,6 +214,55 @@ async def test_broken_telemetry_never_changes_the_outcome(mode: Driver) -> None:
     assert cap.metric("saga_telemetry_errors_total", kind="span") > 0
 
 
+@pytest.mark.parametrize("run_id", [None, "run-1"])
+async def test_spans_whose_every_method_raises_never_change_the_outcome(
+    mode: Driver, run_id: str | None
+) -> None:
+    """A tracer whose spans raise, even when asked their ids: the run still opens, unwinds
+    and closes, the agent gets its own exception, and the errors are counted."""
+    from saga_otel import ToolRegistry, tool
+    from saga_otel._heartbeat import open_run_ids
+
+    class BrokenSpan:
+        def __getattr__(self, name: str) -> Any:
+            def fail(*a: Any, **k: Any) -> None:
+                raise RuntimeError(f"span backend gone ({name})")
+
+            return fail
+
+    class BrokenTracer:
+        def start_span(self, *a: Any, **k: Any) -> Any:
+            return BrokenSpan()
+
+    undone: list[int] = []
+
+    @tool("compensable", compensate="undo_w", compensate_args=lambda i: {"id": i.result})
+    def w(x: int) -> int:
+        return x
+
+    @tool("convergent")
+    def undo_w(id: int) -> None:
+        undone.append(id)
+
+    cap = capture()
+    saga = cap.saga("broken", tools=ToolRegistry([w, undo_w]))
+    saga.instr.tracer = BrokenTracer()
+    err = ValueError("the agent's own")
+    run = mode.run(saga, run_id)
+    with pytest.raises(ValueError) as info:
+        async with run:
+            await run.call("w", x=7)
+            raise err
+    assert info.value is err
+    assert undone == [7]
+    assert run.report is not None and run.report.status is RunStatus.COMPENSATED
+    assert run.report.trace_id == 0 and run.report.span_id == 0  # no ids could be read
+    if run_id is not None:
+        assert run.report.run_id == run_id
+    assert run.report.run_id not in open_run_ids()
+    assert cap.metric("saga_telemetry_errors_total", kind="span") > 0
+
+
 async def test_a_failing_span_processor_and_metrics_never_change_the_outcome(
     mode: Driver,
 ) -> None:
