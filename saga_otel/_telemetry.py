@@ -176,7 +176,6 @@ class _Kind:
         "after",
         "before",
         "error",
-        "ident",
         "middle",
         "name",
         "ok",
@@ -208,10 +207,12 @@ class _Kind:
         self.ok: tuple[Any, Any] | None = None
         self.error: tuple[Any, Any] | None = None
         self.retries: Any = None
-        # The start attributes of the last run seen (index and attempt as placeholders),
-        # for the common attempt (no tool call id, no compensation): one dict copy.
-        self.ident: dict[str, Any] | None = None
-        self.template: dict[str, Any] = {}
+        # The identity of the last run seen and its start attributes (index and attempt
+        # as placeholders), for the common attempt (no tool call id, no compensation):
+        # one dict copy. One tuple, replaced whole and read once per attempt: runs on
+        # other threads share it, and two attributes could pair one run's identity with
+        # another run's attributes, for good. No lock on the hot path.
+        self.template: tuple[dict[str, Any] | None, dict[str, Any]] = (None, {})
 
 
 class Attempt:
@@ -528,22 +529,26 @@ class Instrumentation:
         if kind is None:
             kind = self._kinds[key] = _Kind(phase, step, tool, step_class, pivot)
         if compensation is None and (phase != sc.PHASE_DO or not _tool_call_id.get()):
-            if kind.ident != run.identity:  # another run (or its identity grew): rebuild
-                kind.template = self._start_attributes(run, kind, phase, 0, 1, None, None)
-                kind.ident = dict(run.identity)
-            attrs = kind.template.copy()  # the same keys in the same order
+            template = kind.template
+            if template[0] != run.identity:  # another run (or its identity grew): rebuild
+                ident = dict(run.identity)  # the attributes are made from this very copy
+                template = kind.template = (
+                    ident,
+                    self._start_attributes(ident, kind, phase, 0, 1, None, None),
+                )
+            attrs = template[1].copy()  # the same keys in the same order
             if phase != sc.PHASE_VALIDATE:
                 attrs[sc.SAGA_STEP_INDEX] = index
                 attrs[sc.SAGA_STEP_ATTEMPT] = attempt
         else:
             attrs = self._start_attributes(
-                run, kind, phase, index, attempt, _tool_call_id.get(), compensation
+                run.identity, kind, phase, index, attempt, _tool_call_id.get(), compensation
             )
         return Attempt(self, run, phase, step, attempt, attrs, kind)
 
     @staticmethod
     def _start_attributes(
-        run: RunTelemetry,
+        identity: Mapping[str, Any],
         kind: _Kind,
         phase: str,
         index: int,
@@ -552,7 +557,7 @@ class Instrumentation:
         compensation: Compensation | None,
     ) -> dict[str, Any]:
         """An attempt's span attributes at start, in the contract tables' order."""
-        attrs = {**run.identity, **kind.before}
+        attrs = {**identity, **kind.before}
         if phase != sc.PHASE_VALIDATE:  # the contract gives validate spans no index/attempt
             attrs[sc.SAGA_STEP_INDEX] = index
             attrs[sc.SAGA_STEP_ATTEMPT] = attempt

@@ -581,6 +581,74 @@ def test_repeated_attempts_keep_their_attributes_and_order(cap: Captured) -> Non
     assert dict(do(1, 1))[sc.SAGA_RUN_ID] == other.run_id
 
 
+def test_runs_on_many_threads_each_keep_their_own_identity_on_their_spans() -> None:
+    """Runs of one saga on many threads at once (documented as supported): the per-step-kind
+    attribute template they share must never give a step span another run's id.
+
+    The race needs a thread switch inside the template's check-and-rebuild: every thread
+    alternates two runs (so every attempt rebuilds), switches are made very frequent, and
+    the rounds are repeated. A tracer of no cost gives each run span a trace of its own
+    and notes, for each step span, its run id and the trace of the run it hangs from."""
+    import random
+    import sys
+    import threading
+
+    from opentelemetry.context import Context
+    from opentelemetry.trace import (
+        INVALID_SPAN,
+        NonRecordingSpan,
+        Span,
+        SpanContext,
+        get_current_span,
+    )
+    from prometheus_client import CollectorRegistry
+
+    from saga_otel._telemetry import Instrumentation
+
+    class Tracer:
+        def __init__(self) -> None:
+            self.steps: list[tuple[str, str]] = []  # appended to: atomic, unlike a += count
+
+        def start_span(
+            self, name: str, context: Context | None = None, attributes: Any = None, **_: Any
+        ) -> Span:
+            if attributes is None:  # a run span; its trace id is its run's id
+                ids = SpanContext(random.getrandbits(128), random.getrandbits(64), False)
+                return NonRecordingSpan(ids)
+            own = f"{get_current_span(context).get_span_context().trace_id:032x}"
+            self.steps.append((own, attributes[sc.SAGA_RUN_ID]))
+            return INVALID_SPAN
+
+    class Quiet:
+        """A logger that takes no events: the attempts are what the race needs time for."""
+
+        def is_enabled_for(self, level: int) -> bool:
+            return False
+
+    def agent(instr: Instrumentation, attempts: int) -> None:
+        runs = [instr.start_run(), instr.start_run()]
+        for i in range(attempts):
+            with instr.attempt(runs[i % 2], "do", "s", index=i, tool="t"):
+                pass
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for round_ in range(5):
+            instr = Instrumentation("race", registry=CollectorRegistry(), logger=Quiet())
+            instr.tracer = tracer = Tracer()
+            threads = [threading.Thread(target=agent, args=(instr, 3000)) for _ in range(8)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert len(tracer.steps) == 8 * 3000  # the tracer saw every step (none failed)
+            wrong = [(own, got) for own, got in tracer.steps if got != own]
+            assert wrong == [], f"round {round_}: {len(wrong)} spans, another run's id"
+    finally:
+        sys.setswitchinterval(old)
+
+
 class AsyncUndo:
     """A callable object whose ``__call__`` is ``async def``: observed() must await it."""
 
