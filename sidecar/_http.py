@@ -492,16 +492,23 @@ def decode_cursor(text: str) -> tuple[float, str]:
     if not isinstance(value, list) or len(value) != 2:
         raise _bad_cursor(text, f"it holds {value!r:.60}, not a [started_at, run_id] pair")
     started_at, run_id = value
-    if started_at is not None and (
-        isinstance(started_at, bool)
-        or not isinstance(started_at, int | float)
-        or not math.isfinite(started_at)
-    ):
-        raise _bad_cursor(text, f"its started_at {started_at!r:.40} is not epoch seconds")
+    moment = float("-inf")  # a run with no start sorts last
+    if started_at is not None:
+        try:
+            # float() first: an int past a float's range is an OverflowError, not a time.
+            if isinstance(started_at, bool) or not isinstance(started_at, int | float):
+                raise TypeError
+            moment = float(started_at)
+            if not math.isfinite(moment):
+                raise OverflowError
+        except (TypeError, OverflowError):
+            raise _bad_cursor(
+                text, f"its started_at {started_at!r:.40} is not epoch seconds"
+            ) from None
     problem = sc.run_id_problem(run_id)
     if problem is not None:
         raise _bad_cursor(text, problem)
-    return float(started_at if started_at is not None else float("-inf")), run_id
+    return moment, run_id
 
 
 def _bad_cursor(text: str, why: str) -> DecodeError:

@@ -388,6 +388,10 @@ async def test_list_filters_and_cursor_pagination(sidecar: Sidecar) -> None:
         "[1, 2]",
         '[1700000001.0, ""]',
         '{"1700000001.0": 0, "r1": 0}',
+        # Integers past a float's range: math.isfinite() raised OverflowError, a 500.
+        "[" + "9" * 400 + ', "r1"]',
+        "[-" + "9" * 400 + ', "r1"]',
+        '[1e400, "r1"]',
     ],
 )
 async def test_a_cursor_the_api_never_gave_out_is_a_400(sidecar: Sidecar, raw: str) -> None:
