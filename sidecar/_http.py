@@ -459,16 +459,21 @@ async def _decode_and_ingest(
 
 def parse_time(text: str, what: str) -> float:
     """Epoch seconds from ``1712345678.5`` or ISO 8601 (naive means UTC)."""
+    forms = "use epoch seconds or ISO 8601, e.g. 1712345678 or 2024-04-05T12:00:00Z"
     try:
-        return float(text)
+        seconds = float(text)
     except ValueError:
         pass
+    else:
+        # float() takes nan and inf (and 1e400 as inf): nan matched every run.
+        if not math.isfinite(seconds):
+            raise DecodeError(f"{what}={text!r:.60} is not a finite time: {forms}")
+        return seconds
     try:
         moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
     except ValueError:
         raise DecodeError(
-            f"{what}={text!r} is neither epoch seconds nor ISO 8601: use e.g. 1712345678 "
-            "or 2024-04-05T12:00:00Z"
+            f"{what}={text!r:.60} is neither epoch seconds nor ISO 8601: {forms}"
         ) from None
     if moment.tzinfo is None:
         moment = moment.replace(tzinfo=UTC)

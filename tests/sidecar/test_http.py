@@ -404,6 +404,26 @@ async def test_a_cursor_the_api_never_gave_out_is_a_400(sidecar: Sidecar, raw: s
     assert "pass next_cursor from the previous page unchanged" in body["error"]
 
 
+@pytest.mark.parametrize("key", ["since", "until"])
+@pytest.mark.parametrize("value", ["nan", "NaN", "inf", "-inf", "Infinity", "1e400", "9" * 400])
+async def test_since_and_until_must_be_finite(sidecar: Sidecar, key: str, value: str) -> None:
+    # nan compared false with every start, so the filter let every run through (a 200).
+    await export_http(sidecar, completed_run().spans())
+    status, body = await get_json(sidecar, f"/runs?{key}={value}")
+    assert status == 400, body
+    assert f"{key}={value!r:.60}" in body["error"], body
+    assert "epoch seconds" in body["error"] and "ISO 8601" in body["error"], body
+
+
+async def test_since_and_until_at_the_ends_of_the_calendar_are_times(sidecar: Sidecar) -> None:
+    run = completed_run()
+    await export_http(sidecar, run.spans())
+    for query in ("since=0001-01-01T00:00:00%2B00:01", "until=9999-12-31T23:59:59-23:59"):
+        status, body = await get_json(sidecar, f"/runs?{query}")
+        assert status == 200, body
+        assert [r["run_id"] for r in body["runs"]] == [run.run_id]
+
+
 async def test_metrics_endpoint(sidecar: Sidecar) -> None:
     await export_http(sidecar, stuck_run().spans() + compensated_run().spans())
     status, text = await get_text(sidecar, "/metrics")
