@@ -457,6 +457,76 @@ async def _decode_and_ingest(
 # --- API ---------------------------------------------------------------------------
 
 
+# The query parameters of each JSON route (docs/sidecar.md, API). Any other, or one
+# given twice, is a 400 naming it: an ignored typo (``stauts=stuck``) answered every
+# run. ``_``, the cache-buster jQuery and others add, is taken and ignored everywhere.
+# Not here, so not checked: the pages (a link a person follows may carry a chat tool's
+# ``utm_...``; no parameter changes a page) and routes added by ``add_api_routes``.
+RUNS_QUERY = ("status", "saga", "since", "until", "needs", "id_prefix", "limit", "cursor")
+_QUERY: dict[tuple[str, str], tuple[str, ...]] = {
+    ("GET", "/runs"): (*RUNS_QUERY, "reveal"),
+    ("GET", "/runs/{run_id}"): ("reveal",),
+    ("GET", "/runs/{run_id}/stack"): ("reveal",),
+    ("POST", "/runs/{run_id}/resolve"): (),
+    ("POST", "/runs/{run_id}/lease"): (),
+    ("POST", "/runs/{run_id}/lease/renew"): (),
+    ("POST", "/runs/{run_id}/lease/release"): (),
+    ("GET", "/healthz"): (),
+    ("GET", "/metrics"): (),
+}
+CACHE_BUSTER = "_"
+
+
+def query_problem(request: web.Request) -> str | None:
+    """What is wrong with ``request``'s query string for its route, or None."""
+    resource = request.match_info.route.resource
+    method = "GET" if request.method == "HEAD" else request.method
+    known = _QUERY.get((method, resource.canonical)) if resource is not None else None
+    if known is None or (
+        resource is not None
+        and resource.canonical == "/runs/{run_id}"
+        and wants_html(request.headers.get("Accept", ""))  # the run page
+    ):
+        return None
+    assert resource is not None
+    where = f"{method} {resource.canonical.replace('{run_id}', '{id}')}"
+    query = request.query
+    for key in dict.fromkeys(query.keys()):
+        if key == CACHE_BUSTER:
+            continue
+        if key not in known and not known:
+            return (
+                f"{where} takes no query parameters, not {key!r:.60} (docs/sidecar.md, API): "
+                "leave it out"
+            )
+        if key not in known:
+            return (
+                f"{where} has no query parameter {key!r:.60}: it takes {', '.join(known)} "
+                "(docs/sidecar.md, API); check the spelling"
+            )
+        values = query.getall(key)
+        if len(values) > 1:
+            return (
+                f"{key!r:.60} is given {len(values)} times ({', '.join(map(repr, values))[:120]}):"
+                " give it once; no parameter of this API takes more than one value"
+            )
+        if key == "reveal" and values[0] != "args":
+            return (
+                f"reveal={values[0]!r:.60} is not supported: use reveal=args for the real "
+                "arguments (what recovery runs), or leave it out for them masked"
+            )
+    return None
+
+
+def _query_middleware() -> Middleware:
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        problem = query_problem(request)
+        return error(400, problem) if problem is not None else await handler(request)
+
+    return middleware
+
+
 def parse_time(text: str, what: str) -> float:
     """Epoch seconds from ``1712345678.5`` or ISO 8601 (naive means UTC)."""
     forms = "use epoch seconds or ISO 8601, e.g. 1712345678 or 2024-04-05T12:00:00Z"
@@ -530,7 +600,7 @@ def _shown(request: web.Request, doc: _Doc, *views: RunView | None) -> _Doc:
     else): ``saga_otel.recover`` asks for them.
     """
     redactor = request.app[SERVICE].redactor
-    if not redactor.active or request.query.get("reveal") == "args":
+    if not redactor.active or request.query.get("reveal") == "args":  # see query_problem
         return doc
     masked: _Doc = redactor.redact(doc, redactor.secrets_in(*(v for v in views if v)))
     return masked
@@ -539,7 +609,7 @@ def _shown(request: web.Request, doc: _Doc, *views: RunView | None) -> _Doc:
 def build_api_app(service: Service) -> web.Application:
     app = web.Application(
         # browser_auth (outer): HTML for people, sidecar/_pages.py.
-        middlewares=[browser_auth(service), _auth_middleware(service, "api")],
+        middlewares=[browser_auth(service), _auth_middleware(service, "api"), _query_middleware()],
         client_max_size=API_MAX_BODY,
     )
     app[SERVICE] = service

@@ -424,6 +424,83 @@ async def test_since_and_until_at_the_ends_of_the_calendar_are_times(sidecar: Si
         assert [r["run_id"] for r in body["runs"]] == [run.run_id]
 
 
+RUNS_PARAMETERS = "status, saga, since, until, needs, id_prefix, limit, cursor, reveal"
+
+
+async def test_a_query_parameter_a_route_does_not_take_is_a_400_naming_it(
+    sidecar: Sidecar,
+) -> None:
+    """A typo in a filter once listed every run (a 200): ``stauts=stuck`` read as no
+    filter at all. Every JSON route names the parameter and the ones it takes."""
+    failed, done = compensation_failed_run(), completed_run()
+    await export_http(sidecar, failed.spans() + done.spans())
+    one = f"/runs/{failed.run_id}"
+    for path, bad, takes in [
+        ("/runs?stauts=stuck", "stauts", RUNS_PARAMETERS),
+        ("/runs?need=person", "need", RUNS_PARAMETERS),
+        ("/runs?limt=1", "limt", RUNS_PARAMETERS),
+        (f"{one}?revael=args", "revael", "reveal"),
+        (f"{one}/stack?status=stuck", "status", "reveal"),
+        ("/healthz?verbose=1", "verbose", "takes no query parameters"),
+        ("/metrics?name[]=saga_sidecar_runs", "name[]", "takes no query parameters"),
+    ]:
+        status, body = await get_json(sidecar, path)
+        assert status == 400, (path, body)
+        assert f"{bad!r}" in body["error"] and takes in body["error"], body
+        assert "docs/sidecar.md" in body["error"], body
+    async with aiohttp.ClientSession() as s:
+        url = api(sidecar, f"{one}/resolve?replace=true")
+        async with s.post(url, json={"note": "x"}) as resp:
+            assert resp.status == 400
+            assert "'replace'" in (await resp.json())["error"]
+        async with s.post(api(sidecar, f"{one}/lease?force=1"), json={}) as resp:
+            assert resp.status == 400
+            assert "'force'" in (await resp.json())["error"]
+    assert sidecar.state.view(failed.run_id)["resolution"] is None  # type: ignore[index]
+
+
+async def test_a_repeated_query_parameter_is_a_400(sidecar: Sidecar) -> None:
+    """``status=stuck&status=completed`` once answered the first, silently."""
+    await export_http(sidecar, completed_run().spans())
+    for path, key in [
+        ("/runs?status=stuck&status=completed", "status"),
+        ("/runs?limit=1&limit=2", "limit"),
+        ("/runs/any?reveal=args&reveal=args", "reveal"),
+    ]:
+        status, body = await get_json(sidecar, path)
+        assert status == 400, (path, body)
+        assert f"{key!r} is given 2 times" in body["error"], body
+
+
+async def test_reveal_takes_only_args(sidecar: Sidecar) -> None:
+    run = compensation_failed_run()
+    await export_http(sidecar, run.spans())
+    for path in ("/runs", f"/runs/{run.run_id}", f"/runs/{run.run_id}/stack"):
+        status, body = await get_json(sidecar, f"{path}?reveal=arg")
+        assert status == 400, (path, body)
+        assert "reveal='arg'" in body["error"] and "reveal=args" in body["error"], body
+        status, body = await get_json(sidecar, f"{path}?reveal=args")
+        assert status == 200, (path, body)
+
+
+async def test_a_cache_buster_is_taken_and_pages_take_any_parameter(sidecar: Sidecar) -> None:
+    """``_`` (what jQuery and others add to defeat caches) is accepted on every JSON route.
+    The pages a person opens from a link ignore parameters (chat tools add utm_...)."""
+    run = compensation_failed_run()
+    await export_http(sidecar, run.spans())
+    for path in ("/runs", f"/runs/{run.run_id}", f"/runs/{run.run_id}/stack", "/healthz"):
+        status, _ = await get_json(sidecar, f"{path}?_=1712345678901")
+        assert status == 200, path
+    html = {"Accept": "text/html"}
+    async with aiohttp.ClientSession() as s:
+        async with s.get(api(sidecar, "/metrics?_=1")) as resp:
+            assert resp.status == 200
+        for path in (f"/runs/{run.run_id}", f"/ui/runs/{run.run_id}", "/review"):
+            async with s.get(api(sidecar, f"{path}?utm_source=chat"), headers=html) as resp:
+                assert resp.status == 200, path
+                assert resp.content_type == "text/html", path
+
+
 async def test_metrics_endpoint(sidecar: Sidecar) -> None:
     await export_http(sidecar, stuck_run().spans() + compensated_run().spans())
     status, text = await get_text(sidecar, "/metrics")
