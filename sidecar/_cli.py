@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shlex
 import signal
 import sys
 import time
@@ -25,7 +26,7 @@ from ._alert_settings import alert_options, settings_from_options
 from ._errors import ApiError, SidecarError
 from ._log import configure as configure_logging
 from ._log import get_logger
-from ._render import age, local_time, printable_doc, render_run
+from ._render import age, local_time, printable, printable_doc, render_run, when
 from ._settings import (
     DEFAULT_API_PORT,
     DEFAULT_FORWARD_QUEUE,
@@ -314,7 +315,7 @@ def _request(api: str, token: str | None, method: str, path: str, **kw: Any) -> 
         raise ApiError(f"{api}{path} answered {resp.status_code} with non-JSON") from exc
     if resp.status_code >= 400:
         message = str(body.get("error") if isinstance(body, dict) else body)
-        raise ApiError(message, resp.status_code)
+        raise ApiError(message, resp.status_code, body if isinstance(body, dict) else None)
     if not isinstance(body, dict):
         raise ApiError(f"{api}{path} answered with {type(body).__name__}, expected an object")
     return body
@@ -475,16 +476,48 @@ def stack(run_id: str, api: str, token: str | None, as_json: bool) -> None:
 @runs.command("resolve")
 @click.argument("run_id")
 @click.option("--note", required=True, help="What a person did or decided.")
+@click.option(
+    "--replace",
+    is_flag=True,
+    help="Put this note in place of the one a run resolved already has (else refused).",
+)
 @_api_option
 @_token_option
-def resolve(run_id: str, note: str, api: str, token: str | None) -> None:
+def resolve(run_id: str, note: str, replace: bool, api: str, token: str | None) -> None:
     """Record that a person settled the run.
 
-    RUN_ID may be any prefix of the id that no other run shares.
+    RUN_ID may be any prefix of the id that no other run shares. A run resolved
+    already keeps its note: resolving it again with the same note changes nothing,
+    with another is refused (showing the note that stands) unless --replace.
     """
+    body: dict[str, Any] = {"note": note, **({"replace": True} if replace else {})}
     try:
-        view = _on_run(api, token, "POST", run_id, "/resolve", json={"note": note})
+        view = _on_run(api, token, "POST", run_id, "/resolve", json=body)
+    except ApiError as exc:
+        standing = exc.body.get("resolution") if exc.status == 409 and exc.body else None
+        if isinstance(standing, dict):
+            raise _resolved_already(run_id, note, standing) from exc
+        raise _fail(exc) from exc
     except SidecarError as exc:
         raise _fail(exc) from exc
     view = printable_doc(view)
     click.echo(f"resolved {view['run_id']} ({view['status']}): {view['resolution']['note']}")
+
+
+def _resolved_already(given: str, note: str, standing: dict[str, Any]) -> click.ClickException:
+    """The API's 409: someone resolved the run first; show their note and the way to
+    replace it, every outside text escaped."""
+    at = standing.get("at")
+    when_text = when(at, time.time()) if isinstance(at, int | float) else "-"
+    again = f"saga-sidecar runs resolve {shlex.quote(given)} --note {shlex.quote(note)} --replace"
+    return click.ClickException(
+        "\n".join(
+            printable(line)
+            for line in (
+                f"run {given} is already resolved; your note was not saved.",
+                f"  resolved {when_text}: {standing.get('note')}",
+                f"  your note: {note}",
+                f"  to put yours in its place: {again}",
+            )
+        )
+    )

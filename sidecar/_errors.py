@@ -22,7 +22,11 @@ class StoreError(SidecarError):
 class ApiError(SidecarError):
     """The sidecar API answered a CLI request with an error, or could not be reached."""
 
-    def __init__(self, message: str, status: int | None = None) -> None:
+    def __init__(
+        self, message: str, status: int | None = None, body: dict[str, object] | None = None
+    ) -> None:
         super().__init__(message)
         #: The HTTP status the API answered, None when it was never reached.
         self.status = status
+        #: The API's JSON error answer (``{"error": ...}`` and any details), if any.
+        self.body = body

@@ -23,7 +23,7 @@ from saga_otel import semconv as sc
 
 from . import _jsontext as jsontext
 from ._errors import DecodeError, StoreError
-from ._leases import Lease, LeaseAction, lease_view
+from ._leases import Lease, LeaseAction, lease_view, when
 from ._log import get_logger
 from ._otlp import extract, parse_json, parse_protobuf, response
 from ._pages import browser_auth, page_routes, run_page, wants_html
@@ -31,7 +31,7 @@ from ._service import SERVICE, Service
 from ._settings import BODY_RATE_GRACE
 from ._state import ALL_STATES
 from ._storage import RunQuery
-from ._views import RunView
+from ._views import ResolutionView, RunView
 
 log = get_logger("sidecar")
 
@@ -593,6 +593,15 @@ def _bad_cursor(text: str, why: str) -> DecodeError:
     )
 
 
+def _resolved_already(run_id: str, standing: ResolutionView) -> str:
+    return (
+        f"run {run_id!r} is already resolved, at {when(standing['at'])}, with the note "
+        f"{standing['note']!r:.300}; your note was not saved. Read the run (GET "
+        '/runs/{id}); if yours should stand instead, send it again with "replace": true '
+        "(saga-sidecar runs resolve RUN --note '...' --replace)"
+    )
+
+
 def _shown(request: web.Request, doc: _Doc, *views: RunView | None) -> _Doc:
     """``doc`` masked by the service's redactor with its own secrets and those of ``views``.
 
@@ -700,11 +709,28 @@ def build_api_app(service: Service) -> web.Application:
         note = data.get("note") if isinstance(data, dict) else None
         if not isinstance(note, str) or not note.strip():
             return error(400, 'resolve needs {"note": "..."}: say what a person did or decided')
+        replace = data.get("replace", False)
+        if not isinstance(replace, bool):
+            return error(
+                400,
+                f"replace={replace!r:.40} is not true or false: send "
+                '{"note": "...", "replace": true} only to put your note in place of another',
+            )
         try:
-            view = await sidecar.resolve(run_id, note)
+            # The page's rule (sidecar/_pages.py): a run resolved already keeps its note.
+            view = await sidecar.resolve(run_id, note, first=True)
+            standing = view["resolution"] if view is not None else None
+            if replace and standing is not None and standing["note"] != note:
+                view = await sidecar.resolve(run_id, note)
         except StoreError as exc:
             return error(503, str(exc), {"Retry-After": RETRY_AFTER})
-        return unknown(run_id) if view is None else web.json_response(_shown(request, view))
+        if view is None:
+            return unknown(run_id)
+        standing = view["resolution"]
+        if standing is not None and standing["note"] != note:
+            refusal = {"error": _resolved_already(run_id, standing), "resolution": standing}
+            return web.json_response(_shown(request, refusal, view), status=409)
+        return web.json_response(_shown(request, view))
 
     def lease_handler(action: LeaseAction) -> Handler:
         async def handle(request: web.Request) -> web.Response:

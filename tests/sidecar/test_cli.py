@@ -12,6 +12,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 from click.testing import CliRunner, Result
 from sidecar_testkit import (
@@ -78,6 +79,44 @@ async def test_cli_errors_are_messages(sidecar: Sidecar) -> None:
     result = await cli(sidecar, "runs", "list", SAGA_SIDECAR_API="http://127.0.0.1:9")
     assert result.exit_code == 1
     assert "cannot reach the sidecar API" in result.output
+
+
+async def test_resolve_keeps_the_first_note_and_replaces_it_only_when_asked(
+    sidecar: Sidecar,
+) -> None:
+    """Alice resolved the run on its page; Bob's `runs resolve` replaced her note (the
+    page promises the second sees the first's). Now it is refused, showing hers."""
+    run = compensation_failed_run()
+    await export_http(sidecar, run.spans())
+    alice = "Alice: reversed cr_1 by hand \x1b]0;pwned\x07"
+    page = f"http://127.0.0.1:{sidecar.api_port}/ui/runs/{run.run_id}/resolve"
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(page, data={"note": alice}, allow_redirects=False) as resp,
+    ):
+        assert resp.status == 303
+    result = await cli(sidecar, "runs", "resolve", run.run_id[:8], "--note", "Bob: no-op")
+    assert result.exit_code == 1, result.output
+    lines = result.output.splitlines()
+    assert lines[0] == f"Error: run {run.run_id[:8]} is already resolved; your note was not saved."
+    assert lines[1].startswith("  resolved ") and "ago): Alice: reversed cr_1 by hand" in lines[1]
+    assert "\x1b" not in result.output and "\\x1b]0;pwned\\x07" in lines[1], lines[1]
+    assert lines[2] == "  your note: Bob: no-op"
+    assert lines[3] == (
+        f"  to put yours in its place: saga-sidecar runs resolve {run.run_id[:8]} "
+        "--note 'Bob: no-op' --replace"
+    )
+    view = sidecar.state.view(run.run_id)
+    assert view is not None and view["resolution"] is not None
+    assert view["resolution"]["note"] == alice
+    # The same note again (a retry) is no conflict.
+    result = await cli(sidecar, "runs", "resolve", run.run_id, "--note", alice)
+    assert result.exit_code == 0, result.output
+    result = await cli(sidecar, "runs", "resolve", run.run_id, "--note", "Bob: no-op", "--replace")
+    assert result.exit_code == 0, result.output
+    view = sidecar.state.view(run.run_id)
+    assert view is not None and view["resolution"] is not None
+    assert view["resolution"]["note"] == "Bob: no-op"
 
 
 async def test_ids_and_undo_args_are_never_cut(sidecar: Sidecar) -> None:

@@ -354,6 +354,64 @@ async def test_resolve_and_listeners(sidecar: Sidecar) -> None:
     assert page["runs"] == []
 
 
+async def test_a_resolution_is_not_overwritten_by_a_different_note(
+    sidecar: Sidecar, clock: Any
+) -> None:
+    """The page keeps the first person's note; the API replaced it and re-stamped the
+    time. Now: the same note again is a 200, unchanged; another note is a 409 with the
+    resolution that stands; ``"replace": true`` puts it in its place, knowingly."""
+    seen: list[Any] = []
+    run = stuck_run()
+    await export_http(sidecar, run.spans())
+    sidecar.add_listener(lambda before, after, now: seen.append(after["resolution"]))
+    url = api(sidecar, f"/runs/{run.run_id}/resolve")
+    alice = {"note": "Alice: reversed cr_1 by hand", "at": clock.now}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(url, json={"note": alice["note"]}) as resp:
+            assert resp.status == 200
+            assert (await resp.json())["resolution"] == alice
+        clock.now += 60
+        async with s.post(url, json={"note": alice["note"]}) as resp:  # a retry: idempotent
+            assert resp.status == 200
+            assert (await resp.json())["resolution"] == alice
+        async with s.post(url, json={"note": "Bob: nothing to do"}) as resp:
+            assert resp.status == 409
+            body = await resp.json()
+        assert body["resolution"] == alice
+        assert "already resolved" in body["error"] and repr(alice["note"]) in body["error"]
+        assert '"replace": true' in body["error"] and "--replace" in body["error"]
+        async with s.post(url, json={"note": "Bob", "replace": "yes"}) as resp:
+            assert resp.status == 400
+            assert "replace='yes'" in (await resp.json())["error"]
+        assert seen == [alice]
+        assert sidecar.state.view(run.run_id)["resolution"] == alice  # type: ignore[index]
+        async with s.post(url, json={"note": "Bob: nothing to do", "replace": True}) as resp:
+            assert resp.status == 200
+            bob = {"note": "Bob: nothing to do", "at": clock.now}
+            assert (await resp.json())["resolution"] == bob
+        clock.now += 60
+        async with s.post(url, json={"note": bob["note"], "replace": True}) as resp:
+            assert resp.status == 200  # the same note: nothing to replace, not re-stamped
+            assert (await resp.json())["resolution"] == bob
+    assert seen == [alice, bob]
+
+
+async def test_the_api_keeps_a_note_made_on_the_page(sidecar: Sidecar) -> None:
+    """The audit's case: Alice resolves on the run page, Bob through the API (the CLI)."""
+    run = compensation_failed_run()
+    await export_http(sidecar, run.spans())
+    async with aiohttp.ClientSession() as s:
+        form = {"note": "Alice: reversed cr_1 by hand"}
+        page = api(sidecar, f"/ui/runs/{run.run_id}/resolve")
+        async with s.post(page, data=form, allow_redirects=False) as resp:
+            assert resp.status == 303
+        url = api(sidecar, f"/runs/{run.run_id}/resolve")
+        async with s.post(url, json={"note": "Bob: nothing to do"}) as resp:
+            assert resp.status == 409
+            assert (await resp.json())["resolution"]["note"] == form["note"]
+    assert sidecar.state.view(run.run_id)["resolution"]["note"] == form["note"]  # type: ignore[index]
+
+
 async def test_list_filters_and_cursor_pagination(sidecar: Sidecar) -> None:
     runs = [completed_run(t0=1_700_000_000.0 + i * 10) for i in range(5)]
     await export_http(sidecar, [s for r in runs for s in r.spans()])
