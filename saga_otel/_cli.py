@@ -12,7 +12,7 @@ import json
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from saga_otel import __version__
 from saga_otel._config import configure
@@ -30,6 +30,9 @@ from saga_otel._recovery import (
 from saga_otel._registry import ToolRegistry
 from saga_otel._text import printable
 from saga_otel.records import RetryPolicy, RunStatus, SagaReport, describe_error, exception_text
+
+if TYPE_CHECKING:
+    from _typeshed import SupportsWrite
 
 ENV_TOOLS = "SAGA_OTEL_TOOLS"
 ENV_OTLP = "SAGA_OTEL_SIDECAR_ENDPOINT"
@@ -123,8 +126,24 @@ _DASHED_ID = (
 )
 
 
+def _shown(text: str) -> str:
+    """``text`` with each line :func:`printable`: every line this command prints passes
+    here. Outside text reaches it (a lease holder's name, the agent's tool names, the
+    sidecar's errors): shown with escapes, never obeyed by the terminal."""
+    return "\n".join(printable(line) for line in text.split("\n"))
+
+
+def _say(text: str, *, err: bool = False) -> None:
+    print(_shown(text), file=sys.stderr if err else sys.stdout)
+
+
 class _Parser(argparse.ArgumentParser):
     """Usage mistakes in one line naming the fix (``-h`` shows the whole usage)."""
+
+    def _print_message(self, message: str, file: SupportsWrite[str] | None = None) -> None:
+        # argparse's one writer: usage, help, --version and errors.
+        if message:
+            (file or sys.stderr).write(_shown(message))
 
     def error(self, message: str) -> NoReturn:
         if "RUN_ID" in message:  # often an id that begins with '-', taken for an option
@@ -252,7 +271,7 @@ def _mcp_tools(args: argparse.Namespace) -> int:
     try:
         from saga_otel.adapters import mcp as adapter
     except ImportError as exc:
-        print(f"saga-otel: {exception_text(exc)}", file=sys.stderr)
+        _say(f"saga-otel: {exception_text(exc)}", err=True)
         return 2
     declare: Any = None
     if args.declare:
@@ -271,17 +290,17 @@ def _mcp_tools(args: argparse.Namespace) -> int:
             adapter.review_command(server, declare, unannotated=args.unannotated)
         )
     except SagaError as exc:
-        print(f"saga-otel: {exception_text(exc)}", file=sys.stderr)
+        _say(f"saga-otel: {exception_text(exc)}", err=True)
         return 2
     except Exception as exc:  # the server did not start or speak MCP: one line, not a trace
-        print(
+        _say(
             f"saga-otel: cannot list the tools of {' '.join(server)!r}: {exception_text(exc)}",
-            file=sys.stderr,
+            err=True,
         )
         return 2
-    print(adapter.review(rows))
+    _say(adapter.review(rows))
     if refusal is not None:
-        print(f"saga-otel: {refusal}", file=sys.stderr)
+        _say(f"saga-otel: {refusal}", err=True)
         return 1
     return 0
 
@@ -331,22 +350,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     except NothingToRecoverError as exc:
         if args.as_json:
             outcome = {"run_id": run_id, "outcome": "nothing_to_do", "status": exc.status}
-            print(json.dumps({**outcome, "message": exception_text(exc)}))
+            _say(json.dumps({**outcome, "message": exception_text(exc)}))
         else:
-            print(f"saga-otel: {exception_text(exc)}")
+            _say(f"saga-otel: {exception_text(exc)}")
         return EXIT_NOTHING_TO_DO
     except RecoveryRefusedError as exc:
-        print(f"saga-otel: {exception_text(exc)}", file=sys.stderr)
+        _say(f"saga-otel: {exception_text(exc)}", err=True)
         return EXIT_REFUSED
     except SagaError as exc:
-        print(f"saga-otel: {exception_text(exc)}", file=sys.stderr)
+        _say(f"saga-otel: {exception_text(exc)}", err=True)
         return EXIT_ERROR
     finally:
         export.shutdown()
     if args.as_json:
-        print(json.dumps(report.to_dict(), indent=2, sort_keys=True))
+        _say(json.dumps(report.to_dict(), indent=2, sort_keys=True))
     else:
-        print(report_text(report))
+        _say(report_text(report))
     return EXIT_RECOVERED if report.status is RunStatus.COMPENSATED else EXIT_FAILED
 
 

@@ -337,15 +337,15 @@ def _check(run_id: str, view: dict[str, Any], tools: ToolRegistry, hints: Hints)
     missing = sorted({str(c.get("tool")) for c in stack if c.get("tool") not in tools})
     if missing:
         raise RecoveryError(
-            f"run {run_id!r} needs the tools {', '.join(missing)}, which the given registry "
-            f"lacks; {hints.tools}"
+            f"run {run_id!r} needs the tools {', '.join(map(repr, missing))}, which the given "
+            f"registry lacks; {hints.tools}"
         )
     # Refused before the lease: in recovery's sync unwind each would fail after it.
     async_tools = sorted({str(c["tool"]) for c in stack if tools.get(str(c["tool"])).is_async})
     if async_tools:
         raise RecoveryError(
-            f"run {run_id!r} needs the tools {', '.join(async_tools)}, which are async in the "
-            f"given registry; recovery unwinds in sync code, where they cannot run: "
+            f"run {run_id!r} needs the tools {', '.join(map(repr, async_tools))}, which are async "
+            f"in the given registry; recovery unwinds in sync code, where they cannot run: "
             f"{hints.blocking}"
         )
 

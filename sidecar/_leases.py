@@ -186,7 +186,7 @@ def grant(
     if current is not None and current.live(now):
         return LeaseRefusal(
             "held",
-            f"run {run_id!r} is being recovered by {current.holder} (lease token "
+            f"run {run_id!r} is being recovered by {current.holder!r} (lease token "
             f"{current.token}, expires {when(current.expires_at)}): wait for it to finish or "
             "for its lease to expire, then retry",
             holder=current.holder,
@@ -226,13 +226,13 @@ def _check_holder(
 ) -> LeaseRefusal | None:
     if current is None or current.holder != req.holder or current.token != req.token:
         held = (
-            f"the current lease is {current.holder}'s (token {current.token})"
+            f"the current lease is held by {current.holder!r} (token {current.token})"
             if current is not None
             else "no lease was ever granted on it"
         )
         return LeaseRefusal(
             "not_holder",
-            f"cannot {action} the lease on run {run_id!r} as {req.holder} with token "
+            f"cannot {action} the lease on run {run_id!r} as {req.holder!r} with token "
             f"{req.token}: {held}. Stop acting on the run; take a new lease to continue",
             holder=current.holder if current is not None else None,
             expires_at=current.expires_at if current is not None else None,

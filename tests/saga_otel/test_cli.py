@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import threading
@@ -10,10 +11,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from saga_otel import RetryPolicy, Saga, configure, tool
-from saga_otel._cli import EXIT_ERROR, EXIT_NOTHING_TO_DO, main
+from saga_otel._cli import EXIT_ERROR, EXIT_NOTHING_TO_DO, EXIT_REFUSED, main
 from saga_otel._state import STATE
 from saga_otel.testing import start_sidecar
 
@@ -124,11 +126,13 @@ class _Answers(BaseHTTPRequestHandler):
     as the sidecar would, knowing one run, ``r1``: orphaned, nothing on its stack."""
 
     bad = ("", "", "", "")
+    bad_status = 200
 
     def _answer(self) -> None:
         method, prefix, ctype, body = self.bad
-        status = 200
+        status = self.bad_status
         if self.command != method or not self.path.startswith(prefix):
+            status = 200
             ctype = "application/json"
             if self.path.startswith("/runs?"):
                 body = '{"runs": [{"run_id": "r1"}], "next_cursor": null}'
@@ -162,6 +166,7 @@ def not_a_sidecar() -> Iterator[str]:
     server.shutdown()
     server.server_close()
     _Answers.bad = ("", "", "", "")
+    _Answers.bad_status = 200
     STATE.reset()  # main() configured the export path in this process
 
 
@@ -197,6 +202,65 @@ def test_an_answer_unlike_the_sidecars_is_one_line_naming_the_url_and_the_fix(
     assert f"{not_a_sidecar}{route[1]}" in line and "is not the sidecar's API" in line, line
     assert expect in line, line
     assert "--sidecar URL" in line and "API port" in line, line
+
+
+HOSTILE = "\x1b]0;pwned\x07\x1b[2J\u202e"  # retitles and clears the terminal, reverses text
+SHOWN = "\\x1b]0;pwned\\x07\\x1b[2J\\u202e"  # the same, as a person should see it
+
+
+def test_recover_shows_a_holder_and_a_tool_from_outside_quoted_and_escaped(
+    sidecar_process: Any, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Any API client names its lease holder, and an agent names its undo tools: both
+    reached the terminal raw in `saga-otel recover`'s refusals, so the terminal obeyed
+    their escape sequences. Now quoted (where a name begins and ends) and escaped."""
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    from tests.sidecar.sidecar_testkit import RunScript
+
+    monkeypatch.setenv("SAGA_OTEL_LOG_LEVEL", "error")
+    monkeypatch.setenv("SAGA_DEMO_WORLD", "http://127.0.0.1:9")
+    sc = sidecar_process()
+    held = RunScript().do(0, "issue_credit", comp=("reverse_credit", {"credit_id": "c"}, "u"))
+    foreign = RunScript().do(0, "issue_credit", comp=(f"undo{HOSTILE}", {"a": 1}, "u"))
+    exporter = OTLPSpanExporter(endpoint=f"{sc.otlp}/v1/traces", timeout=10)
+    try:
+        exporter.export(held.spans() + foreign.spans())
+    finally:
+        exporter.shutdown()
+    holder = f"ops{HOSTILE}host:1"
+    grant = {"holder": holder, "ttl_s": 600, "force": True, "reason": "audit"}
+    assert httpx.post(f"{sc.api}/runs/{held.run_id}/lease", json=grant).status_code == 200
+    options = [*REGISTRY, "--sidecar", sc.api, "--otlp", sc.otlp, "--force", "--reason", "t"]
+    try:
+        assert main(["recover", held.run_id, *options]) == EXIT_REFUSED
+        err = capsys.readouterr().err
+        assert "\x1b" not in err and "\u202e" not in err and "\x07" not in err, repr(err)
+        assert f"is being recovered by 'ops{SHOWN}host:1' (lease token 1" in err, err
+        assert main(["recover", foreign.run_id, *options]) == EXIT_ERROR
+        err = capsys.readouterr().err
+        assert "\x1b" not in err and "\u202e" not in err and "\x07" not in err, repr(err)
+        assert f"needs the tools 'undo{SHOWN}', which the given registry lacks" in err, err
+    finally:
+        STATE.reset()  # main() configured the export path in this process
+
+
+def test_every_line_saga_otel_prints_is_escaped_whatever_its_source(
+    not_a_sidecar: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A refusal's text comes from the sidecar (or whatever answers on its port): shown
+    with escapes, not only where a message quotes a name."""
+    refusal = {"error": f"held by {HOSTILE}x", "reason": "held", "holder": HOSTILE}
+    _Answers.bad = ("POST", "/runs/r1/lease", "application/json", json.dumps(refusal))
+    _Answers.bad_status = 409
+    monkeypatch.setenv("SAGA_OTEL_LOG_LEVEL", "error")
+    monkeypatch.setenv("SAGA_DEMO_WORLD", "http://127.0.0.1:9")
+    code = main(["recover", "r", *REGISTRY, "--sidecar", not_a_sidecar, "--otlp",
+                 "http://127.0.0.1:9"])  # fmt: skip
+    out, err = capsys.readouterr()
+    assert code == EXIT_REFUSED, err
+    assert "\x1b" not in out + err and "\u202e" not in out + err, repr(err)
+    assert f"saga-otel: recovery refused: held by {SHOWN}x" in err, err
 
 
 def test_a_run_id_that_begins_with_a_dash_goes_after_double_dash(

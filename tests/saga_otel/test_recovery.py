@@ -148,7 +148,7 @@ def test_recover_refuses_async_undos_before_taking_the_lease() -> None:
     with pytest.raises(RecoveryError) as info:
         recover("r", tools=tools, view=view, sidecar="http://127.0.0.1:9")
     text = str(info.value)
-    assert "needs the tools reverse_credit, which are async" in text
+    assert "needs the tools 'reverse_credit', which are async" in text
     assert "SagaTools(...).blocking_registry()" in text and "tools=" in text
     sync_view = {**view, "stack": [{**view["stack"][0], "tool": "print"}]}
     with pytest.raises(RecoveryError, match="cannot reach the sidecar"):  # past the check

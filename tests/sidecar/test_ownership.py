@@ -143,7 +143,7 @@ async def test_lease_refused_behind_a_live_agent_granted_once_orphaned_and_fence
     assert first.json()["token"] == 1
     held = await api(sidecar, "POST", path, json={"holder": "rec-b"})
     assert held.status_code == 409 and held.json()["holder"] == "rec-a"
-    assert "being recovered by rec-a" in held.json()["error"]
+    assert "being recovered by 'rec-a'" in held.json()["error"]
 
     clock.now += 6  # rec-a died: its lease expires
     second = await api(sidecar, "POST", path, json={"holder": "rec-b", "ttl_s": 5})
