@@ -351,12 +351,14 @@ class Saga:
 
 
 class _Done(NamedTuple):
-    """A do that returned: its result, the undo pushed (if any), why none could be stored."""
+    """A do that returned: its result, the undo pushed (if any), why none could be stored,
+    and the interrupt that stopped the capture of its undo (raised once it is recorded)."""
 
     result: Any
     pushed: bool
     unstorable: str | None
     span: Any
+    interrupt: BaseException | None = None
 
 
 class UndoFence(Protocol):
@@ -568,6 +570,10 @@ class _Core:
         except BaseException as exc:
             self.failed(t, idx, args, exc, tries, interrupted)
             raise  # the step's error, unchanged
+        if done.interrupt is not None:
+            # Recorded done, with no undo: the run's exit unwinds the rest and escalates it.
+            # No ack wait, as for a do interrupted before it returned: the interrupt asks to stop.
+            raise done.interrupt
         if not done.pushed and done.unstorable is None:
             return done.result
         # Durable mode: the sidecar holds this undo (or knows it has none) before we go on.
@@ -590,6 +596,7 @@ class _Core:
         assert self.state is not None and self.tel is not None
         comp: Compensation | None = None
         unstorable: str | None = None
+        interrupt: BaseException | None = None
         try:
             comp = t.build_compensation(
                 CallInfo(t.name, args, result, snapshot, self.run_id, index), step=t.name
@@ -613,6 +620,15 @@ class _Core:
                 "Saga(max_undo_bytes=...)"
             )
             obs.extra[sc.SAGA_COMPENSATION_UNSTORABLE] = _short(why)
+        except BaseException as exc:
+            # Ctrl-C or SystemExit after the do returned: its write stands with no undo.
+            # Recorded as such (not as a failed do: it happened), then raised unchanged.
+            comp, interrupt = None, exc
+            unstorable = interrupted_effect(
+                t.name, index, t.step_class, t.pivot, exc, returned=True
+            )
+            if unstorable is not None:
+                obs.extra[sc.SAGA_COMPENSATION_UNSTORABLE] = _short(unstorable)
         record = _step_record(t, index, attempts, ok=True, compensation=comp, undo_error=unstorable)
         had_pivot = self.state.pivot_crossed
         self.state = st.step_succeeded(self.state, record)
@@ -620,7 +636,7 @@ class _Core:
             self.instr.pivot_crossed(self.tel, t.name)
         if comp is not None:
             obs.pushed(comp)
-        return _Done(result, comp is not None, unstorable, obs.span)
+        return _Done(result, comp is not None, unstorable, obs.span, interrupt)
 
     def failed(
         self,

@@ -188,10 +188,11 @@ class _Observer:
 
     def _compensation(
         self, run: ObservedRun, idx: int, args: Any, result: Any
-    ) -> tuple[Compensation | None, str | None]:
-        """The undo to push, or None and why it could not be stored as plain data."""
+    ) -> tuple[Compensation | None, str | None, BaseException | None]:
+        """The undo to push, or None and why it could not be stored as plain data, and the
+        interrupt that stopped its capture (the caller raises it once it is recorded)."""
         if not self.step_class.pushes:
-            return None, None
+            return None, None, None
         info = CallInfo(
             self.step, {"args": list(args)} if args else {}, result, None, run.run_id, idx
         )
@@ -201,7 +202,12 @@ class _Observer:
                 made = self.recipe(info)
             except Exception as exc:  # the user's recipe must not break their step
                 self.instr.swallowed("compensation_recipe", exc)
-                return None, f"the compensation recipe raised {describe_error(exc)}"
+                return None, f"the compensation recipe raised {describe_error(exc)}", None
+            except BaseException as exc:  # Ctrl-C after the do returned: its write stands
+                why = interrupted_effect(
+                    self.step, idx, self.step_class, self.pivot, exc, returned=True
+                )
+                return None, why, exc
         try:
             if isinstance(made, Compensation):
                 comp = Compensation(made.tool, made.args, made.description, self.step, idx)
@@ -212,16 +218,18 @@ class _Observer:
                 )
         except ConfigurationError as exc:
             self.instr.swallowed("compensation_recipe", exc)
-            return None, exception_text(exc)
+            return None, exception_text(exc), None
         size = len(comp.args_json().encode())
         if size > MAX_UNDO_BYTES:
-            return None, f"its arguments are {size} bytes of JSON, over {MAX_UNDO_BYTES}"
-        return comp, None
+            return None, f"its arguments are {size} bytes of JSON, over {MAX_UNDO_BYTES}", None
+        return comp, None, None
 
     def _after_do(
         self, run: ObservedRun, obs: Attempt, idx: int, args: Any, result: Any
-    ) -> tuple[Any, bool]:
-        comp, unstorable = self._compensation(run, idx, args, result)
+    ) -> tuple[bool, BaseException | None]:
+        """Push the do's undo (or mark why none was stored): whether to wait for the ack,
+        and the interrupt that stopped the undo's capture, if one did."""
+        comp, unstorable, interrupt = self._compensation(run, idx, args, result)
         if comp is not None:
             obs.pushed(comp)
             run.stack[idx] = comp
@@ -231,7 +239,7 @@ class _Observer:
         if run.pivot is None and is_pivot(self.step_class, self.pivot):
             run.pivot = self.step
             self.instr.pivot_crossed(run.tel, self.step)
-        return result, comp is not None or unstorable is not None
+        return comp is not None or unstorable is not None, interrupt
 
     def _begin_unwind(self, mode: Mode, run: ObservedRun) -> Script[None]:
         if run.unwound:
@@ -274,7 +282,9 @@ class _Observer:
                         obs.extra[sc.SAGA_COMPENSATION_UNSTORABLE] = why[:256]
                         run.unstorable[idx] = why
                     raise
-                result, pushed = self._after_do(run, obs, idx, args, result)
+                pushed, interrupt = self._after_do(run, obs, idx, args, result)
+            if interrupt is not None:
+                raise interrupt  # after the do's span ended OK, marked: its write happened
         except BaseException as exc:
             run.failed_step, run.failure = self.step, describe_error(exc)
             raise  # the step's exception, unchanged

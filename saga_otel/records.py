@@ -342,7 +342,13 @@ def describe_error(exc: BaseException) -> str:
 
 
 def interrupted_effect(
-    step: str, index: int, step_class: StepClass, pivot: bool | None, exc: BaseException
+    step: str,
+    index: int,
+    step_class: StepClass,
+    pivot: bool | None,
+    exc: BaseException,
+    *,
+    returned: bool = False,
 ) -> str | None:
     """Why the effect of a do stopped by ``exc`` is unknown, or None when it is not.
 
@@ -350,10 +356,17 @@ def interrupted_effect(
     rest on). An interrupt (a cancellation, Ctrl-C, SystemExit) stops the agent's wait,
     not the write: a request already sent, a framework's worker thread still running.
     A write that leaves an undo, or a pivot, stopped so may stand with no undo stored,
-    so its run must not end compensated.
+    so its run must not end compensated. ``returned``: the do had returned and the
+    interrupt stopped the capture of its undo, so its effect stands for certain.
     """
     if isinstance(exc, Exception) or not (step_class.pushes or is_pivot(step_class, pivot)):
         return None
+    if returned:
+        return (
+            f"the do of step {step!r} (index {index}) returned, but {type(exc).__name__} "
+            "stopped the capture of its undo: it took effect, and no undo was stored. Undo "
+            "it by hand, or accept it"
+        )
     return (
         f"the do of step {step!r} (index {index}) was interrupted by {type(exc).__name__} "
         "before it returned: it may have taken effect, and no undo was stored. Check the "

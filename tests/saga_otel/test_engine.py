@@ -1194,3 +1194,62 @@ async def test_a_write_cancelled_while_a_worker_thread_runs_it_escalates() -> No
     assert card is not None
     assert any("interrupted by CancelledError" in t for t in card.not_undone), card
     assert contract_violations(cap.spans()) == []
+
+
+async def test_an_interrupt_while_the_undo_of_a_returned_write_is_built_escalates(
+    cap: Captured, mode: Driver
+) -> None:
+    """Ctrl-C landing after a write returned, while its undo is captured (here in its
+    compensate_args recipe): the write happened and nothing can undo it, so the step is
+    recorded done with an undo error (not failed), the run unwinds what it pushed, ends
+    compensation_failed and escalates that step; the interrupt propagates unchanged."""
+    ledger: list[str] = []
+    stop = KeyboardInterrupt("the person pressed Ctrl-C")
+
+    def interrupted_recipe(info: Any) -> dict[str, Any]:
+        raise stop  # the signal arrives while the undo is being built
+
+    @tool("compensable", compensate="undo_hold", compensate_args=lambda i: {"id": i.result})
+    def hold() -> str:
+        ledger.append("hold")
+        return "h1"
+
+    @tool("compensable", compensate="undo_credit", compensate_args=interrupted_recipe)
+    def credit() -> str:
+        ledger.append("credit")
+        return "cr1"
+
+    @tool("convergent")
+    def undo_hold(id: str) -> None:
+        ledger.remove("hold")
+
+    @tool("convergent")
+    def undo_credit(id: str) -> None:
+        ledger.remove("credit")  # never runs: no undo was stored
+
+    escalated: list[EscalationCard] = []
+    saga = cap.saga(
+        "k",
+        tools=[hold, credit, undo_hold, undo_credit],
+        escalation_handlers=[lambda card, report: escalated.append(card)],
+    )
+    run = mode.run(saga)
+    with pytest.raises(KeyboardInterrupt) as info:
+        async with run:
+            await run.call("hold")
+            await run.call("credit")
+    assert info.value is stop
+    assert ledger == ["credit"]  # the hold was undone; the credit stands
+    report = run.report
+    assert report is not None and report.status is RunStatus.COMPENSATION_FAILED
+    credit_step = report.steps[1]
+    assert (credit_step.name, credit_step.ok, credit_step.compensation) == ("credit", True, None)
+    assert credit_step.undo_error is not None
+    assert "returned" in credit_step.undo_error and "KeyboardInterrupt" in credit_step.undo_error
+    assert [s.name for s in report.steps] == ["hold", "credit"]  # recorded once, as done
+    assert escalated and any("credit" in t for t in escalated[0].not_undone)
+    # The do span says the write happened (OK) and that no undo was stored.
+    (do,) = [s for s in cap.spans(phase="do") if span_attrs(s)[sc.SAGA_STEP_NAME] == "credit"]
+    assert do.status.is_ok
+    assert "KeyboardInterrupt" in span_attrs(do)[sc.SAGA_COMPENSATION_UNSTORABLE]
+    assert contract_violations(cap.spans()) == []

@@ -724,3 +724,33 @@ async def test_an_observed_write_interrupted_before_it_returned_is_marked(
     else:
         assert sc.SAGA_COMPENSATION_UNSTORABLE not in do
     assert contract_violations(cap.spans()) == []
+
+
+async def test_an_observed_interrupt_while_the_undo_is_built_is_marked(mode: Driver) -> None:
+    """As in the engine: Ctrl-C inside the compensation recipe of a do that returned
+    leaves the write standing with no undo, so the observed run ends compensation_failed,
+    the do span OK and marked; the interrupt propagates unchanged."""
+    cap = capture()
+    world = World()
+    kw: dict[str, Any] = {
+        "saga": "refund",
+        "tracer_provider": cap.provider,
+        "registry": cap.registry,
+        "logger": cap.logger,
+    }
+    stop = KeyboardInterrupt("the person pressed Ctrl-C")
+
+    def recipe(info: Any) -> dict[str, Any]:
+        raise stop
+
+    step = observed(credit_step(mode, world), compensation=recipe, **kw)
+    with pytest.raises(KeyboardInterrupt) as info, observed_run(**kw):
+        await settle(step.do(4921, 2500))
+    assert info.value is stop
+    assert len(world.ledger) == 1  # the credit was issued
+    do = cap.spans(phase="do")[0]
+    assert do.status.is_ok
+    assert "KeyboardInterrupt" in span_attrs(do)[sc.SAGA_COMPENSATION_UNSTORABLE]
+    assert _one(cap, "run")[sc.SAGA_RUN_STATUS] == "compensation_failed"
+    assert _one(cap, "escalate")[sc.SAGA_ESCALATION_REASON] == "compensation_failed"
+    assert contract_violations(cap.spans()) == []
