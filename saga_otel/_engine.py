@@ -719,7 +719,9 @@ class _Core:
                     mode,
                     t.fn,
                     comp.tool,
-                    **self.kwargs_for(t, comp.args, comp.index, "compensate"),
+                    # Afresh per attempt: an undo that mutates its arguments must not
+                    # change its retry, nor the record left for recovery.
+                    **self.kwargs_for(t, comp.fresh_args(), comp.index, "compensate"),
                 )
                 return obs.span
 

@@ -166,6 +166,14 @@ class Compensation:
         """The arguments as JSON with sorted keys (the span attribute), encoded once."""
         return self._args_json
 
+    def fresh_args(self) -> dict[str, Any]:
+        """A new copy of the arguments as stored, for one call of the undo: what the undo
+        does to them changes neither its next attempt nor this record. Decoded from the
+        stored JSON rather than deep-copied: C code with no memo walk, so cheaper, and
+        exactly what a recovery elsewhere runs from the sidecar's copy."""
+        args: dict[str, Any] = _from_json(self._args_json)
+        return args
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "step": self.step,

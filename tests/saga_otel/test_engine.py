@@ -1253,3 +1253,68 @@ async def test_an_interrupt_while_the_undo_of_a_returned_write_is_built_escalate
     assert do.status.is_ok
     assert "KeyboardInterrupt" in span_attrs(do)[sc.SAGA_COMPENSATION_UNSTORABLE]
     assert contract_violations(cap.spans()) == []
+
+
+# -- an undo's arguments -------------------------------------------------------------
+def _batch_saga(cap: Captured, undo: Any) -> Any:
+    @tool("compensable", compensate="undo_batch", compensate_args=lambda i: {"ids": i.result})
+    def write_batch(n: int) -> list[str]:
+        return [f"cr_{k}" for k in range(n)]
+
+    undo_batch = tool("convergent", name="undo_batch")(undo)
+    return cap.saga("m", tools=[write_batch, undo_batch], retry=RetryPolicy(attempts=3))
+
+
+async def test_an_undo_that_mutates_its_arguments_changes_neither_its_retries_nor_the_record(
+    cap: Captured, mode: Driver
+) -> None:
+    """Each undo attempt gets its arguments afresh, as stored: a helper that consumes the
+    list it reverses, then fails, leaves the next attempt and the record left for recovery
+    (the report, the escalation card) holding every reference the write returned."""
+    seen: list[list[str]] = []
+
+    def undo_batch(ids: list[str]) -> None:
+        seen.append(list(ids))
+        ids.pop()  # consumes its input as it reverses items
+        raise RuntimeError("ledger down")
+
+    run = mode.run(_batch_saga(cap, undo_batch))
+    with pytest.raises(ValueError):
+        async with run:
+            await run.call("write_batch", n=3)
+            raise ValueError("the agent failed")
+    every = ["cr_0", "cr_1", "cr_2"]
+    assert seen == [every] * 3
+    report = run.report
+    assert report is not None and report.status is RunStatus.COMPENSATION_FAILED
+    assert report.compensations[0].compensation.args == {"ids": every}
+    assert report.steps[0].compensation is not None
+    assert report.steps[0].compensation.args == {"ids": every}
+    card = report.escalation_card()
+    assert card is not None and '"cr_2"' in card.not_undone[0]
+
+
+async def test_an_undo_that_puts_a_non_json_value_in_its_arguments_still_closes_the_run(
+    cap: Captured, mode: Driver
+) -> None:
+    """The undo annotates its list with a handle, then fails: the run still ends
+    compensation_failed and escalates, and the agent's own error propagates unchanged
+    (before, building the card raised a TypeError in its place, and the run never ended)."""
+
+    def undo_batch(ids: list[Any]) -> None:
+        ids.append(object())
+        raise RuntimeError("ledger down")
+
+    paged: list[EscalationCard] = []
+    saga = _batch_saga(cap, undo_batch)
+    saga.escalation_handlers = (lambda card, report: paged.append(card),)
+    agent_error = ValueError("the agent failed")
+    run = mode.run(saga)
+    with pytest.raises(ValueError) as info:
+        async with run:
+            await run.call("write_batch", n=2)
+            raise agent_error
+    assert info.value is agent_error
+    assert run.report is not None and run.report.status is RunStatus.COMPENSATION_FAILED
+    assert len(paged) == 1
+    _run_ended(cap, run.run_id)
