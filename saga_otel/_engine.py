@@ -769,22 +769,30 @@ class _Core:
             trace_id=self.tel.trace_id,
             span_id=self.tel.span_id,
         )
-        card = report.escalation_card()
         try:
-            if card is not None:
-                self.instr.escalate(self.tel, card.reason, card.to_dict())
-                for handler in self.saga.escalation_handlers:
-                    try:
-                        handler(card, report)
-                    except Exception as exc:  # a broken pager must not hide the escalation
-                        self.instr.swallowed("escalation_handler", exc)
+            self._escalate(report)
+        except Exception as exc:  # reporting must not replace the agent's error
+            self.instr.swallowed("escalation", exc)
         finally:
-            # A handler's interrupt (SystemExit, KeyboardInterrupt) propagates, but only
-            # once the run has ended: an open run would be paged orphaned forever.
-            self.instr.end_run(self.tel, s.status.value, report.failed_step)
-            _heartbeat.unregister_open_run(self.run_id)
-            self.report = report
+            # Whatever reporting raised, the run ends first (an interrupt propagates after):
+            # an open run would be paged orphaned forever.
+            try:
+                self.instr.end_run(self.tel, s.status.value, report.failed_step)
+            finally:
+                _heartbeat.unregister_open_run(self.run_id)
+                self.report = report
         return report
+
+    def _escalate(self, report: SagaReport) -> None:
+        card = report.escalation_card()
+        if card is None:
+            return
+        self.instr.escalate(self.telemetry, card.reason, card.to_dict())
+        for handler in self.saga.escalation_handlers:
+            try:
+                handler(card, report)
+            except Exception as exc:  # a broken pager must not hide the escalation
+                self.instr.swallowed("escalation_handler", exc)
 
     def whole(self, mode: Mode, body: Callable[[], Script[Any]]) -> Outcome[SagaReport]:
         """A run from open to close around ``body`` (fixed plans, forward recovery).

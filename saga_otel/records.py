@@ -175,11 +175,13 @@ class Compensation:
         return args
 
     def to_dict(self) -> dict[str, Any]:
+        """The record as stored: its arguments decoded from :meth:`args_json`, so a live
+        ``args`` someone mutated (through ``run.stack``) never reaches a span, report or card."""
         return {
             "step": self.step,
             "index": self.index,
             "tool": self.tool,
-            "args": dict(self.args),
+            "args": self.fresh_args(),
             "description": self.description,
         }
 
@@ -517,7 +519,8 @@ class SagaReport:
         )
         not_undone = tuple(
             f"{o.compensation.description or o.compensation.tool}: {o.error} "
-            f"(tool {o.compensation.tool}, args {json.dumps(dict(o.compensation.args))})"
+            # The arguments as stored (what recovery runs), never the live record's.
+            f"(tool {o.compensation.tool}, args {o.compensation.args_json()})"
             for o in self.compensations
             if not o.ok
         ) + tuple(f"{s.name} (tool {s.tool}): {s.undo_error}" for s in self.unstorable_undos)

@@ -14,6 +14,7 @@ import threading
 from typing import Any
 
 import pytest
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 from saga_modes import Driver, refund_agent, run_refund
 
 from examples.refund_tools import CloseDown, refund_tools
@@ -1318,3 +1319,54 @@ async def test_an_undo_that_puts_a_non_json_value_in_its_arguments_still_closes_
     assert run.report is not None and run.report.status is RunStatus.COMPENSATION_FAILED
     assert len(paged) == 1
     _run_ended(cap, run.run_id)
+
+
+async def test_the_escalation_card_quotes_the_undo_as_stored(cap: Captured, mode: Driver) -> None:
+    """The card a person reads quotes each failed undo's arguments as stored (the JSON the
+    sidecar holds and recovery runs), not the live record: an agent that put a non-JSON
+    value into ``run.stack``'s arguments neither changes the undo nor breaks the report,
+    and its own error still propagates unchanged once the run has ended."""
+    seen: list[Any] = []
+
+    def undo_batch(ids: list[Any]) -> None:
+        seen.append(ids)
+        raise RuntimeError("ledger down")
+
+    paged: list[EscalationCard] = []
+    saga = _batch_saga(cap, undo_batch)
+    saga.escalation_handlers = (lambda card, report: paged.append(card),)
+    agent_error = ValueError("the agent failed")
+    run = mode.run(saga)
+    with pytest.raises(ValueError) as info:
+        async with run:
+            await run.call("write_batch", n=2)
+            run.stack[0].args["ids"].append(object())  # the agent's own mistake
+            raise agent_error
+    assert info.value is agent_error
+    assert seen == [["cr_0", "cr_1"]] * 3
+    assert run.report is not None and run.report.status is RunStatus.COMPENSATION_FAILED
+    assert len(paged) == 1
+    assert '{"ids": ["cr_0", "cr_1"]}' in paged[0].not_undone[0]
+    _run_ended(cap, run.run_id)
+
+
+async def test_an_interrupt_from_the_run_spans_end_still_lets_go_of_the_run(
+    cap: Captured, mode: Driver
+) -> None:
+    """A span processor that raises SystemExit as the run's span ends (the SDK lets it out
+    of span.end): the interrupt propagates, but the heartbeat no longer names the run and
+    its report is set."""
+
+    class Exits(SpanProcessor):
+        def on_end(self, span: ReadableSpan) -> None:
+            if (span.attributes or {}).get(sc.SAGA_PHASE) == sc.PHASE_RUN:
+                raise SystemExit(3)
+
+    cap.provider.add_span_processor(Exits())
+    saga = cap.saga("x", tools=_three_writes([], lambda n: None))
+    run = mode.run(saga)
+    with pytest.raises(SystemExit):
+        async with run:
+            await run.call("write_a")
+    assert run.report is not None and run.report.status is RunStatus.COMPLETED
+    assert run.run_id not in open_run_ids()
