@@ -18,6 +18,7 @@ import contextvars
 import copy
 import inspect
 import json
+import math
 import random
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
@@ -38,6 +39,7 @@ from saga_otel._outcome import (
     Mode,
     Outcome,
     Script,
+    Signal,
     SyncMode,
     _immediate,
     _pending,
@@ -65,6 +67,10 @@ T = TypeVar("T")
 
 #: Default bound on one undo's arguments as JSON, well under the sidecar's 16 MiB body limit.
 MAX_UNDO_BYTES = 64 * 1024
+
+#: Default bound, in seconds, on an unwind's wait for its run's writes still in flight:
+#: longer than a typical API call's own timeout; a write running longer is escalated.
+SETTLE_TIMEOUT_S = 30.0
 
 EscalationHandler = Callable[[EscalationCard, SagaReport], None]
 
@@ -181,6 +187,13 @@ class Saga:
     threads or tasks. ``max_undo_bytes`` bounds one undo's arguments as JSON
     (default 64 KiB, well under the sidecar's body limit): a do whose undo is
     larger, or not JSON, is an effect with no stored undo and fails the call.
+
+    A run that fails with writes still in flight (calls gathered in tasks or
+    threads) takes no new step and waits for them before it unwinds, so the undo
+    of each that lands is unwound too; ``settle_timeout`` (default 30 s) bounds
+    that wait. A write still running past it may stand with no undo: the run
+    ends ``compensation_failed`` and escalates it, and if it then returns it is
+    logged at error (``saga.effect.late``) and counted, never pushed.
     """
 
     def __init__(
@@ -200,6 +213,7 @@ class Saga:
         async_sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         rng: random.Random | None = None,
         max_undo_bytes: int = MAX_UNDO_BYTES,
+        settle_timeout: float = SETTLE_TIMEOUT_S,
     ) -> None:
         if not name or not isinstance(name, str):
             raise ConfigurationError(
@@ -210,8 +224,15 @@ class Saga:
                 f"max_undo_bytes={max_undo_bytes!r} stores no undo at all: use a positive "
                 f"bound (default {MAX_UNDO_BYTES})"
             )
+        if not 0 <= settle_timeout < math.inf:  # also refuses NaN
+            raise ConfigurationError(
+                f"settle_timeout={settle_timeout!r} does not bound how long an unwind waits "
+                "for its run's writes still in flight: use a finite number of seconds >= 0 "
+                f"(default {SETTLE_TIMEOUT_S:g})"
+            )
         self.name = name
         self.max_undo_bytes = max_undo_bytes
+        self.settle_timeout = float(settle_timeout)
         self.tools = tools if isinstance(tools, ToolRegistry) else ToolRegistry(tools or ())
         self.retry = retry or RetryPolicy()
         self.forward_retry = forward_retry or RetryPolicy(attempts=1)
@@ -398,6 +419,7 @@ class _Core:
         self.error: BaseException | None = None
         self.report: SagaReport | None = None
         self.fence: UndoFence | None = None  # set by a recovery: its lease around each undo
+        self._settling: Signal | None = None  # rung as a write ends, once an unwind waits
 
     @property
     def run_id(self) -> str:
@@ -625,18 +647,33 @@ class _Core:
             # Recorded as such (not as a failed do: it happened), then raised unchanged.
             comp, interrupt = None, exc
             unstorable = interrupted_effect(
-                t.name, index, t.step_class, t.pivot, exc, returned=True
+                t.name, index, t.step_class, t.pivot, exc, moment="returned"
             )
             if unstorable is not None:
                 obs.extra[sc.SAGA_COMPENSATION_UNSTORABLE] = _short(unstorable)
+        if st.is_late(self.state):
+            self._late(t, index, obs, comp)
+            return _Done(result, False, None, obs.span, interrupt)
         record = _step_record(t, index, attempts, ok=True, compensation=comp, undo_error=unstorable)
         had_pivot = self.state.pivot_crossed
         self.state = st.step_succeeded(self.state, record)
+        if self._settling is not None:
+            self._settling.ring()  # the unwind waits for this write
         if not had_pivot and self.state.pivot_crossed:
             self.instr.pivot_crossed(self.tel, t.name)
         if comp is not None:
             obs.pushed(comp)
         return _Done(result, comp is not None, unstorable, obs.span, interrupt)
+
+    def _late(self, t: Tool, index: int, obs: Attempt, comp: Compensation | None) -> None:
+        """A do that returned after its run stopped waiting for it (given up on, or the run
+        had ended): its undo would never run, so it is not pushed, and it is never silent:
+        its span is marked, and it is logged at error and counted."""
+        why = interrupted_effect(t.name, index, t.step_class, t.pivot, None, moment="late")
+        if why is None:
+            return  # it left nothing to undo
+        obs.extra[sc.SAGA_COMPENSATION_UNSTORABLE] = _short(why)
+        self.instr.late_effect(self.telemetry, t.name, index, why, comp)
 
     def failed(
         self,
@@ -650,12 +687,16 @@ class _Core:
         """Record a failed do; ``interrupted`` says why its effect is unknown (it may
         stand with no undo: the run cannot end compensated)."""
         assert self.state is not None
+        if st.is_late(self.state):
+            return  # given up on (recorded then), or the run ended: its span says how it ended
         record = _step_record(
             t, index, attempts, ok=False, error=describe_error(exc), undo_error=interrupted
         )
         self.state = st.step_failed(
             self.state, record, PendingCall(index, t.name, t.name, dict(args))
         )
+        if self._settling is not None:
+            self._settling.ring()  # the unwind waits for this write
 
     # -- ending ------------------------------------------------------------------
     def reject(self, step: str, exc: BaseException) -> None:
@@ -680,31 +721,68 @@ class _Core:
         assert self.state is not None and self.tel is not None
         self.error = exc
         failed_step = self.state.failed_step or "(agent)"  # "(agent)": the agent's own code
-        self.state, decision = st.abort(self.state, describe_error(exc), failed_step=failed_step)
+        reason = describe_error(exc)
+        escaped: list[BaseException] = []
+        self.state, decision = st.abort(self.state, reason, failed_step=failed_step)
+        if isinstance(decision, st.Settle):
+            yield from self._settle(mode, decision, escaped)
+            self.state, decision = st.abort(self.state, reason, failed_step=failed_step)
+        assert not isinstance(decision, st.Settle)  # nothing is in flight any more
         if isinstance(decision, st.Escalate):
             later = [replace(p, index=-1) for p in self.remaining]
             self.state = replace(self.state, pending=(*self.state.pending, *later))
-            self.close()
-            return
-        span = self.instr.unwind(
-            self.tel, self.state.failure or "", self.state.failed_step, decision.compensations
-        )
-        escaped: list[BaseException] = []
-        yield from _acked(mode, span, escaped)
-        for comp in decision.compensations:
-            fence = self.fence  # a recovery's lease around each undo (see :class:`UndoFence`)
-            if fence is not None:
-                fence.before()
-            yield from self._undo(mode, comp, escaped)
-            if fence is not None:
-                last = self.state.outcomes[-1] if self.state.outcomes else None
-                fence.after(comp, last is not None and last.compensation == comp and last.ok)
+        else:
+            span = self.instr.unwind(
+                self.tel, self.state.failure or "", self.state.failed_step, decision.compensations
+            )
+            yield from _acked(mode, span, escaped)
+            for comp in decision.compensations:
+                fence = self.fence  # a recovery's lease around each undo (see UndoFence)
+                if fence is not None:
+                    fence.before()
+                yield from self._undo(mode, comp, escaped)
+                if fence is not None:
+                    last = self.state.outcomes[-1] if self.state.outcomes else None
+                    fence.after(comp, last is not None and last.compensation == comp and last.ok)
         self.close()
         if escaped:
             first = escaped[0]
             if first.__cause__ is None and first is not exc:
                 first.__cause__ = exc  # the agent's error stays in the chain
             raise first
+
+    def _settle(self, mode: Mode, settle: st.Settle, escaped: list[BaseException]) -> Script[None]:
+        """Wait, at most ``Saga.settle_timeout``, for the run's writes still in flight, so
+        the undo of each that lands is pushed before the unwind is decided. Past the bound,
+        or on an interrupt (kept in ``escaped``), each still running is given up on: an
+        effect that may stand with no undo (``records.interrupted_effect``)."""
+        assert self.state is not None and self.tel is not None
+        timeout = self.saga.settle_timeout
+        self.instr.unwind_waiting(
+            self.tel, self.state.failed_step, [w.name for w in settle.writes], timeout
+        )
+        # Set before the first read of the state: a write that ends after that read rings.
+        signal = self._settling = mode.signal()
+        stopped: BaseException | None = None
+        try:
+            yield mode.until(self._writes_settled, signal, timeout)
+        except BaseException as exc:  # a cancellation or an interrupt: raised after the unwind
+            stopped = exc
+            escaped.append(exc)
+        assert self.state is not None
+        if self.state.in_flight_writes:
+            self.state = st.give_up(
+                self.state,
+                {
+                    w.index: interrupted_effect(
+                        w.name, w.index, w.step_class, w.pivot, stopped, moment="running"
+                    )
+                    for w in self.state.in_flight_writes
+                },
+            )
+
+    def _writes_settled(self) -> bool:
+        return self.state is not None and not self.state.in_flight_writes
 
     def _undo(self, mode: Mode, comp: Compensation, escaped: list[BaseException]) -> Script[None]:
         """One undo, retried by its tool's policy; a failure is recorded (and a

@@ -76,7 +76,8 @@ def _build(registry: CollectorRegistry) -> SagaMetrics:
         ),
         compensation_failures=counter(
             sc.M_COMPENSATION_FAILURES,
-            "Compensations that failed after their last attempt.",
+            "Compensations that failed after their last attempt, or never ran (a write that "
+            "returned after its run stopped waiting for it).",
             ("saga", "step"),
         ),
         stuck_runs=counter(sc.M_STUCK_RUNS, "Runs that failed past their pivot.", ("saga",)),

@@ -205,7 +205,7 @@ class _Observer:
                 return None, f"the compensation recipe raised {describe_error(exc)}", None
             except BaseException as exc:  # Ctrl-C after the do returned: its write stands
                 why = interrupted_effect(
-                    self.step, idx, self.step_class, self.pivot, exc, returned=True
+                    self.step, idx, self.step_class, self.pivot, exc, moment="returned"
                 )
                 return None, why, exc
         try:

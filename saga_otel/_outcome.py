@@ -4,9 +4,11 @@ An :class:`Outcome` is a not-yet-run computation. :class:`Immediate` wraps a
 plain thunk and runs it when called; :class:`Pending` wraps a coroutine
 function and runs it when awaited. A :class:`Mode` makes the leaves: calling a
 user function, sleeping between retries, waiting for the sidecar's
-acknowledgement, shielding from cancellation. :class:`SyncMode` blocks;
-:class:`AsyncMode` never blocks the event loop (its sleep and ack wait are
-awaited). The ack waits live here and nowhere else in the engine.
+acknowledgement, waiting (bounded) for a condition a :class:`Signal` rings,
+shielding from cancellation. :class:`SyncMode` blocks (its signal a
+``threading.Condition``); :class:`AsyncMode` never blocks the event loop (its
+sleep, ack wait and condition wait, on an ``asyncio.Event``, are awaited). The
+ack waits live here and nowhere else in the engine.
 
 A policy (attempts, spans, retries with backoff, durable acks, unwinding) is
 written once as a plain generator, a *script*: it yields the leaf outcomes it
@@ -24,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Generator
@@ -107,6 +110,42 @@ def _pending(o: Outcome[T]) -> Pending[T]:
     return o
 
 
+class Signal(ABC):
+    """Rung by whoever changes what a waiter's condition reads (see :meth:`Mode.until`).
+    Made by the mode that waits on it."""
+
+    __slots__ = ()
+
+    @abstractmethod
+    def ring(self) -> None:
+        """Wake the waiters to read their condition again; never blocks."""
+
+
+class _ThreadSignal(Signal):
+    """A sync mode's: the ringer may be another thread."""
+
+    __slots__ = ("cond",)
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+
+    def ring(self) -> None:
+        with self.cond:
+            self.cond.notify_all()
+
+
+class _LoopSignal(Signal):
+    """An async mode's: the ringer is a task on the waiter's loop."""
+
+    __slots__ = ("event",)
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+
+    def ring(self) -> None:
+        self.event.set()
+
+
 class Mode(ABC):
     """Makes the leaf outcomes of one kind (sync or async), and runs scripts of them."""
 
@@ -142,6 +181,15 @@ class Mode(ABC):
     def shield(self, o: Outcome[T]) -> Outcome[T]:
         """Run ``o`` to its end even if the caller is cancelled meanwhile; then the
         caller's cancellation propagates."""
+
+    @abstractmethod
+    def signal(self) -> Signal:
+        """A signal for :meth:`until` in this mode."""
+
+    @abstractmethod
+    def until(self, done: Callable[[], bool], signal: Signal, timeout: float) -> Outcome[bool]:
+        """Wait until ``done()`` holds, read again each time ``signal`` rings, at most
+        ``timeout`` seconds: whether it holds. An interrupt or a cancellation propagates."""
 
 
 def retrying(
@@ -211,6 +259,22 @@ class SyncMode(Mode):
 
     def shield(self, o: Outcome[T]) -> Immediate[T]:
         return _immediate(o)  # nothing cancels a thread from outside
+
+    def signal(self) -> _ThreadSignal:
+        return _ThreadSignal()
+
+    def until(self, done: Callable[[], bool], signal: Signal, timeout: float) -> Immediate[bool]:
+        if not isinstance(signal, _ThreadSignal):
+            raise TypeError(f"a sync wait was given {signal!r}: make it with the same Mode")
+        cond = signal.cond
+
+        def wait() -> bool:
+            # done() is read under the condition's lock, and a ring takes it: a change
+            # rung between the read and the wait is not missed.
+            with cond:
+                return bool(cond.wait_for(done, timeout))
+
+        return Immediate(wait)
 
 
 class AsyncMode(Mode):
@@ -307,5 +371,25 @@ class AsyncMode(Mode):
                 raise value
             result: T = value
             return result
+
+        return Pending(run)
+
+    def signal(self) -> _LoopSignal:
+        return _LoopSignal()
+
+    def until(self, done: Callable[[], bool], signal: Signal, timeout: float) -> Pending[bool]:
+        if not isinstance(signal, _LoopSignal):
+            raise TypeError(f"an async wait was given {signal!r}: make it with the same Mode")
+        event = signal.event
+
+        async def run() -> bool:
+            try:
+                async with asyncio.timeout(timeout):
+                    while not done():
+                        event.clear()  # one loop: nothing rings between the read and the wait
+                        await event.wait()
+            except TimeoutError:
+                return done()
+            return True
 
         return Pending(run)

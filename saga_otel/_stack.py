@@ -1,14 +1,21 @@
 """The compensation stack as a pure state machine.
 
-Events go in (a step began, succeeded, failed; the run aborted; a compensation
-ended) and a new immutable state comes out, with the decision the driver must
-carry out. No clocks, no I/O, no callables: the engine in ``_engine.py`` is the
-driver, and tests can walk this machine directly.
+Events go in (a step began, succeeded, failed; the run aborted; the driver gave
+up waiting for its writes; a compensation ended) and a new immutable state comes
+out, with the decision the driver must carry out. No clocks, no I/O, no
+callables: the engine in ``_engine.py`` is the driver, and tests can walk this
+machine directly.
+
+An abort with writes still in flight is not decided at once: the run stops
+(no new step) and the driver waits for them (:class:`Settle`), so the undos of
+those that land are pushed before the unwind is decided. A write that ends
+after the decision is late (:func:`is_late`): it is never pushed.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any
 
@@ -27,6 +34,7 @@ from saga_otel.records import (
 
 class Phase(Enum):
     FORWARD = "forward"
+    STOPPING = "stopping"  # aborted: no new step; its writes in flight are awaited
     UNWINDING = "unwinding"
     ENDED = "ended"
 
@@ -44,7 +52,14 @@ class Escalate:
     """Decision: do not unwind; a person must take over (failure past the pivot)."""
 
 
-Decision = Unwind | Escalate
+@dataclass(frozen=True, slots=True)
+class Settle:
+    """Decision: wait until these writes end (or give up on them), then abort again."""
+
+    writes: tuple[StepRecord, ...]
+
+
+Decision = Unwind | Escalate | Settle
 
 
 @fast_init
@@ -56,7 +71,8 @@ class StackState:
     next_index: int = 0
     # Bottom of the stack first; the top is the last item.
     stack: tuple[Compensation, ...] = ()
-    in_flight_writes: frozenset[int] = frozenset()
+    # Each write begun and not yet ended, as it began (no attempt ended, not ok).
+    in_flight_writes: tuple[StepRecord, ...] = ()
     pivot: StepRecord | None = None
     steps: tuple[StepRecord, ...] = ()
     failed_step: str | None = None
@@ -105,7 +121,9 @@ def begin_step(
     # Forward recovery re-runs a step under its original index, so its
     # idempotency key (run id + index) is the same and the retry converges.
     index = state.next_index if index is None else index
-    writes = state.in_flight_writes | {index} if step_class.writes else state.in_flight_writes
+    writes = state.in_flight_writes
+    if step_class.writes:
+        writes = (*writes, StepRecord(index, name, name, step_class, 0, False, pivot))
     return (
         evolve(
             state,
@@ -116,12 +134,26 @@ def begin_step(
     )
 
 
+def is_late(state: StackState) -> bool:
+    """Whether a do ending now is late: its run already decided how it ends (unwinding
+    or ended), so an undo pushed now would never run."""
+    return state.phase is Phase.UNWINDING or state.phase is Phase.ENDED
+
+
 def _settled(record: StepRecord, state: StackState) -> dict[str, Any]:
     """The changes every ended do makes: no longer in flight, and recorded."""
-    return {
-        "in_flight_writes": state.in_flight_writes - {record.index},
-        "steps": (*state.steps, record),
-    }
+    if is_late(state):
+        raise StepRefusedError(
+            f"step {record.name!r} (index {record.index}) ended after run {state.run_id} "
+            f"stopped waiting for it (the run is {state.phase.value}): the driver reports "
+            "such a do as a late effect, never records it here"
+        )
+    writes = state.in_flight_writes
+    if len(writes) == 1 and writes[0].index == record.index:
+        writes = ()  # the common case: the only write in flight
+    elif writes:
+        writes = tuple(w for w in writes if w.index != record.index)
+    return {"in_flight_writes": writes, "steps": (*state.steps, record)}
 
 
 def step_succeeded(state: StackState, record: StepRecord) -> StackState:
@@ -129,7 +161,7 @@ def step_succeeded(state: StackState, record: StepRecord) -> StackState:
 
     A do whose undo could not be stored (``record.undo_error``) is an effect
     with nothing on the stack: it becomes the run's failure, so an unwind ends
-    ``compensation_failed``.
+    ``compensation_failed``. A late do (:func:`is_late`) is refused.
     """
     changes = _settled(record, state)
     if record.compensation is not None:
@@ -146,21 +178,32 @@ def step_failed(
     state: StackState, record: StepRecord, pending: PendingCall | None = None
 ) -> StackState:
     """Record a failed do. Whether it ends the run is the caller's choice (see abort)."""
+    owed = state.pending if state.phase is Phase.STOPPING else ()
     return evolve(
         state,
         **_settled(record, state),
         failed_step=record.name,
         failure=record.error,
         # Only the latest failure is owed: one the agent caught and worked around is not.
-        pending=(pending,) if pending else (),
+        # While the run stops, the failure that stopped it is owed too.
+        pending=(*owed, pending) if pending else owed,
     )
 
 
 def abort(
     state: StackState, error: str, *, failed_step: str | None = None
 ) -> tuple[StackState, Decision]:
-    """The run failed: unwind before the pivot, escalate after it."""
+    """The run failed: unwind before the pivot, escalate after it.
+
+    With writes still in flight the run stops first (no new step): :class:`Settle`
+    asks the driver to wait for them, or :func:`give_up` on them, and abort again
+    with the same error, so an undo that lands meanwhile is unwound too and a pivot
+    that lands escalates.
+    """
     failed = failed_step or state.failed_step
+    if state.in_flight_writes:
+        stopping = evolve(state, phase=Phase.STOPPING, failed_step=failed, failure=error)
+        return stopping, Settle(state.in_flight_writes)
     if state.pivot_crossed:
         return (
             evolve(
@@ -177,6 +220,21 @@ def abort(
         evolve(state, phase=Phase.UNWINDING, failed_step=failed, failure=error),
         Unwind(top_first),
     )
+
+
+def give_up(state: StackState, reasons: Mapping[int, str | None]) -> StackState:
+    """Stop waiting for the writes still in flight: each is recorded as it began, not
+    ok, with ``reasons[index]`` as its undo error (why it may stand with no undo; None
+    when it could leave nothing to undo). Its end, whenever it comes, is late."""
+    given_up = tuple(
+        replace(
+            w,
+            error="still running when its run stopped waiting for it",
+            undo_error=reasons.get(w.index),
+        )
+        for w in state.in_flight_writes
+    )
+    return evolve(state, in_flight_writes=(), steps=(*state.steps, *given_up))
 
 
 def compensation_ended(state: StackState, outcome: CompensationOutcome) -> StackState:

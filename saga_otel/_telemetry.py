@@ -676,6 +676,43 @@ class Instrumentation:
         )
         return span
 
+    def unwind_waiting(
+        self, run: RunTelemetry, failed_step: str | None, waiting: Sequence[str], timeout: float
+    ) -> None:
+        """The run failed with writes in flight: its unwind waits for them first."""
+        self._event(
+            "warning",
+            sc.EV_UNWIND_WAITING,
+            run.span,
+            saga=self.saga,
+            run_id=run.run_id,
+            failed_step=failed_step,
+            waiting=list(waiting),
+            timeout_s=timeout,
+        )
+
+    def late_effect(
+        self, run: RunTelemetry, step: str, index: int, reason: str, comp: Compensation | None
+    ) -> None:
+        """A write that returned after its run stopped waiting for it: it stands, and its
+        undo never runs. Counted as a compensation failure of its step: an effect that
+        stands with no undo, as the sidecar counts one."""
+        self._guard(
+            "metric",
+            lambda: self._child(self.metrics.compensation_failures, self.saga, step).inc(),
+        )
+        self._event(
+            "error",
+            sc.EV_LATE_EFFECT,
+            run.span,
+            saga=self.saga,
+            run_id=run.run_id,
+            step=step,
+            index=index,
+            reason=reason,
+            compensation=comp.to_dict() if comp is not None else None,
+        )
+
     def escalate(self, run: RunTelemetry, reason: str, card: Mapping[str, Any]) -> Span:
         attrs = {
             **self._identity(run, sc.PHASE_ESCALATE),

@@ -11,7 +11,7 @@ import random
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, Literal
 
 from saga_otel._errors import ConfigurationError
 from saga_otel._frozen import fast_init
@@ -356,31 +356,46 @@ def interrupted_effect(
     index: int,
     step_class: StepClass,
     pivot: bool | None,
-    exc: BaseException,
+    exc: BaseException | None,
     *,
-    returned: bool = False,
+    moment: Literal["before", "returned", "running", "late"] = "before",
 ) -> str | None:
-    """Why the effect of a do stopped by ``exc`` is unknown, or None when it is not.
+    """Why the effect of a do is unknown, or stands with no undo; None when it is not so.
 
     A tool's own exception says its write did not happen (the convention the retries
     rest on). An interrupt (a cancellation, Ctrl-C, SystemExit) stops the agent's wait,
     not the write: a request already sent, a framework's worker thread still running.
     A write that leaves an undo, or a pivot, stopped so may stand with no undo stored,
-    so its run must not end compensated. ``returned``: the do had returned and the
-    interrupt stopped the capture of its undo, so its effect stands for certain.
+    so its run must not end compensated. ``moment`` says when ``exc`` stopped it:
+    ``before`` the do returned; once it had ``returned``, in the capture of its undo
+    (its effect stands); while it was still ``running`` and its run stopped waiting
+    for it (``exc`` None: the wait's bound passed); or it returned ``late``, after
+    that (``exc`` None; its effect stands and its undo is never pushed).
     """
     if isinstance(exc, Exception) or not (step_class.pushes or is_pivot(step_class, pivot)):
         return None
-    if returned:
+    head = f"the do of step {step!r} (index {index})"
+    by = type(exc).__name__
+    if moment == "late":
         return (
-            f"the do of step {step!r} (index {index}) returned, but {type(exc).__name__} "
-            "stopped the capture of its undo: it took effect, and no undo was stored. Undo "
-            "it by hand, or accept it"
+            f"{head} returned after its run had stopped waiting for it: it took effect, and "
+            "its undo was never pushed nor run. Undo it by hand, or accept it"
+        )
+    if moment == "returned":
+        return (
+            f"{head} returned, but {by} stopped the capture of its undo: it took effect, and "
+            "no undo was stored. Undo it by hand, or accept it"
+        )
+    if moment == "running":
+        why = "its settle_timeout passed" if exc is None else f"on {by}"
+        return (
+            f"{head} was still running when its run stopped waiting for it ({why}): it may "
+            "take effect, and no undo was stored. Check the effect and undo it by hand if "
+            "it happened"
         )
     return (
-        f"the do of step {step!r} (index {index}) was interrupted by {type(exc).__name__} "
-        "before it returned: it may have taken effect, and no undo was stored. Check the "
-        "effect and undo it by hand if it happened"
+        f"{head} was interrupted by {by} before it returned: it may have taken effect, and "
+        "no undo was stored. Check the effect and undo it by hand if it happened"
     )
 
 

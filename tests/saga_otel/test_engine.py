@@ -8,12 +8,14 @@ cancellation, concurrent calls within one run, threads) is written for it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as _dt
 import re
 import threading
 from typing import Any
 
 import pytest
+import structlog
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 from saga_modes import Driver, refund_agent, run_refund
 
@@ -1370,3 +1372,175 @@ async def test_an_interrupt_from_the_run_spans_end_still_lets_go_of_the_run(
             await run.call("write_a")
     assert run.report is not None and run.report.status is RunStatus.COMPLETED
     assert run.run_id not in open_run_ids()
+
+
+# -- writes still in flight when the run fails -------------------------------------
+def _on_event(saga: Any, cap: Captured, name: str, seen: Any) -> None:
+    """The saga's log events into ``cap.logs``, calling ``seen()`` as ``name`` is logged."""
+
+    def keep(_logger: Any, _method: str, event: Any) -> Any:
+        cap.logs.append(dict(event))
+        if event.get("event") == name:
+            seen()
+        raise structlog.DropEvent
+
+    saga.instr.log = structlog.wrap_logger(
+        structlog.PrintLogger(), processors=[structlog.processors.add_log_level, keep]
+    )
+
+
+def _credit_and_fraud_check(
+    cap: Captured, ledger: dict[str, int], credit: Any, **kwargs: Any
+) -> Any:
+    """issue_credit (the given function, async or sync), reverse_credit, and a fraud check
+    that fails at once."""
+    issue_credit = tool("compensable", name="issue_credit", compensate="reverse_credit",
+                        compensate_args=lambda i: {"credit_id": i.result})(credit)  # fmt: skip
+
+    @tool("convergent")
+    def reverse_credit(credit_id: str) -> None:
+        ledger.pop(credit_id)
+
+    @tool("read")
+    def check_fraud(order: int) -> None:
+        raise RuntimeError("fraud service down")
+
+    return cap.saga("par", tools=[issue_credit, reverse_credit, check_fraud], **kwargs)
+
+
+async def test_the_unwind_waits_for_a_write_still_in_flight_and_undoes_it(cap: Captured) -> None:
+    """asyncio.gather does not cancel the other calls when one fails: the credit is still
+    in flight when the fraud check fails and the run's exit begins. The unwind waits for
+    it, so its undo is pushed and run before the run ends compensated."""
+    ledger: dict[str, int] = {}
+    waiting, landed = asyncio.Event(), asyncio.Event()
+
+    async def issue_credit(order: int) -> str:
+        with contextlib.suppress(TimeoutError):  # without the wait, lands after the run
+            await asyncio.wait_for(waiting.wait(), 5)
+        ledger[f"cr_{order}"] = 25
+        landed.set()
+        return f"cr_{order}"
+
+    saga = _credit_and_fraud_check(cap, ledger, issue_credit)
+    _on_event(saga, cap, sc.EV_UNWIND_WAITING, waiting.set)
+    run = saga.run()
+    with pytest.raises(RuntimeError, match="fraud"):
+        async with run:
+            await asyncio.gather(
+                run.call("issue_credit", order=1), run.call("check_fraud", order=1)
+            )
+    await asyncio.wait_for(landed.wait(), 10)
+    assert ledger == {}  # the credit landed, and was reversed
+    report = run.report
+    assert report is not None and report.status is RunStatus.COMPENSATED
+    assert [o.compensation.tool for o in report.compensations] == ["reverse_credit"]
+    [waited] = cap.events(sc.EV_UNWIND_WAITING)
+    assert waited["waiting"] == ["issue_credit"] and waited["level"] == "warning"
+    [unwind] = cap.spans(phase="unwind")
+    assert "reverse_credit" in str(span_attrs(unwind)[sc.SAGA_STACK])
+    assert contract_violations(cap.spans()) == []
+
+
+def test_the_unwind_of_a_sync_run_waits_for_a_write_in_another_thread(cap: Captured) -> None:
+    """The same in a sync run whose calls go out from threads: the unwind waits (on a
+    condition) for the credit a worker thread is still writing, then undoes it."""
+    ledger: dict[str, int] = {}
+    started, waiting, landed = threading.Event(), threading.Event(), threading.Event()
+
+    def issue_credit(order: int) -> str:
+        started.set()
+        waiting.wait(5)  # without the wait, lands after the run
+        ledger[f"cr_{order}"] = 25
+        landed.set()
+        return f"cr_{order}"
+
+    saga = _credit_and_fraud_check(cap, ledger, issue_credit)
+    _on_event(saga, cap, sc.EV_UNWIND_WAITING, waiting.set)
+    run = saga.run_sync()
+    worker = threading.Thread(target=lambda: run.call("issue_credit", order=1))
+    with pytest.raises(RuntimeError, match="fraud"), run:
+        worker.start()
+        assert started.wait(10)
+        run.call("check_fraud", order=1)
+    worker.join(10)
+    assert landed.is_set() and ledger == {}
+    assert run.report is not None and run.report.status is RunStatus.COMPENSATED
+    assert [o.compensation.tool for o in run.report.compensations] == ["reverse_credit"]
+
+
+def _assert_given_up_then_late(cap: Captured, run: Any, ledger: dict[str, int]) -> None:
+    """The credit was still running past the bound: the run ended compensation_failed,
+    escalating it; it landed later, loudly, and nothing undid it."""
+    assert ledger == {"cr_1": 25}
+    report = run.report
+    assert report is not None and report.status is RunStatus.COMPENSATION_FAILED
+    assert report.compensations == ()  # its undo was never pushed, so never run
+    [given_up] = [s for s in report.steps if s.name == "issue_credit"]
+    assert not given_up.ok and given_up.undo_error is not None
+    assert "still running" in given_up.undo_error
+    card = report.escalation_card()
+    assert card is not None and any("issue_credit" in t for t in card.not_undone)
+    [late] = cap.events(sc.EV_LATE_EFFECT)
+    assert (late["level"], late["step"], late["run_id"]) == ("error", "issue_credit", run.run_id)
+    assert late["compensation"]["args"] == {"credit_id": "cr_1"}  # what to undo by hand
+    assert cap.metric("saga_compensation_failures_total", saga="par", step="issue_credit") == 1
+    [do] = [s for s in cap.spans(phase="do") if span_attrs(s)[sc.SAGA_STEP_NAME] == "issue_credit"]
+    assert sc.SAGA_COMPENSATION_ARGS not in span_attrs(do)
+    assert "after its run" in str(span_attrs(do)[sc.SAGA_COMPENSATION_UNSTORABLE])
+    assert contract_violations(cap.spans()) == []
+
+
+async def test_a_write_still_running_past_the_bound_escalates_and_lands_loudly(
+    cap: Captured,
+) -> None:
+    ledger: dict[str, int] = {}
+    gate = asyncio.Event()
+
+    async def issue_credit(order: int) -> str:
+        await gate.wait()
+        ledger[f"cr_{order}"] = 25
+        return f"cr_{order}"
+
+    saga = _credit_and_fraud_check(cap, ledger, issue_credit, settle_timeout=0)
+    run = saga.run()
+    with pytest.raises(RuntimeError, match="fraud"):
+        async with run:
+            credit = asyncio.ensure_future(run.call("issue_credit", order=1))
+            await asyncio.sleep(0)  # the credit is in flight
+            await run.call("check_fraud", order=1)
+    assert ledger == {}
+    gate.set()
+    assert await credit == "cr_1"  # the call itself still returns what the tool did
+    _assert_given_up_then_late(cap, run, ledger)
+
+
+def test_a_sync_write_still_running_past_the_bound_escalates_and_lands_loudly(
+    cap: Captured,
+) -> None:
+    ledger: dict[str, int] = {}
+    started, gate = threading.Event(), threading.Event()
+
+    def issue_credit(order: int) -> str:
+        started.set()
+        gate.wait(10)
+        ledger[f"cr_{order}"] = 25
+        return f"cr_{order}"
+
+    saga = _credit_and_fraud_check(cap, ledger, issue_credit, settle_timeout=0)
+    run = saga.run_sync()
+    worker = threading.Thread(target=lambda: run.call("issue_credit", order=1))
+    with pytest.raises(RuntimeError, match="fraud"), run:
+        worker.start()
+        assert started.wait(10)
+        run.call("check_fraud", order=1)
+    assert ledger == {}
+    gate.set()
+    worker.join(10)
+    _assert_given_up_then_late(cap, run, ledger)
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf")])
+def test_settle_timeout_is_a_finite_bound(cap: Captured, bad: float) -> None:
+    with pytest.raises(ConfigurationError, match=r"settle_timeout=.*default 30"):
+        cap.saga("x", settle_timeout=bad)

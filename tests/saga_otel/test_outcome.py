@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -341,3 +342,28 @@ async def test_a_cancelled_async_script_closes_its_with_blocks_and_stays_cancell
     with pytest.raises(asyncio.CancelledError):
         await task
     assert log == ["CancelledError"] and task.cancelled()
+
+
+async def test_until_waits_for_its_condition_as_its_signal_rings(mode: Driver) -> None:
+    """The wait the unwind uses for its writes in flight: re-read each time the signal
+    rings (from a task, or another thread in sync mode), True once the condition holds,
+    False once the bound passed without it; a ring with the condition still false is
+    waited past."""
+    m = make_mode(mode)
+    signal = m.signal()
+    done: list[bool] = []
+
+    def ring_twice() -> None:
+        signal.ring()  # not done yet: the waiter must keep waiting
+        done.append(True)
+        signal.ring()
+
+    if mode.is_async:
+        asyncio.get_running_loop().call_soon(ring_twice)
+        assert await drive(m.until(lambda: bool(done), signal, 30)) is True
+    else:
+        ringer = threading.Thread(target=ring_twice)
+        ringer.start()
+        assert await drive(m.until(lambda: bool(done), signal, 30)) is True
+        ringer.join()
+    assert await drive(m.until(lambda: False, signal, 0)) is False

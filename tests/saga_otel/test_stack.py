@@ -190,3 +190,51 @@ def test_evolve_is_dataclasses_replace() -> None:
     assert _stack.evolve(base, **every) == dataclasses.replace(base, **every)
     with pytest.raises(TypeError, match="no field"):
         _stack.evolve(base, nope=1)
+
+
+def _credit(index: int, comp: Compensation | None = None) -> StepRecord:
+    ok = comp is not None
+    return StepRecord(index, "issue_credit", "issue_credit", StepClass.COMPENSABLE, 1, ok,
+                      compensation=comp)  # fmt: skip
+
+
+def _failing_fraud_check() -> tuple[_stack.StackState, int]:
+    """issue_credit begun and still in flight when check_fraud fails and the run aborts."""
+    s = _stack.StackState(run_id="r")
+    s, credit = _stack.begin_step(s, "issue_credit", StepClass.COMPENSABLE)
+    s, fraud = _stack.begin_step(s, "check_fraud", StepClass.READ)
+    failed = StepRecord(fraud, "check_fraud", "check_fraud", StepClass.READ, 1, False, error="E")
+    return _stack.step_failed(s, failed), credit
+
+
+def test_an_abort_waits_for_the_writes_in_flight_then_unwinds_their_undos() -> None:
+    s, credit = _failing_fraud_check()
+    s, decision = _stack.abort(s, "E: fraud service down")
+    assert isinstance(decision, _stack.Settle)
+    assert [(w.index, w.name) for w in decision.writes] == [(credit, "issue_credit")]
+    with pytest.raises(StepRefusedError, match="stopping"):
+        _stack.begin_step(s, "more", StepClass.READ)  # no new step while it settles
+    comp = Compensation("reverse_credit", {"credit_id": "cr_1"}, "", "issue_credit", credit)
+    s = _stack.step_succeeded(s, _credit(credit, comp))  # the credit lands: pushed
+    s, decision = _stack.abort(s, "E: fraud service down")
+    assert decision == _stack.Unwind((comp,))
+    assert (s.failed_step, s.failure) == ("check_fraud", "E: fraud service down")
+
+
+def test_a_write_given_up_on_may_stand_and_its_late_end_is_refused() -> None:
+    s, credit = _failing_fraud_check()
+    s, decision = _stack.abort(s, "E: fraud service down")
+    assert isinstance(decision, _stack.Settle)
+    s = _stack.give_up(s, {credit: "it may have taken effect"})
+    assert not s.in_flight_writes
+    given_up = s.steps[-1]
+    assert (given_up.name, given_up.ok, given_up.undo_error) == (
+        "issue_credit", False, "it may have taken effect",
+    )  # fmt: skip
+    s, decision = _stack.abort(s, "E: fraud service down")
+    assert decision == _stack.Unwind(())
+    assert _stack.is_late(s)
+    comp = Compensation("reverse_credit", {"credit_id": "cr_1"}, "", "issue_credit", credit)
+    with pytest.raises(StepRefusedError, match="stopped waiting"):
+        _stack.step_succeeded(s, _credit(credit, comp))  # never pushed onto a decided run
+    assert _stack.finish(s).status is RunStatus.COMPENSATION_FAILED
