@@ -284,7 +284,7 @@ async def test_a_recoverer_that_lost_its_lease_during_its_last_undo_exits_3(
         STATE.reset()
     err = capsys.readouterr().err
     assert code == EXIT_REFUSED, err
-    assert "lost its recovery lease (token 1)" in err and "rec-b's (token 2)" in err, err
+    assert "lost its recovery lease (token 1)" in err and "held by 'rec-b' (token 2)" in err, err
 
 
 def view_of(sidecar: Sidecar, run_id: str) -> dict[str, Any]:
