@@ -43,6 +43,7 @@ from saga_otel._outcome import (
     SyncMode,
     _immediate,
     _pending,
+    is_async_callable,
     retrying,
 )
 from saga_otel._registry import IDEMPOTENCY_PARAM, CallInfo, Tool, ToolRegistry
@@ -140,18 +141,45 @@ class Step:
                     f"step {self.name!r} is {cls.value} but has no compensate: give it one "
                     "or declare step_class='convergent'"
                 )
-            undo = Tool(undo_name, lambda: comp(ctx), StepClass.CONVERGENT, retry=self.retry)
+            undo = Tool(undo_name, _with_ctx(comp, ctx), StepClass.CONVERGENT, retry=self.retry)
         forward = Tool(
             self.name,
-            lambda: do(ctx),
+            _with_ctx(do, ctx),
             cls,
             compensate=undo_name if cls.pushes else None,
             compensate_args=_jsonable_result,
             describe=f"undo {self.name}",
-            validate=(lambda: validate(ctx)) if validate is not None else None,
+            validate=_with_ctx(validate, ctx) if validate is not None else None,
             pivot=self.pivot,
         )
         return forward, undo
+
+    def _refuse_async(self) -> None:
+        """Refuse a part (do, compensate, validate) that a sync run could not await."""
+        parts = {"do": self.do, "compensate": self.compensate, "validate": self.validate}
+        for part, fn in parts.items():
+            if fn is not None and is_async_callable(fn):
+                raise ConfigurationError(
+                    f"step {self.name!r} has an async {part} ({_fn_name(fn)}), which "
+                    "execute_sync cannot await: run the plan with `await saga.execute(steps, "
+                    f"ctx)`, or make the step's {part} a plain function; nothing was run"
+                )
+
+
+def _with_ctx(fn: Callable[[Any], Any], ctx: Any) -> Callable[[], Any]:
+    """``fn(ctx)`` as a tool's function: ``async def`` when ``fn`` is async, so the engine
+    sees what it is (a sync run refuses it before any write, not in the unwind)."""
+    if is_async_callable(fn):
+
+        async def call_async() -> Any:
+            return await fn(ctx)
+
+        return call_async
+    return lambda: fn(ctx)
+
+
+def _fn_name(fn: Any) -> str:
+    return str(getattr(fn, "__name__", None) or repr(fn))
 
 
 def _jsonable_result(info: CallInfo) -> Mapping[str, Any]:
@@ -313,6 +341,11 @@ class Saga:
         return await _pending(core.whole(mode, lambda: self._plan_body(core, mode, forwards)))()
 
     def execute_sync(self, steps: Sequence[Step], ctx: Any = None) -> SagaReport:
+        """`execute` for code without an event loop. A plan with an async do, compensate or
+        validate is refused before the run opens: a sync run cannot await it (an async undo
+        would fail every try, after the write it was meant to undo)."""
+        for step in steps:
+            step._refuse_async()
         core, forwards = self._plan(steps, ctx)
         mode = SyncMode(self.sleep)
         return _immediate(core.whole(mode, lambda: self._plan_body(core, mode, forwards)))()

@@ -549,6 +549,47 @@ async def test_fixed_plan_validation_rejects_before_any_do(cap: Captured, mode: 
     assert log == []
 
 
+@pytest.mark.parametrize("part", ["do", "compensate", "validate"])
+async def test_a_sync_plan_refuses_an_async_step_before_anything_runs(
+    cap: Captured, mode: Driver, part: str
+) -> None:
+    """execute_sync cannot await: a plan with an async do, compensate or validate is
+    refused by step and part before the run opens (an async undo used to fail every try
+    in the unwind, after the write it was meant to undo). execute runs the same plan."""
+    log: list[str] = []
+
+    async def async_part(ctx: Any) -> None:
+        log.append(f"async {part}")
+
+    def reserve(ctx: Any) -> None:
+        log.append("reserve")
+
+    def release(ctx: Any) -> None:
+        log.append("release")
+
+    parts: dict[str, Any] = {"do": reserve, "compensate": release, "validate": None}
+    parts[part] = async_part
+    steps = [
+        Step("hold", do=lambda c: log.append("hold"), compensate=lambda c: log.append("unhold")),
+        Step("reserve", **parts),
+        Step("charge", do=lambda c: (_ for _ in ()).throw(ValueError("card declined"))),
+    ]
+    saga = cap.saga("plan")
+    if not mode.is_async:
+        with pytest.raises(ConfigurationError) as info:
+            saga.execute_sync(steps, {})
+        why = str(info.value)
+        assert f"step 'reserve' has an async {part}" in why and "await saga.execute" in why
+        assert log == [] and cap.spans() == []  # refused before the run opened
+        return
+    report = await saga.execute(steps, {})
+    assert report.status is RunStatus.COMPENSATED
+    ran = {"do": "reserve", "compensate": "release", "validate": "async validate"}
+    ran[part] = f"async {part}"
+    checked = [ran["validate"]] if part == "validate" else []
+    assert log == [*checked, "hold", ran["do"], ran["compensate"], "unhold"]
+
+
 async def test_runtime_validation_rejects(cap: Captured, mode: Driver) -> None:
     sent: list[str] = []
 
