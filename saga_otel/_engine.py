@@ -17,7 +17,6 @@ import asyncio
 import contextvars
 import copy
 import inspect
-import json
 import math
 import random
 import time
@@ -112,6 +111,14 @@ class Step:
     ``step_class`` defaults to compensable when a compensate is given, else
     irreversible for a pivot and convergent otherwise. ``validate(ctx)`` is a
     dry run that must not change anything; it runs before the saga's first do.
+
+    The undo is recorded as the tool ``<step>.compensate`` with the do's result as
+    its argument ``result`` when that is plain JSON within the saga's
+    ``max_undo_bytes``: for people, and for a recovery from another process, which
+    has no ctx and calls its own registry's ``<step>.compensate`` with the record's
+    arguments. compensate(ctx) reads only ctx, so a result that cannot be kept is
+    left out of the record (such a tool then gets no ``result``) and never fails the
+    step.
     """
 
     name: str
@@ -129,8 +136,9 @@ class Step:
             return StepClass.COMPENSABLE
         return StepClass.IRREVERSIBLE if self.pivot else StepClass.CONVERGENT
 
-    def as_tools(self, ctx: Any) -> tuple[Tool, Tool | None]:
-        """Adapt the step to the engine's tool model (the undo named ``<step>.compensate``)."""
+    def as_tools(self, ctx: Any, max_undo_bytes: int = MAX_UNDO_BYTES) -> tuple[Tool, Tool | None]:
+        """Adapt the step to the engine's tool model (the undo named ``<step>.compensate``,
+        its arguments the step's result when it fits ``max_undo_bytes``: see _result_args)."""
         undo_name = f"{self.name}.compensate"
         do, comp, validate = self.do, self.compensate, self.validate
         cls = self.klass()
@@ -147,7 +155,7 @@ class Step:
             _with_ctx(do, ctx),
             cls,
             compensate=undo_name if cls.pushes else None,
-            compensate_args=_jsonable_result,
+            compensate_args=_result_args(max_undo_bytes),
             describe=f"undo {self.name}",
             validate=_with_ctx(validate, ctx) if validate is not None else None,
             pivot=self.pivot,
@@ -182,13 +190,23 @@ def _fn_name(fn: Any) -> str:
     return str(getattr(fn, "__name__", None) or repr(fn))
 
 
-def _jsonable_result(info: CallInfo) -> Mapping[str, Any]:
-    # Keep the result in the record when it is plain data, for people and recovery.
-    try:
-        json.dumps(info.result, allow_nan=False)  # the undo's arguments allow no NaN
-    except (TypeError, ValueError):
-        return {}
-    return {} if info.result is None else {"result": info.result}
+def _result_args(max_undo_bytes: int) -> Callable[[CallInfo], Mapping[str, Any]]:
+    """The undo arguments of a fixed plan's step: ``{"result": ...}``, kept for people (the
+    sidecar shows it) and for a recovering registry's ``<step>.compensate`` tool, when the
+    result is plain JSON and the record fits ``max_undo_bytes``; else none. In the run,
+    compensate(ctx) reads only ctx, so a result that cannot be kept (too large, nested too
+    deep for JSON, not JSON at all) is left out and never fails the step."""
+
+    def args(info: CallInfo) -> Mapping[str, Any]:
+        if info.result is None:
+            return {}
+        try:  # encoded as the stored record is, by the record itself
+            kept = Compensation(f"{info.tool}.compensate", {"result": info.result})
+        except Exception:  # not JSON, a cycle, or RecursionError: it is informational
+            return {}
+        return kept.args if len(kept.args_json().encode()) <= max_undo_bytes else {}
+
+    return args
 
 
 def log_escalation(instr: Instrumentation) -> EscalationHandler:
@@ -302,13 +320,12 @@ class Saga:
         return SyncRun(_Core(self, run_id, validate=validate))
 
     # -- fixed plans ---------------------------------------------------------
-    @staticmethod
-    def _step_tools(steps: Sequence[Step], ctx: Any) -> tuple[dict[str, Tool], list[Tool]]:
+    def _step_tools(self, steps: Sequence[Step], ctx: Any) -> tuple[dict[str, Tool], list[Tool]]:
         """A plan's steps as tools by name (do and undo), and the do tools in order."""
         overlay: dict[str, Tool] = {}
         forwards: list[Tool] = []
         for step in steps:
-            fwd, undo = step.as_tools(ctx)
+            fwd, undo = step.as_tools(ctx, self.max_undo_bytes)
             if fwd.name in overlay:
                 raise ConfigurationError(
                     f"two steps are named {fwd.name!r}: give each step of a plan its own name"

@@ -590,6 +590,40 @@ async def test_a_sync_plan_refuses_an_async_step_before_anything_runs(
     assert log == [*checked, "hold", ran["do"], ran["compensate"], "unhold"]
 
 
+def _nested(depth: int) -> list[Any]:
+    value: list[Any] = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize(
+    ("result", "bound"),
+    [(["x" * 100] * 1000, None), (_nested(100_000), None), ({"id": "x" * 100}, 64)],
+    ids=["over-64KiB", "too-deep-for-json", "over-the-sagas-bound"],
+)
+async def test_a_plan_steps_result_is_left_out_of_its_undo_when_it_cannot_be_kept(
+    cap: Captured, mode: Driver, result: Any, bound: int | None
+) -> None:
+    """A fixed plan's compensate(ctx) never reads the step's result: one too large for
+    max_undo_bytes or that JSON cannot encode is left out of the undo's record, and the
+    step succeeds and is undone (it used to fail the run compensation_failed)."""
+    log: list[str] = []
+    steps = [
+        Step("fetch", do=lambda c: result, compensate=lambda c: log.append("undo fetch")),
+        Step("notify", do=lambda c: "sent"),
+    ]
+    saga = cap.saga("plan", **({"max_undo_bytes": bound} if bound else {}))
+    report = await mode.execute(saga, steps, {})
+    assert report.status is RunStatus.COMPLETED, report.error
+    stored = report.steps[0].compensation
+    assert stored is not None and stored.args == {}
+    boom = Step("charge", do=lambda c: (_ for _ in ()).throw(ValueError("card declined")))
+    report = await mode.execute(saga, [*steps, boom], {})
+    assert report.status is RunStatus.COMPENSATED, report.error
+    assert log == ["undo fetch"]
+
+
 async def test_runtime_validation_rejects(cap: Captured, mode: Driver) -> None:
     sent: list[str] = []
 
