@@ -174,16 +174,26 @@ class Step:
                 )
 
 
-def _with_ctx(fn: Callable[[Any], Any], ctx: Any) -> Callable[[], Any]:
+def _with_ctx(fn: Callable[[Any], Any], ctx: Any) -> Callable[..., Any]:
     """``fn(ctx)`` as a tool's function: ``async def`` when ``fn`` is async, so the engine
-    sees what it is (a sync run refuses it before any write, not in the unwind)."""
+    sees what it is (a sync run refuses it before any write, not in the unwind).
+
+    An undo is called with its record's arguments: the do's ``result``, when kept (see
+    _result_args), which is for people and is not passed on: the step's function gets
+    ctx alone."""
     if is_async_callable(fn):
 
-        async def call_async() -> Any:
+        async def call_async(result: Any = None) -> Any:
+            del result  # for people only
             return await fn(ctx)
 
         return call_async
-    return lambda: fn(ctx)
+
+    def call(result: Any = None) -> Any:
+        del result
+        return fn(ctx)
+
+    return call
 
 
 def _fn_name(fn: Any) -> str:

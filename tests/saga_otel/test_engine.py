@@ -624,6 +624,25 @@ async def test_a_plan_steps_result_is_left_out_of_its_undo_when_it_cannot_be_kep
     assert log == ["undo fetch"]
 
 
+async def test_a_plan_step_that_returned_a_result_is_undone_with_its_ctx(
+    cap: Captured, mode: Driver
+) -> None:
+    """The result kept in the undo's record is for people: compensate(ctx) is called
+    with ctx alone (the record's result used to be passed to it as a keyword, and every
+    try failed with TypeError)."""
+    undone: list[Any] = []
+    steps = [
+        Step("reserve", do=lambda c: {"hold_id": "h_1"}, compensate=undone.append),
+        Step("charge", do=lambda c: (_ for _ in ()).throw(ValueError("card declined"))),
+    ]
+    ctx = {"order": 4921}
+    report = await mode.execute(cap.saga("plan"), steps, ctx)
+    assert report.status is RunStatus.COMPENSATED, report.compensations
+    assert undone == [ctx]
+    stored = report.steps[0].compensation
+    assert stored is not None and stored.args == {"result": {"hold_id": "h_1"}}
+
+
 async def test_runtime_validation_rejects(cap: Captured, mode: Driver) -> None:
     sent: list[str] = []
 
