@@ -314,12 +314,15 @@ class _Observer:
                 index=idx,
                 tool=comp.tool,
                 compensation=comp,
-            ):
+            ) as obs:
                 out = yield mode.call(fn, *args, **kwargs)
         except BaseException:
             self._compensate_ended(run, idx, False)
             raise  # the undo's exception, unchanged
         self._compensate_ended(run, idx, True)
+        # As the engine's undo: once the sidecar knows it is done, a recovery elsewhere
+        # will not repeat it.
+        yield mode.ack(obs.span)
         return out
 
 
