@@ -19,6 +19,16 @@ and loops inside a script read as ordinary code (a ``with`` around a ``yield``
 stays open while the driver runs the call, so a span closes after the awaited
 call, never before), and a step costs one generator, not a coroutine per
 combinator. Scripts compose with ``yield from`` (:func:`retrying`).
+
+A user's ``StopIteration`` (``next()`` on an empty iterator) must reach the agent as
+itself, yet Python turns one leaving a generator or coroutine frame into
+``RuntimeError`` with it as ``__cause__`` (PEP 479). So a user function is called in
+the driver's own frame, never inside a coroutine of its own (:meth:`AsyncMode.call`);
+the driver throws the object itself into the script, whose ``yield`` sees it (an
+attempt's span records it); and when Python's ``RuntimeError`` of it leaves the
+script, the driver raises the object instead (:func:`_handed_out`). An async
+driver is a coroutine: its awaiter gets Python's ``RuntimeError``, as from any
+``async def``.
 """
 
 from __future__ import annotations
@@ -81,7 +91,8 @@ class Immediate(Outcome[T]):
 
 
 class Pending(Outcome[T]):
-    """An outcome that runs when awaited: ``value = await outcome()``."""
+    """An outcome run by calling it and awaiting what the call gives:
+    ``value = await outcome()``."""
 
     __slots__ = ("_fn",)
 
@@ -161,7 +172,8 @@ class Mode(ABC):
 
     @abstractmethod
     def call(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Outcome[Any]:
-        """Call a user function; in async mode an awaitable result is awaited."""
+        """Call a user function; in async mode an awaitable result is awaited. What it
+        raises reaches the script as itself (a StopIteration too: see the module's doc)."""
 
     @abstractmethod
     def script(self, body: Callable[[], Script[T]]) -> Outcome[T]:
@@ -214,6 +226,24 @@ def retrying(
         n += 1
 
 
+def _thrown_in(exc: BaseException, stops: list[StopIteration]) -> BaseException:
+    """``exc``, to throw into the script as itself; a StopIteration is kept in ``stops``."""
+    if isinstance(exc, StopIteration):
+        stops.append(exc)
+    return exc
+
+
+def _handed_out(exc: RuntimeError, stops: list[StopIteration]) -> StopIteration | None:
+    """The StopIteration of ``stops`` that ``exc`` is Python's RuntimeError of (it left a
+    generator frame of the script: PEP 479), to raise in its place; else None."""
+    cause = exc.__cause__
+    if type(exc) is RuntimeError and isinstance(cause, StopIteration):
+        for stop in stops:
+            if stop is cause:
+                return stop
+    return None
+
+
 class SyncMode(Mode):
     """Leaves that block the calling thread; run the result with ``outcome()``."""
 
@@ -236,18 +266,32 @@ class SyncMode(Mode):
             gen = body()
             value: Any = None
             error: BaseException | None = None
-            while True:
-                try:
-                    step = gen.send(value) if error is None else gen.throw(error)
-                except StopIteration as stop:
-                    result: T = stop.value
-                    return result
-                finally:
-                    error = None  # a raised error's traceback must not hold it in a cycle
-                try:
-                    value = _immediate(step)()
-                except BaseException as exc:
-                    value, error = None, exc
+            stops: list[StopIteration] = []  # the user's, thrown in: see _handed_out
+            handed: StopIteration | None = None
+            try:
+                while True:
+                    try:
+                        step = gen.send(value) if error is None else gen.throw(error)
+                    except StopIteration as stop:
+                        result: T = stop.value
+                        return result
+                    except RuntimeError as exc:
+                        handed = _handed_out(exc, stops)
+                        if handed is None:
+                            raise
+                        break
+                    finally:
+                        error = None  # a raised error's traceback must not hold it in a cycle
+                    try:
+                        value = _immediate(step)()
+                    except BaseException as exc:
+                        value, error = None, _thrown_in(exc, stops)
+            finally:
+                stops.clear()  # each one's traceback holds this frame: no cycle through it
+            try:
+                raise handed  # outside the except block: the object as it was, nothing chained
+            finally:
+                del handed
 
         return Immediate(run)
 
@@ -277,6 +321,10 @@ class SyncMode(Mode):
         return Immediate(wait)
 
 
+async def _value(value: T) -> T:
+    return value
+
+
 class AsyncMode(Mode):
     """Leaves that await; run the result with ``await outcome()``. Nothing here blocks."""
 
@@ -298,29 +346,46 @@ class AsyncMode(Mode):
         return Pending(run)
 
     def call(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Pending[Any]:
-        async def run() -> Any:
+        # fn runs when the driver starts the outcome, in the driver's frame: a StopIteration
+        # it raises is not made a RuntimeError by a coroutine of ours (PEP 479).
+        def start() -> Awaitable[Any]:
             out = fn(*args, **kwargs)
-            return await out if inspect.isawaitable(out) else out
+            return out if inspect.isawaitable(out) else _value(out)
 
-        return Pending(run)
+        return Pending(start)
 
     def script(self, body: Callable[[], Script[T]]) -> Pending[T]:
         async def run() -> T:
             gen = body()
             value: Any = None
             error: BaseException | None = None
-            while True:
-                try:
-                    step = gen.send(value) if error is None else gen.throw(error)
-                except StopIteration as stop:
-                    result: T = stop.value
-                    return result
-                finally:
-                    error = None  # a raised error's traceback must not hold it in a cycle
-                try:
-                    value = await _pending(step)()
-                except BaseException as exc:  # a cancellation too: the script's with blocks see it
-                    value, error = None, exc
+            stops: list[StopIteration] = []  # the user's, thrown in: see _handed_out
+            handed: StopIteration | None = None
+            try:
+                while True:
+                    try:
+                        step = gen.send(value) if error is None else gen.throw(error)
+                    except StopIteration as stop:
+                        result: T = stop.value
+                        return result
+                    except RuntimeError as exc:
+                        handed = _handed_out(exc, stops)
+                        if handed is None:
+                            raise
+                        break
+                    finally:
+                        error = None  # a raised error's traceback must not hold it in a cycle
+                    try:
+                        value = await _pending(step)()
+                    except BaseException as exc:
+                        # A cancellation too: the script's with blocks see it.
+                        value, error = None, _thrown_in(exc, stops)
+            finally:
+                stops.clear()  # each one's traceback holds this frame: no cycle through it
+            try:
+                raise handed  # leaving this coroutine, Python makes it a RuntimeError (PEP 479)
+            finally:
+                del handed
 
         return Pending(run)
 

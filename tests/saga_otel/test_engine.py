@@ -109,6 +109,35 @@ async def test_runtime_api_reraises_the_agents_exception_unchanged(
     assert world.balance(4921) == 0
 
 
+async def test_a_tool_raising_stop_iteration_reaches_the_agent_as_itself(
+    cap: Captured, mode: Driver
+) -> None:
+    """A tool's StopIteration (next() on an empty iterator) used to reach a sync agent as
+    RuntimeError("generator raised StopIteration"): the engine's scripts are generators
+    (PEP 479). The agent gets its own object; its span records it. An async agent awaits
+    a coroutine, which Python never lets raise StopIteration: it gets Python's
+    RuntimeError with the object as its __cause__, as from any async function."""
+    raised = StopIteration("no matching order")
+
+    @tool("read")
+    def find_order() -> None:
+        raise raised
+
+    saga = cap.saga("x", tools=[find_order])
+    if mode.is_async:
+        with pytest.raises(RuntimeError) as info:
+            async with saga.run() as run:
+                await run.call("find_order")
+        assert type(info.value) is RuntimeError and info.value.__cause__ is raised
+    else:  # not through the mode's async adapter: a coroutine would make it a RuntimeError
+        with pytest.raises(StopIteration) as stopped, saga.run_sync() as sync_run:
+            sync_run.call("find_order")
+        assert stopped.value is raised and raised.__context__ is None
+        assert sync_run.report is not None and sync_run.report.error is raised
+    (do,) = cap.spans(phase="do")
+    assert span_attrs(do)[sc.ERROR_TYPE] == "StopIteration"
+
+
 async def test_failed_compensation_is_retried_recorded_and_escalated(
     cap: Captured, mode: Driver
 ) -> None:

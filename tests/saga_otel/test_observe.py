@@ -61,3 +61,27 @@ async def test_an_observed_compensate_waits_for_the_ack_of_its_span(
         "ack saga.compensate hold",
         "compensate returned",
     ]
+
+
+async def test_an_observed_step_raising_stop_iteration_reaches_the_caller_as_itself(
+    mode: Driver,
+) -> None:
+    """observed()'s policy is a generator too (PEP 479 made a StopIteration a
+    RuntimeError): a sync step's caller gets its own object. An async step is a
+    coroutine, which Python never lets raise StopIteration: its caller gets Python's
+    RuntimeError with the object as its __cause__, with or without observed()."""
+    raised = StopIteration("no matching order")
+
+    def find_order() -> None:
+        raise raised
+
+    cap = capture()
+    kw: dict[str, Any] = {"saga": "obs", "tracer_provider": cap.provider}
+    kw.update(registry=cap.registry, logger=cap.logger)
+    wrapped = observed(mode.fn(find_order), step="find_order", **kw)
+    with pytest.raises(BaseException) as info:
+        await settle(wrapped())
+    if mode.is_async:
+        assert type(info.value) is RuntimeError and info.value.__cause__ is raised
+    else:
+        assert info.value is raised and info.value.__context__ is None

@@ -114,6 +114,51 @@ async def test_a_script_sees_the_same_exception_and_may_recover(mode: Driver) ->
     assert info.value is err and info.value.__context__ is None
 
 
+async def test_a_users_stop_iteration_reaches_the_script_and_its_caller_as_itself(
+    mode: Driver,
+) -> None:
+    """Python turns a StopIteration leaving a generator or coroutine frame into
+    RuntimeError (PEP 479): the drivers hand the user's own object to the script, through
+    the script's own generator frames, and out to its caller. An async caller awaits a
+    coroutine, which can never raise StopIteration: it gets Python's RuntimeError with
+    the object as its __cause__, as from any async function."""
+    m = make_mode(mode)
+    err = StopIteration("no matching order")
+
+    def fail() -> None:
+        raise err
+
+    def catching() -> Script[object]:
+        try:
+            yield m.call(fail)
+        except StopIteration as exc:
+            return exc
+        return None
+
+    assert await drive(m.script(catching)) is err
+
+    def inner() -> Script[None]:
+        yield m.call(fail)
+
+    def outer() -> Script[None]:
+        yield from inner()  # a generator frame between the yield and the driver
+
+    def nested() -> Script[None]:
+        yield m.script(outer)  # and a driver between this script and the call
+
+    for body in (outer, nested):
+        o = m.script(body)
+        with pytest.raises(BaseException) as info:
+            if isinstance(o, Immediate):
+                o()  # called here: drive() is a coroutine, which would make it a RuntimeError
+            else:
+                await drive(o)
+        if mode.is_async:
+            assert type(info.value) is RuntimeError and info.value.__cause__ is err
+        else:
+            assert info.value is err and info.value.__context__ is None
+
+
 async def test_a_with_block_around_a_yield_spans_the_whole_call(mode: Driver) -> None:
     m = make_mode(mode)
     log: list[str] = []
