@@ -7,7 +7,10 @@ process that never ran the forward steps (crash recovery) can rebuild it.
 from __future__ import annotations
 
 import json
+import math
+import numbers
 import random
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -226,10 +229,20 @@ def backoff_seconds(
     capped delay, so many clients that lost the same peer do not retry in step.
     Used by `RetryPolicy`, the export sender and the sidecar's alert outbox.
     """
-    # The exponent is capped so a long outage cannot overflow a float.
-    base = min(maximum, initial * multiplier ** min(max(failures - 1, 0), 64))
+    # The exponent is capped so a long outage cannot overflow a float; a multiplier so
+    # large that its power overflows anyway is past any cap.
+    try:
+        grown = initial * multiplier ** min(max(failures - 1, 0), 64)
+    except OverflowError:
+        grown = math.inf if initial > 0 else 0.0
+    base = min(maximum, grown)
     spread = jitter + base * jitter_ratio
     return base + ((rng or random).uniform(0.0, spread) if spread > 0 else 0.0)
+
+
+#: The longest ``initial``, ``maximum`` or ``jitter`` of a :class:`RetryPolicy`, in seconds:
+#: a day. Every sleep accepts it; a longer wait is a schedule, not a retry.
+MAX_RETRY_DELAY = 86_400.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,7 +251,9 @@ class RetryPolicy:
 
     Delays grow exponentially from ``initial`` by ``multiplier`` up to ``maximum``,
     with up to ``jitter`` seconds of random spread so many retrying runs do not
-    hit a recovering backend in step.
+    hit a recovering backend in step. ``initial``, ``maximum`` and ``jitter`` are
+    finite seconds from 0 to :data:`MAX_RETRY_DELAY` (a day), so no wait is longer
+    than ``maximum + jitter``; ``multiplier`` is finite and at least 1.
     """
 
     attempts: int = 3
@@ -248,14 +263,26 @@ class RetryPolicy:
     jitter: float = 0.1
 
     def __post_init__(self) -> None:
+        if not isinstance(self.attempts, numbers.Integral):
+            raise ConfigurationError(
+                f"RetryPolicy(attempts={self.attempts!r}) is not a whole number of tries: use "
+                "an int >= 1, e.g. attempts=3"
+            )
         if self.attempts < 1:
             raise ConfigurationError(
                 f"RetryPolicy(attempts={self.attempts}) never runs the activity: use attempts >= 1"
             )
-        if self.initial < 0 or self.maximum < 0 or self.jitter < 0 or self.multiplier < 1:
+        for name in ("initial", "maximum", "jitter"):
+            value = getattr(self, name)
+            if not _real_in(value, 0.0, MAX_RETRY_DELAY):
+                raise ConfigurationError(
+                    f"RetryPolicy({name}={value!r}) is not a delay a sleep can wait: use a "
+                    f"finite number of seconds from 0 to {MAX_RETRY_DELAY:g} (a day)"
+                )
+        if not _real_in(self.multiplier, 1.0, sys.float_info.max):
             raise ConfigurationError(
-                f"{self!r} has a negative delay or a multiplier below 1: delays must be >= 0 "
-                "and multiplier >= 1"
+                f"RetryPolicy(multiplier={self.multiplier!r}) is not a growth factor for "
+                "the delays: use a finite number >= 1, e.g. multiplier=2.0"
             )
 
     def delay(self, failed_attempt: int, rng: random.Random | None = None) -> float:
@@ -277,6 +304,15 @@ class RetryPolicy:
             "maximum": self.maximum,
             "jitter": self.jitter,
         }
+
+
+def _real_in(value: object, low: float, high: float) -> bool:
+    """Whether ``value`` is a real number (not a bool) in [low, high]; never NaN."""
+    return (
+        isinstance(value, numbers.Real)
+        and not isinstance(value, bool)
+        and low <= float(value) <= high  # False for NaN
+    )
 
 
 @fast_init

@@ -41,6 +41,46 @@ def test_retry_policy_rejects_nonsense() -> None:
     assert [p.delay(n) for n in (1, 2, 3)] == [1, 3, 5]
 
 
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("initial", NAN),
+        ("initial", INF),
+        ("initial", 1e10),
+        ("maximum", NAN),
+        ("maximum", INF),
+        ("maximum", 86_400.5),
+        ("jitter", NAN),
+        ("jitter", 1e10),
+        ("multiplier", NAN),
+        ("multiplier", INF),
+        ("attempts", NAN),
+        ("attempts", INF),
+        ("attempts", 2.5),
+    ],
+)
+def test_retry_policy_refuses_what_no_sleep_could_wait(field: str, value: float) -> None:
+    """NaN, infinite and huge delays used to be accepted, and the backoff's sleep then
+    raised (ValueError, OverflowError) in place of the tool's own error."""
+    with pytest.raises(ConfigurationError) as info:
+        RetryPolicy(**{field: value})  # type: ignore[arg-type]
+    text = str(info.value)
+    assert f"{field}={value!r}" in text and ": use " in text, text
+
+
+def test_retry_policy_at_its_bounds_waits_at_most_its_maximum_plus_jitter() -> None:
+    day = 86_400.0
+    longest = RetryPolicy(attempts=100, initial=day, maximum=day, jitter=day)
+    assert all(day <= longest.delay(n) <= 2 * day for n in (1, 2, 99))
+    # A multiplier so large its power overflows a float reaches the cap, not OverflowError.
+    steep = RetryPolicy(attempts=100, initial=1.0, multiplier=1e10, maximum=60.0, jitter=0)
+    assert [steep.delay(n) for n in (1, 2, 99)] == [1.0, 60.0, 60.0]
+    assert RetryPolicy(initial=0, multiplier=1e10, jitter=0).delay(99) == 0.0
+
+
 def test_step_classes_are_the_five_of_the_contract() -> None:
     assert [c.value for c in StepClass] == [
         "read",
