@@ -163,6 +163,8 @@ def install_alerting(
         sidecar.add_background(follow_bound_api)
     # The same masks on the API's views (and so the CLI's output) as on alerts.
     sidecar.redactor = service.redactor
+    # The pages name the address alerts link to; the HTTP ports answer to its name.
+    sidecar.public_url = settings.public_url
     # The rules read only a run's facts: equal facts before and after fire nothing.
     sidecar.add_listener(service.listener, facts_only=True)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 import click
 
@@ -56,6 +57,11 @@ class AlertSettings:
                 raise ConfigError(
                     f"{url!r} is not an http(s) URL: write e.g. http://127.0.0.1:9093"
                 )
+        if self.public_url and not _has_host(self.public_url):
+            raise ConfigError(
+                f"--public-url {self.public_url!r} names no host (or a bad port): write the "
+                "API as people reach it, e.g. https://saga.example.org or http://10.0.0.5:4320"
+            )
         if self.alertmanager_resend <= 0 or self.timeout <= 0:
             raise ConfigError(
                 f"alertmanager_resend={self.alertmanager_resend} and timeout={self.timeout} "
@@ -107,6 +113,15 @@ class AlertSettings:
         if self.log_sink:
             sinks.append(LogSink(redactor=redactor))
         return sinks
+
+
+def _has_host(url: str) -> bool:
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 (raises ValueError for a port that is not one)
+    except ValueError:
+        return False
+    return bool(parts.hostname)
 
 
 F = TypeVar("F", bound=Callable[..., Any])

@@ -23,10 +23,11 @@ from saga_otel import semconv as sc
 
 from . import _jsontext as jsontext
 from ._errors import DecodeError, StoreError
+from ._hosts import HostRule
 from ._leases import Lease, LeaseAction, lease_view, when
 from ._log import get_logger
 from ._otlp import extract, parse_json, parse_protobuf, response
-from ._pages import browser_auth, page_routes, run_page, wants_html
+from ._pages import browser_auth, misdirected, page_routes, run_page, wants_html
 from ._service import SERVICE, Service
 from ._settings import BODY_RATE_GRACE
 from ._state import ALL_STATES
@@ -276,6 +277,7 @@ def build_otlp_handler(service: Service) -> OtlpHandler:
     unknown path (404) or method (405), the request duration by route.
     """
     refuse = _token_guard(service)
+    misnamed = HostRule.of(service.settings, service.public_url).refusal
     durations = _Durations(service, "http")
     receiving = _Receiving(
         service.settings.max_receiving, service.settings.max_in_flight * service.settings.max_body
@@ -357,6 +359,9 @@ def build_otlp_handler(service: Service) -> OtlpHandler:
             refused = await _expect(request)
             if refused is not None:
                 return refused
+        why = misnamed(request.headers.get("Host"))  # DNS rebinding: sidecar/_hosts.py
+        if why is not None:
+            return error(421, why)
         refused = refuse(request)
         if refused is not None:
             return refused
@@ -617,8 +622,13 @@ def _shown(request: web.Request, doc: _Doc, *views: RunView | None) -> _Doc:
 
 def build_api_app(service: Service) -> web.Application:
     app = web.Application(
-        # browser_auth (outer): HTML for people, sidecar/_pages.py.
-        middlewares=[browser_auth(service), _auth_middleware(service, "api"), _query_middleware()],
+        # misdirected, browser_auth (outer): the Host check, HTML for people (_pages.py).
+        middlewares=[
+            misdirected(service),
+            browser_auth(service),
+            _auth_middleware(service, "api"),
+            _query_middleware(),
+        ],
         client_max_size=API_MAX_BODY,
     )
     app[SERVICE] = service

@@ -10,7 +10,9 @@ Auth is the API's: with ``--token``, a browser sends the token as the password
 of HTTP Basic auth (it prompts once per origin), which :func:`browser_auth`
 hands to the API's bearer check unchanged. The resolve form is a POST that a
 page of another origin cannot forge (Origin / Sec-Fetch-Site are checked),
-since a browser's Basic credentials travel with cross-site requests too.
+since a browser's Basic credentials travel with cross-site requests too, and a
+request whose Host does not name this sidecar (a page renamed by DNS rebinding,
+which passes the Origin check) is refused first (sidecar/_hosts.py).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from ._alerting import (
     render_card,
 )
 from ._errors import StoreError
+from ._hosts import HostRule
 from ._outbox import AlertHistoryRow, alert_history
 from ._render import age, printable, render_run
 from ._service import SERVICE, Service
@@ -250,6 +253,28 @@ def _cross_site_refusal(request: web.Request) -> web.Response:
         {"error": f"{why}: call the API from a script or the CLI, not from a web page"},
         status=403,
     )
+
+
+def misdirected(service: Service) -> Middleware:
+    """Outermost API middleware: a request whose Host does not name this sidecar is
+    refused with 421 before anything else (the rule, and why: sidecar/_hosts.py)."""
+    refusal = HostRule.of(service.settings, service.public_url).refusal
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        why = refusal(request.headers.get("Host"))
+        if why is None:
+            return await handler(request)
+        if wants_html(request.headers.get("Accept", "")):
+            return _page(
+                "error.html",
+                status=421,
+                title="Refused: not this sidecar's address",
+                message=f"{why}.",
+            )
+        return web.json_response({"error": why}, status=421)
+
+    return middleware
 
 
 def browser_auth(service: Service) -> Middleware:

@@ -174,6 +174,8 @@ class Sidecar:
         self.in_flight = 0
         # Masks tool arguments in API views; install_alerting sets the configured one.
         self.redactor = Redactor()
+        # --public-url (install_alerting sets it): the pages' links and the Host check.
+        self.public_url: str | None = None
         # (fn, facts_only): see add_listener.
         self._listeners: list[tuple[Listener, bool]] = []
         self._background: list[BackgroundFactory] = []

@@ -59,6 +59,12 @@ class Service(Protocol):
         """The OTLP/HTTP port actually bound; None before start()."""
         ...
 
+    @property
+    def public_url(self) -> str | None:
+        """``--public-url``, the API as people reach it (install_alerting sets it); None:
+        the bound address. The pages' commands name it, and the Host check answers it."""
+        ...
+
     async def lookup(self, run_id: str) -> RunState:
         """The state that knows ``run_id`` (ours, or one read from the store for a finished
         run put away). Raises StoreError (answer 503)."""

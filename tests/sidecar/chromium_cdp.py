@@ -34,8 +34,12 @@ class CdpError(Exception):
 class Chromium:
     """``async with Chromium(tmp_path) as page: await page.goto(url)``."""
 
-    def __init__(self, profile: Path, *, width: int = 1280, height: int = 1000) -> None:
+    def __init__(
+        self, profile: Path, *, width: int = 1280, height: int = 1000, args: tuple[str, ...] = ()
+    ) -> None:
+        """``args``: more command-line switches (e.g. ``--host-resolver-rules=...``)."""
         self.profile = profile
+        self.args = args
         self.width = width
         self.height = height
         self.proc: subprocess.Popen[str] | None = None
@@ -81,7 +85,7 @@ class Chromium:
                 "--disable-sync", "--disable-extensions", "--disable-dev-shm-usage",
                 "--remote-debugging-address=127.0.0.1", "--remote-debugging-port=0",
                 f"--user-data-dir={self.profile}", f"--window-size={self.width},{self.height}",
-                "about:blank",
+                *self.args, "about:blank",
             ],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
@@ -182,6 +186,20 @@ class Chromium:
         if "exceptionDetails" in result:
             raise CdpError(f"{expression!r} raised {result['exceptionDetails']}")
         return result["result"].get("value")
+
+    async def request(
+        self, method: str, path: str, body: str = "", content_type: str = "text/plain"
+    ) -> tuple[int, str]:
+        """A request sent by a script of the page (a same-origin XHR): status and text."""
+        send = json.dumps(body) if body else "null"
+        script = (
+            "(() => { const x = new XMLHttpRequest(); "
+            f"x.open({json.dumps(method)}, {json.dumps(path)}, false); "
+            f"x.setRequestHeader('Content-Type', {json.dumps(content_type)}); "
+            f"x.send({send}); return [x.status, x.responseText]; }})()"
+        )
+        status, text = await self.evaluate(script)
+        return int(status), str(text)
 
     async def text(self) -> str:
         """What a person sees: the page's rendered text."""

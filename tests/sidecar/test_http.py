@@ -627,7 +627,7 @@ async def test_otlp_port_answers_expect_100_continue(sidecar: Sidecar) -> None:
 
     body = encode_spans(run.spans()).SerializeToString()
     head = (
-        b"POST /v1/traces HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-protobuf\r\n"
+        b"POST /v1/traces HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/x-protobuf\r\n"
         b"Expect: 100-continue\r\nContent-Length: %d\r\n\r\n" % len(body)
     )
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -645,7 +645,7 @@ async def test_otlp_port_answers_expect_100_continue(sidecar: Sidecar) -> None:
     assert sidecar.state.status(run.run_id) is not None
     answer = await _raw(
         port,
-        b"POST /v1/traces HTTP/1.1\r\nHost: x\r\nExpect: teapot\r\nContent-Length: 0\r\n"
+        b"POST /v1/traces HTTP/1.1\r\nHost: 127.0.0.1\r\nExpect: teapot\r\nContent-Length: 0\r\n"
         b"Connection: close\r\n\r\n",
     )
     assert answer.startswith(b"HTTP/1.1 417 ") and b"100-continue" in answer
@@ -657,7 +657,7 @@ async def test_otlp_port_answers_expect_100_continue(sidecar: Sidecar) -> None:
 async def _presence(port: int, hello: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(
-        b"POST /v1/saga/presence HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"POST /v1/saga/presence HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n\r\n"
         + b"%x\r\n%s\r\n" % (len(hello), hello)
     )
     await writer.drain()

@@ -19,6 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 import pytest
@@ -230,5 +231,47 @@ async def test_with_a_token_the_browser_asks_for_it_and_the_form_carries_it(
             assert "Resolved " in await page.text()
         view = await get_json(url, {"Authorization": f"Bearer {token}"})
         assert view["resolution"]["note"] == "retried ship_order by hand"
+    finally:
+        sidecar.stop()
+
+
+async def test_a_page_renamed_by_dns_rebinding_can_neither_read_nor_change_a_run(
+    tmp_path: Path,
+) -> None:
+    """A page at http://rebind.attacker.example:PORT whose name then resolves to 127.0.0.1
+    (Chromium's resolver is told so here, as the attacker's DNS would answer) is
+    same-origin with a sidecar on loopback: its scripts send ``Origin`` of their own and
+    ``Sec-Fetch-Site: same-origin``, and need no token there. Only the Host says it."""
+    sidecar = start_sidecar(tmp_path, "--redact-key", "charge_id")
+    try:
+        stuck = finished(sidecar, "stuck", "--order", "A-9")
+        port = urlsplit(sidecar.api).port
+        rebound = f"http://rebind.attacker.example:{port}"
+        rules = "--host-resolver-rules=MAP rebind.attacker.example 127.0.0.1"
+        async with Chromium(tmp_path / "profile", args=(rules,)) as page:
+            # The attacker's own page has no Content-Security-Policy of the sidecar's.
+            await page.send("Page.setBypassCSP", enabled=True)
+            await page.goto(f"{rebound}/healthz")
+            assert await page.url() == f"{rebound}/healthz"
+            status, text = await page.request("GET", f"/runs/{stuck}?reveal=args")
+            assert status == 421 and "ch_A-9" not in text and "--public-url" in text, text
+            for path, body in (
+                (f"/runs/{stuck}/resolve", '{"note": "resolved by the attacker"}'),
+                (f"/runs/{stuck}/lease", '{"holder": "evil", "force": true, "reason": "x"}'),
+                (f"/ui/runs/{stuck}/resolve", "note=forged"),
+            ):
+                status, text = await page.request("POST", path, body)
+                assert status == 421, (path, text)
+            # The spans port too (same-origin: JSON needs no preflight): no forged runs.
+            otlp = f"http://rebind.attacker.example:{urlsplit(sidecar.otlp).port}"
+            await page.goto(f"{otlp}/v1/traces")
+            spans = '{"resourceSpans": []}'
+            status, text = await page.request("POST", "/v1/traces", spans, "application/json")
+            assert status == 421, text
+            # The same browser under the sidecar's own name reads the run.
+            await page.goto(f"{sidecar.api}/runs/{stuck}")
+            assert "needs a person: stuck" in await page.text()
+        view = await get_json(f"{sidecar.api}/runs/{stuck}")
+        assert view["resolution"] is None and view["recovery"] is None
     finally:
         sidecar.stop()

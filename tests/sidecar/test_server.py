@@ -41,8 +41,8 @@ async def test_http_overload_answers_429_with_retry_after(tmp_path: Path, clock:
         # (never an in-flight slot: those are taken once a body is whole).
         _reader, writer = await asyncio.open_connection(host, port)
         writer.write(
-            b"POST /v1/traces HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-protobuf\r\n"
-            b"Content-Length: 100\r\n\r\n\x0a"
+            b"POST /v1/traces HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Content-Type: application/x-protobuf\r\nContent-Length: 100\r\n\r\n\x0a"
         )
         await writer.drain()
         async with aiohttp.ClientSession() as s:
@@ -70,7 +70,7 @@ async def _stalled_body(port: int, declared: int, sent: int) -> asyncio.StreamWr
     """A raw OTLP/HTTP request that sends its headers and ``sent`` body bytes, then stalls."""
     _reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(
-        b"POST /v1/traces HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-protobuf\r\n"
+        b"POST /v1/traces HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/x-protobuf\r\n"
         + f"Content-Length: {declared}\r\n\r\n".encode()
         + b"\x0a" * sent
     )
@@ -125,7 +125,7 @@ async def test_a_body_trickling_below_the_minimum_rate_is_cut(
     async with Sidecar(settings, clock=clock) as sc_:
         reader, writer = await asyncio.open_connection("127.0.0.1", sc_.otlp_http_port)
         writer.write(
-            b"POST /v1/traces HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-protobuf"
+            b"POST /v1/traces HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/x-protobuf"
             b"\r\nContent-Length: 1000000\r\n\r\n"
         )
         async with asyncio.timeout(60):
