@@ -13,6 +13,9 @@ page of another origin cannot forge (Origin / Sec-Fetch-Site are checked),
 since a browser's Basic credentials travel with cross-site requests too, and a
 request whose Host does not name this sidecar (a page renamed by DNS rebinding,
 which passes the Origin check) is refused first (sidecar/_hosts.py).
+
+Nothing on a page is built from the request's Host: its commands name
+``--public-url`` or the address the sidecar bound, as its alerts' links do.
 """
 
 from __future__ import annotations
@@ -24,9 +27,10 @@ import io
 import shlex
 from collections.abc import Awaitable, Callable, Mapping
 from datetime import UTC, datetime
+from functools import lru_cache
 from pathlib import Path
 from typing import Final, NamedTuple
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 import jinja2
 from aiohttp import web
@@ -34,7 +38,6 @@ from aiohttp.typedefs import Middleware
 from markupsafe import Markup
 from multidict import CIMultiDict
 from rich.console import Console
-from yarl import URL
 
 from saga_otel import semconv as sc
 
@@ -51,6 +54,7 @@ from ._hosts import HostRule
 from ._outbox import AlertHistoryRow, alert_history
 from ._render import age, printable, render_run
 from ._service import SERVICE, Service
+from ._settings import http_url
 from ._views import RunView
 
 TEMPLATES: Final = Path(__file__).with_name("templates")
@@ -345,12 +349,24 @@ def page_routes() -> list[web.RouteDef]:
     ]
 
 
-def _bases(service: Service, request: web.Request) -> tuple[str, str]:
-    """The API and OTLP/HTTP base URLs as the person reached this sidecar."""
-    api = URL.build(scheme=request.scheme, host=request.url.host or "127.0.0.1",
-                    port=request.url.port)  # fmt: skip
-    otlp = api.with_scheme("http").with_port(service.otlp_http_port)
-    return str(api).rstrip("/"), str(otlp).rstrip("/")
+def _bases(service: Service) -> tuple[str, str]:
+    """The API and OTLP/HTTP base URLs people use: ``--public-url`` (the OTLP port on its
+    host), else the bound address, as alerts link. Never the request's Host: a client's
+    word, which may name anything, or no port."""
+    settings = service.settings
+    return _bases_of(
+        service.public_url,
+        settings.host,
+        service.api_port or settings.api_port,
+        service.otlp_http_port or settings.otlp_http_port,
+    )
+
+
+@lru_cache(maxsize=8)  # a wildcard bind names the machine: a DNS lookup, once
+def _bases_of(public_url: str | None, host: str, api_port: int, otlp_port: int) -> tuple[str, str]:
+    if public_url is None:
+        return http_url(host, api_port), http_url(host, otlp_port)
+    return public_url.rstrip("/"), http_url(urlsplit(public_url).hostname or host, otlp_port)
 
 
 def _not_found(run_id: str) -> web.Response:
@@ -384,7 +400,7 @@ async def run_page(
     if redactor.active:
         # A page is for people: the same masks as alerts and the API (no reveal here).
         view = redactor.redact(view, redactor.secrets_in(view))
-    api, otlp = _bases(service, request)
+    api, otlp = _bases(service)
     run_url = RuleConfig(public_url=api).run_url(run_id)
     now = service.clock()
     token = bool(service.settings.token)

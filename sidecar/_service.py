@@ -60,6 +60,11 @@ class Service(Protocol):
         ...
 
     @property
+    def api_port(self) -> int | None:
+        """The API port actually bound; None before start()."""
+        ...
+
+    @property
     def public_url(self) -> str | None:
         """``--public-url``, the API as people reach it (install_alerting sets it); None:
         the bound address. The pages' commands name it, and the Host check answers it."""

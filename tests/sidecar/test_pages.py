@@ -246,6 +246,53 @@ async def test_review_lists_runs_needing_a_person_oldest_first(
     assert stuck.run_id not in page and orphan.run_id in page
 
 
+def commands(page: str) -> tuple[list[str], list[str]]:
+    """The page's recover command and its curl command, as argv."""
+    import html
+
+    (recover,) = re.findall(r'<pre class="wrap" id="recover">(.*?)</pre>', page, re.S)
+    (curl,) = re.findall(r"The same run as JSON: <code>(.*?)</code>", page, re.S)
+    return shlex.split(html.unescape(recover)), shlex.split(html.unescape(curl))
+
+
+async def test_the_pages_commands_name_the_bound_address_not_the_host_header(
+    alerting_sidecar: tuple[Sidecar, AlertService], clock: FakeClock
+) -> None:
+    """The request's Host is the client's word (a Host without a port dropped the API
+    port from both commands): they name the address the sidecar bound, as alerts do."""
+    sidecar, _ = alerting_sidecar
+    run = open_run()
+    await export_http(sidecar, run.spans())
+    clock.now += 31
+    sidecar.tick()
+    bound, otlp = api(sidecar), f"http://127.0.0.1:{sidecar.otlp_http_port}"
+    for host in ("localhost", "127.0.0.1", f"[::1]:{sidecar.api_port}", "localhost:9999"):
+        status, page, _ = await get(f"{bound}/runs/{run.run_id}", headers={"Host": host})
+        assert status == 200, host
+        recover, curl = commands(page)
+        assert recover == ["saga-otel", "recover", run.run_id, "--sidecar", bound, "--otlp", otlp]
+        assert curl == ["curl", f"{bound}/runs/{run.run_id}"], host
+
+
+async def test_the_pages_commands_name_the_public_url(tmp_path: Path, clock: FakeClock) -> None:
+    sidecar = Sidecar(settings_for(tmp_path, idle_timeout=30.0), clock=clock)
+    public = "https://saga.example.org/sidecar"
+    install_alerting(sidecar, AlertSettings(log_sink=False, public_url=public))
+    async with sidecar:
+        run = open_run()
+        await export_http(sidecar, run.spans())
+        clock.now += 31
+        sidecar.tick()
+        status, page, _ = await get(f"{api(sidecar)}/runs/{run.run_id}")
+        assert status == 200
+        recover, curl = commands(page)
+        assert recover == [
+            "saga-otel", "recover", run.run_id, "--sidecar", public,
+            "--otlp", f"http://saga.example.org:{sidecar.otlp_http_port}",
+        ]  # fmt: skip
+        assert curl == ["curl", f"{public}/runs/{run.run_id}"]
+
+
 HOSTILE = "<script>alert('{}')</script><img src=x onerror=alert(1)>"
 
 
