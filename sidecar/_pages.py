@@ -24,13 +24,14 @@ import asyncio
 import base64
 import binascii
 import io
+import re
 import shlex
 from collections.abc import Awaitable, Callable, Mapping
 from datetime import UTC, datetime
 from functools import lru_cache
 from pathlib import Path
 from typing import Final, NamedTuple
-from urllib.parse import quote, urlsplit
+from urllib.parse import quote, urlencode, urlsplit
 
 import jinja2
 from aiohttp import web
@@ -61,6 +62,8 @@ TEMPLATES: Final = Path(__file__).with_name("templates")
 HTML: Final = "text/html"
 DIAGRAM_WIDTH: Final = 110
 NOTE_MAX: Final = 4000
+# Runs on one page of /review: the oldest; a link leads to the next ones.
+REVIEW_PAGE: Final = 200
 
 # The alert whose card a run page shows when the agent sent none: the most pressing first.
 _CARD_PRIORITY: Final = (
@@ -497,19 +500,43 @@ async def resolve(request: web.Request) -> web.StreamResponse:
 
 def _silent_at(service: Service, run_id: str, status: str) -> str:
     """An orphan failed nowhere: say where its agent went silent, as its alert does."""
-    view = service.state.view(run_id) if status == sc.STATE_ORPHANED else None
-    steps = view["steps"] if view is not None else []
-    if not steps:
-        return "-"
-    last = max(steps, key=lambda s: s["index"])
-    return f"(silent after {last['name']})"
+    last = service.state.last_step(run_id) if status == sc.STATE_ORPHANED else None
+    return "-" if last is None else f"(silent after {last})"
+
+
+_CURSOR: Final = re.compile(r"inf|[0-9][0-9.e+-]{0,30}")
+
+
+def review_cursor(started_at: float | None, run_id: str) -> str:
+    """The ``after`` of the link to the next page: the last row's start and run id."""
+    start = repr(float("inf") if started_at is None else float(started_at))
+    return urlencode({"after": f"{start},{run_id}"})
+
+
+def _after(text: str) -> tuple[float, str]:
+    """The key a ``review_cursor`` holds; ValueError for text it did not write."""
+    start, _, run_id = text.partition(",")
+    if not _CURSOR.fullmatch(start) or sc.run_id_problem(run_id) is not None:
+        raise ValueError(text)
+    return float(start), run_id
 
 
 async def review(request: web.Request) -> web.Response:
     service = request.app[SERVICE]
     now = service.clock()
-    runs = service.state.summaries(needs_person=True)
-    runs.sort(key=lambda r: (r["started_at"] if r["started_at"] is not None else now, r["run_id"]))
+    after = request.query.get("after")
+    try:
+        key = _after(after) if after is not None else None
+    except ValueError:
+        return _page(
+            "error.html",
+            status=400,
+            title="Not a page of the review queue",
+            message=f"after={after!r:.80} is not a place this queue linked to: open /review "
+            "for the first page, and follow its link to the next.",
+        )
+    # Bounded: one pass over the runs in memory, then the page's runs only.
+    queue = service.state.needing_person(REVIEW_PAGE, key)
     rows = [
         {
             "href": run_path(r["run_id"]),
@@ -522,6 +549,15 @@ async def review(request: web.Request) -> web.Response:
             "stack_depth": r["stack_depth"],
             "service": r["service"] or "-",
         }
-        for r in runs
+        for r in queue.runs
     ]
-    return _page("review.html", rows=rows, now=when(now))
+    last = queue.runs[-1] if queue.runs and queue.more else None
+    return _page(
+        "review.html",
+        rows=rows,
+        waiting=queue.waiting,
+        more=queue.more,
+        paged=key is not None,
+        next=f"?{review_cursor(last['started_at'], last['run_id'])}" if last else "",
+        now=when(now),
+    )

@@ -104,6 +104,14 @@ class Revived(NamedTuple):
     at: float
 
 
+class Queue(NamedTuple):
+    """A page of the review queue (``RunState.needing_person``)."""
+
+    runs: list[RunSummary]  # oldest start first
+    waiting: int  # runs that need a person, in all
+    more: int  # of those, how many come after this page
+
+
 class Drop(NamedTuple):
     """A marker span sent in place of a span the sidecar refused (``saga.export.dropped``)."""
 
@@ -687,6 +695,23 @@ class RunState:
             out.append(self._summary(run))
         out.sort(key=_summary_key, reverse=True)
         return out
+
+    def needing_person(self, limit: int, after: tuple[float, str] | None = None) -> Queue:
+        """The review queue: of the runs that need a person, the ``limit`` that started
+        first (ties by run id, an unknown start last) after the key ``after`` (a page's
+        last ``(started_at or inf, run_id)``). One pass over the runs in memory, and a
+        summary for the page's runs only (all of them took ~2 s for 30,000 orphans)."""
+        waiting = [run for run in self._runs.values() if run.needs_person()]
+        later = waiting if after is None else [r for r in waiting if _start_key(r) > after]
+        page = heapq.nsmallest(limit, later, key=_start_key)
+        return Queue([self._summary(r) for r in page], len(waiting), len(later) - len(page))
+
+    def last_step(self, run_id: str) -> str | None:
+        """The name of the run's highest step (where an orphan's agent went silent)."""
+        run = self._runs.get(run_id)
+        if run is None or not run.steps:
+            return None
+        return max(run.steps, key=lambda s: s.index).name
 
     def _summary(self, run: _Run) -> RunSummary:
         final = run.final_run_span()
@@ -1512,6 +1537,10 @@ def _comp_dict(step: _Step, comp: PendingComp) -> CompensationView:
 
 def _summary_key(summary: RunSummary) -> tuple[float | None, str]:
     return (summary["started_at"], summary["run_id"])
+
+
+def _start_key(run: _Run) -> tuple[float, str]:
+    return (run.started_at, run.run_id)
 
 
 @dataclass(slots=True)

@@ -246,6 +246,95 @@ async def test_review_lists_runs_needing_a_person_oldest_first(
     assert stuck.run_id not in page and orphan.run_id in page
 
 
+REVIEW_PAGE = 200  # runs on a page of /review (docs/sidecar.md)
+
+
+def queue(page: str) -> list[str]:
+    """The run ids of the review queue's rows, in order."""
+    import html
+
+    return [html.unescape(m) for m in re.findall(r'<a href="/runs/[^"]*">([^<]*)</a>', page)]
+
+
+def next_link(page: str) -> str | None:
+    import html
+
+    found = re.search(r'<a id="next" href="([^"]*)"', page)
+    return html.unescape(found[1]) if found else None
+
+
+async def test_review_shows_the_oldest_page_and_links_the_rest(
+    alerting_sidecar: tuple[Sidecar, AlertService],
+    clock: FakeClock,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """30,000 orphans made a 9.8 MB page, rendered on the loop (every request waited ~2 s,
+    every minute of every open tab). The queue is one page of the oldest, the rest behind
+    a link; its work is for the page's runs (a summary each, no whole view), not all."""
+    sidecar, _ = alerting_sidecar
+    n = REVIEW_PAGE + 5
+    t0 = 1_699_990_000.0
+    # Pairs share a start, one pair across the page's end: the order is (start, run id).
+    starts = {f"run-{n - i:04d}": (i + 1) // 2 for i in range(n)}
+    runs = [open_run(saga="onboard", t0=t0 + start, run_id=run_id)
+            for run_id, start in starts.items()]  # fmt: skip
+    await export_http(sidecar, [s for r in runs for s in r.spans()])
+    clock.now += 31
+    sidecar.tick()
+    oldest = sorted(starts, key=lambda run_id: (starts[run_id], run_id))
+    from sidecar._state import RunState
+
+    built: list[str] = []
+    summary, view = RunState._summary, RunState.view
+
+    def count_summary(self: RunState, run: Any) -> Any:
+        built.append("summary")
+        return summary(self, run)
+
+    def count_view(self: RunState, run_id: str) -> Any:
+        built.append("view")
+        return view(self, run_id)
+
+    monkeypatch.setattr(RunState, "_summary", count_summary)
+    monkeypatch.setattr(RunState, "view", count_view)
+    status, page, _ = await get(f"{api(sidecar)}/review")
+    assert status == 200
+    assert built.count("summary") <= REVIEW_PAGE and "view" not in built
+    monkeypatch.undo()
+    assert queue(page) == oldest[:REVIEW_PAGE]
+    text = visible(page)
+    assert f"Review queue ({n})" in text
+    assert f"the {REVIEW_PAGE} oldest of {n}" in text and "5 more" in text
+    assert "(silent after " in text
+    assert "saga-sidecar runs list --needs-person" in text  # the whole list, elsewhere
+    link = next_link(page)
+    assert link is not None and link.startswith("?after=")
+    status, rest, _ = await get(f"{api(sidecar)}/review{link}")
+    assert status == 200
+    assert queue(rest) == oldest[REVIEW_PAGE:]
+    assert next_link(rest) is None and '<a id="first" href="/review">' in rest
+    # The cursor holds where the page ended: runs resolved meanwhile do not shift it.
+    for run_id in oldest[:10]:
+        await sidecar.resolve(run_id, "settled")
+    status, again, _ = await get(f"{api(sidecar)}/review{link}")
+    assert queue(again) == oldest[REVIEW_PAGE:]
+    assert f"Review queue ({n - 10})" in visible(again)
+
+
+@pytest.mark.parametrize(
+    "after",
+    ["garbage", "nan,run-1", "-inf,run-1", "1,", ",run-1", "1,..", "1,a\x00b",
+     "1," + "x" * 300, "1e999e,r", "٣,run-1"],
+)  # fmt: skip
+async def test_a_review_cursor_it_did_not_give_out_is_a_400_that_says_what_to_do(
+    alerting_sidecar: tuple[Sidecar, AlertService], after: str
+) -> None:
+    sidecar, _ = alerting_sidecar
+    status, page, _ = await get(f"{api(sidecar)}/review?after={quote(after, safe='')}")
+    assert status == 400, page[:300]
+    assert "open /review for the first page" in visible(page)
+
+
 def commands(page: str) -> tuple[list[str], list[str]]:
     """The page's recover command and its curl command, as argv."""
     import html
