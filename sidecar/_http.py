@@ -28,8 +28,8 @@ from ._leases import Lease, LeaseAction, lease_view, when
 from ._log import get_logger
 from ._otlp import extract, parse_json, parse_protobuf, response
 from ._pages import browser_auth, misdirected, page_routes, run_page, wants_html
-from ._service import SERVICE, Service
-from ._settings import BODY_RATE_GRACE
+from ._service import BODY, SERVICE, Service
+from ._settings import BODY_RATE_GRACE, Settings
 from ._state import ALL_STATES
 from ._storage import RunQuery
 from ._views import ResolutionView, RunView
@@ -226,6 +226,14 @@ class _Busy(Exception):
     pass
 
 
+def _too_slow(settings: Settings) -> str:
+    """Why a body was cut (408), on either HTTP port."""
+    return (
+        f"the request body did not arrive within --body-timeout {settings.body_timeout:g} s "
+        f"or at --body-min-rate {settings.body_min_rate} bytes/s: send it at once"
+    )
+
+
 def inflate(body: bytes, limit: int) -> bytes:
     """Gunzip (or inflate) at most ``limit`` bytes: the decompressed size is bounded too."""
     inflater = zlib.decompressobj(wbits=47)  # 32 + 15: gzip or zlib header, detected
@@ -315,14 +323,7 @@ def build_otlp_handler(service: Service) -> OtlpHandler:
                     request, limit, settings.body_timeout, settings.body_min_rate, receiving
                 )
             except _TooSlow:
-                resp = _otlp_error(
-                    408,
-                    as_json,
-                    _RPC_UNAVAILABLE,
-                    f"the request body did not arrive within --body-timeout "
-                    f"{settings.body_timeout:g} s or at --body-min-rate "
-                    f"{settings.body_min_rate} bytes/s: send it at once",
-                )
+                resp = _otlp_error(408, as_json, _RPC_UNAVAILABLE, _too_slow(settings))
                 resp.force_close()  # the rest of a stalled body is not worth waiting for
                 return resp
             except _Busy:
@@ -620,14 +621,77 @@ def _shown(request: web.Request, doc: _Doc, *views: RunView | None) -> _Doc:
     return masked
 
 
+_NO_BODY = frozenset({"GET", "HEAD", "OPTIONS"})
+
+
+def _api_bodies(service: Service) -> Middleware:
+    """Inner API middleware: every body a route takes is read here, before its handler,
+    by the OTLP port's bounded reader (``_read_bounded``: --body-timeout and
+    --body-min-rate, at most --max-receiving bodies arriving at once on this port, each
+    at most API_MAX_BODY), and left at ``request[BODY]``. After the token check: an
+    unauthenticated body is never read."""
+    settings = service.settings
+    receiving = _Receiving(settings.max_receiving, settings.max_receiving * API_MAX_BODY)
+
+    def busy() -> web.Response:
+        return error(
+            429,
+            f"the API is receiving {receiving.count} request bodies at once (its "
+            "--max-receiving): retry after the Retry-After delay",
+            {"Retry-After": RETRY_AFTER},
+        )
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if (
+            request.method in _NO_BODY
+            or not request.body_exists
+            or request.match_info.http_exception is not None  # 404/405: left unread
+        ):
+            return await handler(request)
+        if receiving.active >= receiving.count:
+            return busy()
+        receiving.active += 1
+        try:
+            body, taken = await _read_bounded(
+                request, API_MAX_BODY, settings.body_timeout, settings.body_min_rate, receiving
+            )
+            receiving.bytes -= taken  # parsed at once by the handler: nothing held after
+        except _TooSlow:
+            resp = error(408, _too_slow(settings))
+            resp.force_close()  # the rest of a stalled body is not worth waiting for
+            return resp
+        except _Busy:  # bytes past --max-receiving full bodies: not before the count
+            return busy()
+        except _TooLarge:
+            return error(
+                413,
+                f"the request body is too long: over the API's {API_MAX_BODY} bytes; "
+                "shorten the note or reason",
+            )
+        except ConnectionError:
+            resp = error(400, "the connection closed before the request body ended")
+            resp.force_close()
+            return resp
+        finally:
+            receiving.active -= 1
+        request[BODY] = body
+        return await handler(request)
+
+    return middleware
+
+
 def build_api_app(service: Service) -> web.Application:
     app = web.Application(
-        # misdirected, browser_auth (outer): the Host check, HTML for people (_pages.py).
+        # misdirected, browser_auth (outer): the Host check, HTML for people (_pages.py);
+        # _api_bodies (inner): bodies are read after the token and query checks, before
+        # any handler.
         middlewares=[
             misdirected(service),
             browser_auth(service),
             _auth_middleware(service, "api"),
             _query_middleware(),
+            _api_bodies(service),
         ],
         client_max_size=API_MAX_BODY,
     )
@@ -711,11 +775,11 @@ def build_api_app(service: Service) -> web.Application:
         sidecar = request.app[SERVICE]
         run_id = request.match_info["run_id"]
         try:
-            data = jsontext.loads(await request.read())
-        except (ValueError, UnicodeDecodeError):
-            return error(400, 'body is not JSON: send {"note": "what was done"}')
-        except web.HTTPRequestEntityTooLarge:
-            return error(413, f"body is over {API_MAX_BODY} bytes: shorten the note")
+            data = jsontext.loads(request.get(BODY, b""))
+        except ValueError as exc:  # too deep, not JSON, not UTF-8
+            return error(
+                400, f'the body is not JSON the sidecar reads ({exc}): send {{"note": "..."}}'
+            )
         note = data.get("note") if isinstance(data, dict) else None
         if not isinstance(note, str) or not note.strip():
             return error(400, 'resolve needs {"note": "..."}: say what a person did or decided')
@@ -746,14 +810,8 @@ def build_api_app(service: Service) -> web.Application:
         async def handle(request: web.Request) -> web.Response:
             sidecar = request.app[SERVICE]
             run_id = request.match_info["run_id"]
-            try:
-                data = await request.json()
-            except (ValueError, UnicodeDecodeError):
-                data = None
-            except web.HTTPRequestEntityTooLarge:
-                return error(413, f"body is over {API_MAX_BODY} bytes: shorten the reason")
-            try:
-                outcome = await sidecar.lease(run_id, action, data)
+            try:  # the lease rules parse the body (depth-bounded): a bad one is counted
+                outcome = await sidecar.lease(run_id, action, request.get(BODY, b""))
             except StoreError as exc:
                 return error(503, str(exc), {"Retry-After": RETRY_AFTER})
             if isinstance(outcome, Lease):

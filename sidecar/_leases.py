@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Literal
 
+from . import _jsontext as jsontext
 from ._views import LeaseView
 
 DEFAULT_TTL_S = 30.0
@@ -126,12 +127,20 @@ class LeaseRequest:
 
 
 def parse_request(data: object, action: LeaseAction) -> LeaseRequest | LeaseRefusal:
-    """A lease request from a JSON body, or why it is malformed."""
+    """A lease request from a JSON body (its bytes, or the parsed document), or why it is
+    malformed."""
     shape = (
         '{"holder": "...", "ttl_s": 30, "force": false, "reason": "..."}'
         if action == "grant"
         else '{"holder": "...", "token": N' + (', "ttl_s": 30}' if action == "renew" else "}")
     )
+    if isinstance(data, bytes):
+        try:
+            data = jsontext.loads(data)
+        except ValueError as exc:  # too deep, too many digits, not JSON, not UTF-8
+            # Python's advice on a long integer (raise its digit limit) is not the client's.
+            why = str(exc).split("; use sys.", 1)[0]
+            return _bad(f"the body is not JSON the sidecar reads ({why}): send {shape}")
     if not isinstance(data, dict):
         return _bad(f"a lease {action} needs a JSON object body: send {shape}")
     holder = data.get("holder")

@@ -31,7 +31,7 @@ from datetime import UTC, datetime
 from functools import lru_cache
 from pathlib import Path
 from typing import Final, NamedTuple
-from urllib.parse import quote, urlencode, urlsplit
+from urllib.parse import parse_qs, quote, urlencode, urlsplit
 
 import jinja2
 from aiohttp import web
@@ -54,7 +54,7 @@ from ._errors import StoreError
 from ._hosts import HostRule
 from ._outbox import AlertHistoryRow, alert_history
 from ._render import age, printable, render_run
-from ._service import SERVICE, Service
+from ._service import BODY, SERVICE, Service
 from ._settings import http_url
 from ._views import RunView
 
@@ -455,15 +455,9 @@ async def run_page(
 async def resolve(request: web.Request) -> web.StreamResponse:
     service = request.app[SERVICE]
     run_id = request.match_info["run_id"]
-    try:
-        form = await request.post()
-    except web.HTTPRequestEntityTooLarge:
-        return await run_page(
-            request, problem=f"The note is too long: keep it under {NOTE_MAX} characters.",
-            status=413,
-        )  # fmt: skip
-    raw = form.get("note")
-    note = raw.strip() if isinstance(raw, str) else ""
+    # The form's body, read (bounded) by the API's body middleware: _service.BODY.
+    form = parse_qs(request.get(BODY, b"").decode("utf-8", "replace"))
+    note = form.get("note", [""])[0].strip()
     if not note or len(note) > NOTE_MAX:
         problem = (
             "Say what a person did or decided: the note is empty."

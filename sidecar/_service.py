@@ -114,7 +114,8 @@ class Service(Protocol):
         ...
 
     async def lease(self, run_id: str, action: LeaseAction, data: object) -> Lease | LeaseRefusal:
-        """Grant, renew or release a run's recovery lease (``data``: the JSON body).
+        """Grant, renew or release a run's recovery lease (``data``: the request body's
+        bytes, parsed by the lease rules, or the parsed document).
 
         Raises StoreError (answer 503).
         """
@@ -123,3 +124,9 @@ class Service(Protocol):
 
 SERVICE = web.AppKey("service", Service)
 """Where an aiohttp app of the sidecar keeps its :class:`Service`."""
+
+BODY = web.RequestKey("body", bytes)
+"""Where an API request's body waits for its handler: the API port reads every body
+before any handler, bounded as the OTLP port reads its own (``_http._api_bodies``), so
+a handler takes it from here, never from ``request.read()``, ``json()`` or ``post()``
+(which find the body read). Absent when the request has none."""

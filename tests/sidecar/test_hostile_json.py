@@ -151,10 +151,22 @@ def test_deeply_nested_bodies_get_a_400(side: SidecarProcess, depth: int) -> Non
             timeout=30,
         )
         assert resp.status_code == 400, resp.text
-        resolve = httpx.post(
-            f"{side.api}/runs/any/resolve", content=nested(depth, kind), timeout=30
-        )
-        assert resolve.status_code == 400 and resolve.json()["error"], resolve.text
+        for route in ("lease", "lease/renew", "lease/release", "resolve"):
+            resp = httpx.post(
+                f"{side.api}/runs/any/{route}", content=nested(depth, kind), timeout=30
+            )
+            assert resp.status_code == 400, (route, resp.text)
+            assert "nested deeper" in resp.json()["error"], (route, resp.text)
+
+
+def test_a_lease_token_too_long_for_an_integer_is_named(side: SidecarProcess) -> None:
+    """JSON's own limit on integer digits (Python's 4,300) is the problem to name, not
+    "needs a JSON object body": the body is one."""
+    body = '{"holder": "a", "token": ' + "9" * 5000 + "}"
+    resp = httpx.post(f"{side.api}/runs/any/lease/renew", content=body, timeout=30)
+    assert resp.status_code == 400, resp.text
+    doc = resp.json()
+    assert doc["reason"] == "bad_request" and "digits" in doc["error"], doc
 
 
 def test_sidecar_log_has_no_traceback(side: SidecarProcess) -> None:
