@@ -187,6 +187,15 @@ def main() -> None:
     help="Requests whose body is still arriving, at once, before 429 / RESOURCE_EXHAUSTED.",
 )
 @click.option(
+    "--keepalive-timeout",
+    default="75s",
+    show_default=True,
+    envvar=_env("KEEPALIVE_TIMEOUT"),
+    show_envvar=True,
+    help="Close a connection that sends no whole request head within this long of opening "
+    "or of its last answer (idle, or slow headers); gRPC: its HTTP/2 preface.",
+)
+@click.option(
     "--log-level",
     default="INFO",
     show_default=True,
@@ -211,6 +220,7 @@ def serve(
     body_timeout: str,
     body_min_rate: str,
     max_receiving: int,
+    keepalive_timeout: str,
     log_level: str,
     **alerting: Any,
 ) -> None:
@@ -245,6 +255,7 @@ def serve(
             body_timeout=parse_duration(body_timeout, "--body-timeout"),
             body_min_rate=parse_size(body_min_rate, "--body-min-rate"),
             max_receiving=max_receiving,
+            keepalive_timeout=parse_duration(keepalive_timeout, "--keepalive-timeout"),
         )
         sidecar = Sidecar(settings)
         install_alerting(sidecar, settings_from_options(alerting))

@@ -74,6 +74,9 @@ def server_options(settings: Settings) -> list[tuple[str, int]]:
         # grpc enforces this on the decompressed message too: no gzip bomb here either.
         ("grpc.max_receive_message_length", settings.max_body),
         ("grpc.so_reuseport", 0),
+        # A peer that has not sent its HTTP/2 preface and settings by then is told so and
+        # closed (grpc's default: 120 s): the HTTP ports' --keepalive-timeout for a head.
+        ("grpc.server_handshake_timeout_ms", int(settings.keepalive_timeout * 1000)),
         # One connection cannot open more streams than this at once.
         ("grpc.max_concurrent_streams", 16),
         # A connection with no call for 5 minutes is closed; any connection is asked to

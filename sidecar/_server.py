@@ -319,10 +319,17 @@ class Sidecar:
         # lingering_time: after an answer to a request whose body was not read (401, 408,
         # 413, 429), drain and drop the rest for at most this long before closing (aiohttp's
         # default, 10 s, keeps a stalled client's connection that much longer).
+        # keepalive_timeout: aiohttp arms it when a connection opens and after each answer,
+        # and closes the connection if no whole request head (request line and headers)
+        # has arrived when it fires, however many bytes of one did: one timer bounds the
+        # idle wait before the first request and between requests, and the head's arrival
+        # (aiohttp's default is an hour; up to 3.14.3 it was not armed before a first
+        # request at all). The body then has its own deadline (_http._read_bounded).
         options: dict[str, Any] = {
             "access_log": None,
             "auto_decompress": False,
             "lingering_time": LINGERING_TIME,
+            "keepalive_timeout": self.settings.keepalive_timeout,
         }
         # The OTLP port is a bare handler on aiohttp's low-level server (no router).
         runner: web.BaseRunner = (

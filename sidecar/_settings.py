@@ -24,6 +24,11 @@ DEFAULT_FORWARD_QUEUE = 1024
 DEFAULT_BODY_TIMEOUT = 30.0
 DEFAULT_BODY_MIN_RATE = 16 * 1024
 DEFAULT_MAX_RECEIVING = 1024
+# A connection that has sent no whole request head for this long, since it opened or
+# since its last answer, is closed: idle, or its request line and headers trickling.
+# Longer than the 60 s a proxy commonly keeps an idle upstream connection, so the proxy,
+# not the sidecar, closes a pooled one (the other way round races its next request).
+DEFAULT_KEEPALIVE_TIMEOUT = 75.0
 # Seconds a body may take before --body-min-rate applies (slow starts are normal).
 BODY_RATE_GRACE = 2.0
 # Seconds aiohttp drains an unread body after answering (e.g. 401) before it closes.
@@ -136,6 +141,9 @@ class Settings:
     max_receiving: int = DEFAULT_MAX_RECEIVING
     # Agent processes holding a live presence connection at once (one each).
     max_presence: int = 10_000
+    # Every connection on the HTTP ports must send a whole request head within
+    # keepalive_timeout of opening or of its last answer (gRPC: its HTTP/2 preface).
+    keepalive_timeout: float = DEFAULT_KEEPALIVE_TIMEOUT
 
     def __post_init__(self) -> None:
         self.validate()
@@ -210,6 +218,7 @@ class Settings:
             "prune_interval",
             "evict_interval",
             "body_timeout",
+            "keepalive_timeout",
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be > 0 seconds")

@@ -24,6 +24,7 @@ from sidecar_testkit import FakeClock, completed_run, export_http, settings_for
 from sidecar import Sidecar
 
 WAIT = 30.0  # generous: the bounds under test are 1 s
+PORTS = ["otlp", "api"]
 
 
 def _port(sc_: Sidecar, which: str) -> int:
@@ -52,6 +53,87 @@ async def _connections(port: int, n: int) -> AsyncIterator[list[Any]]:
     finally:
         for _, writer in pairs:
             writer.close()
+
+
+def _request(which: str) -> bytes:
+    """A whole request the port answers 200."""
+    if which == "api":
+        return b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n\r\n"
+    return (
+        b"POST /v1/traces HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/x-protobuf\r\n"
+        b"Content-Length: 0\r\n\r\n"
+    )
+
+
+async def _answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, which: str) -> bytes:
+    """Send the port's request on an open connection; the status line of its answer."""
+    writer.write(_request(which))
+    await writer.drain()
+    async with asyncio.timeout(WAIT):
+        status, *headers = (await reader.readuntil(b"\r\n\r\n")).split(b"\r\n")
+        fields = dict(h.lower().split(b": ", 1) for h in headers if h)
+        await reader.readexactly(int(fields[b"content-length"]))
+    return status
+
+
+# --- time: idle connections and request heads --------------------------------------
+
+
+@pytest.mark.parametrize("which", PORTS)
+async def test_silent_and_trickling_connections_are_closed_after_the_keepalive_timeout(
+    tmp_path: Path, clock: FakeClock, which: str
+) -> None:
+    """A connection that sends nothing, one that sends half a request head, and one whose
+    head trickles in a header line at a time are all closed, unanswered, once
+    --keepalive-timeout (1 s here) passes without a whole head; before, all three were
+    held until the peer left (aiohttp's own keep-alive timer: an hour, and only after a
+    first request)."""
+    async with Sidecar(settings_for(tmp_path, keepalive_timeout=1.0), clock=clock) as sc_:
+        port = _port(sc_, which)
+        async with _connections(port, 3) as ((silent, _), (half, half_w), (trickle, trickle_w)):
+            half_w.write(b"POST /v1/traces HTTP/1.1\r\nHost: localhost\r\n")
+            trickle_w.write(b"GET /runs HTTP/1.1\r\nHost: localhost\r\n")
+
+            async def trickling() -> None:
+                with contextlib.suppress(ConnectionError):
+                    for i in range(1000):
+                        trickle_w.write(b"X-Pad-%d: a\r\n" % i)
+                        await trickle_w.drain()
+                        await asyncio.sleep(0.5)  # under aiohttp's 128 headers in WAIT
+
+            feeder = asyncio.create_task(trickling())
+            try:
+                got = await asyncio.gather(*(_until_closed(r) for r in (silent, half, trickle)))
+            finally:
+                feeder.cancel()
+            assert got == [b"", b"", b""]
+
+
+@pytest.mark.parametrize("which", PORTS)
+async def test_a_kept_alive_connection_is_closed_once_idle_after_its_answer(
+    tmp_path: Path, clock: FakeClock, which: str
+) -> None:
+    """The timer starts again after each answer: a connection idle after it goes too."""
+    settings = settings_for(tmp_path, keepalive_timeout=1.0)
+    async with (
+        Sidecar(settings, clock=clock) as sc_,
+        _connections(_port(sc_, which), 1) as [(reader, writer)],
+    ):
+        assert await _answer(reader, writer, which) == b"HTTP/1.1 200 OK"
+        assert await _until_closed(reader) == b""
+
+
+async def test_a_silent_grpc_connection_is_closed_after_the_keepalive_timeout(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    """gRPC's own handshake timeout (grpc.server_handshake_timeout_ms, 120 s unset) is
+    --keepalive-timeout: a peer that never sends the HTTP/2 preface is told so and
+    closed."""
+    async with Sidecar(settings_for(tmp_path, keepalive_timeout=1.0), clock=clock) as sc_:
+        assert sc_.otlp_grpc_port is not None
+        async with _connections(sc_.otlp_grpc_port, 1) as [(reader, _)]:
+            goaway = await _until_closed(reader)
+        assert b"handshake timeout" in goaway, goaway
 
 
 # --- API bodies: the OTLP port's bounded reader ------------------------------------
