@@ -194,6 +194,17 @@ SECTIONS = [
         "tests/chaos/test_abuse.py",
         "",
     ),
+    (
+        "idle_flood",
+        "Idle connection flood",
+        "1,100 connections that never send a byte go to the API port of a sidecar with "
+        "`--token` and `--keepalive-timeout 10m` that may open 1,024 files; meanwhile an "
+        "agent exports runs over both transports with the OpenTelemetry SDK exporters. "
+        "Every run must be stored, the log must show no `Too many open files` (EMFILE) and "
+        "the refused connections, and the API must answer again once the flood has gone.",
+        "tests/chaos/test_abuse.py",
+        "",
+    ),
 ]
 
 
@@ -250,6 +261,8 @@ def main() -> int:
             "slow_clients": "every agent export stored while 400 connections stalled; "
             "every stall cut",
             "unauth_load": "refused before reading; peak memory grew a few MiB",
+            "idle_flood": "every agent export stored; no descriptor ran out; the flood's "
+            "connections past the port's cap closed on arrival",
         }[key]
         lines.append(f"| {title} | {held} | {_fmt(figures)} | {data['at']} |")
     lines += ["", "## How each is run", ""]

@@ -31,6 +31,7 @@ from ._settings import (
     DEFAULT_API_PORT,
     DEFAULT_FORWARD_QUEUE,
     DEFAULT_HOST,
+    DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MAX_IN_FLIGHT,
     DEFAULT_MAX_RECEIVING,
     DEFAULT_OTLP_GRPC_PORT,
@@ -196,6 +197,16 @@ def main() -> None:
     "or of its last answer (idle, or slow headers); gRPC: its HTTP/2 preface.",
 )
 @click.option(
+    "--max-connections",
+    type=int,
+    default=DEFAULT_MAX_CONNECTIONS,
+    show_default=True,
+    envvar=_env("MAX_CONNECTIONS"),
+    show_envvar=True,
+    help="Connections each port holds at once; the next are closed on arrival. Lowered "
+    "to fit the process's file descriptor limit (ulimit -n).",
+)
+@click.option(
     "--log-level",
     default="INFO",
     show_default=True,
@@ -221,6 +232,7 @@ def serve(
     body_min_rate: str,
     max_receiving: int,
     keepalive_timeout: str,
+    max_connections: int,
     log_level: str,
     **alerting: Any,
 ) -> None:
@@ -256,6 +268,7 @@ def serve(
             body_min_rate=parse_size(body_min_rate, "--body-min-rate"),
             max_receiving=max_receiving,
             keepalive_timeout=parse_duration(keepalive_timeout, "--keepalive-timeout"),
+            max_connections=max_connections,
         )
         sidecar = Sidecar(settings)
         install_alerting(sidecar, settings_from_options(alerting))

@@ -67,13 +67,16 @@ class _TokenInterceptor(aio.ServerInterceptor):  # type: ignore[misc]  # grpc is
         return await continuation(details)
 
 
-def server_options(settings: Settings) -> list[tuple[str, int]]:
+def server_options(settings: Settings, max_connections: int) -> list[tuple[str, int]]:
     """grpc's own limits; each bounds what a slow or hostile peer can hold (docs/sidecar.md)."""
     body_ms = int(settings.body_timeout * 1000)
     return [
         # grpc enforces this on the decompressed message too: no gzip bomb here either.
         ("grpc.max_receive_message_length", settings.max_body),
         ("grpc.so_reuseport", 0),
+        # The port's connection cap (_connections.connection_cap): past it grpc closes a
+        # new connection as it accepts it.
+        ("grpc.max_allowed_incoming_connections", max_connections),
         # A peer that has not sent its HTTP/2 preface and settings by then is told so and
         # closed (grpc's default: 120 s): the HTTP ports' --keepalive-timeout for a head.
         ("grpc.server_handshake_timeout_ms", int(settings.keepalive_timeout * 1000)),
@@ -99,7 +102,9 @@ def server_options(settings: Settings) -> list[tuple[str, int]]:
     ]
 
 
-async def start_grpc(sidecar: Service, host: str, port: int) -> tuple[aio.Server, int]:
+async def start_grpc(
+    sidecar: Service, host: str, port: int, max_connections: int
+) -> tuple[aio.Server, int]:
     token = sidecar.settings.token
     expected = f"Bearer {token}".encode() if token else b""
 
@@ -154,7 +159,7 @@ async def start_grpc(sidecar: Service, host: str, port: int) -> tuple[aio.Server
         },
     )
     server = aio.server(
-        options=server_options(sidecar.settings),
+        options=server_options(sidecar.settings, max_connections),
         interceptors=[_TokenInterceptor(expected)] if token else [],
         # Calls still receiving their message count here; a slot is taken after it.
         maximum_concurrent_rpcs=sidecar.settings.max_receiving + sidecar.settings.max_in_flight,

@@ -36,6 +36,7 @@ from prometheus_client import CollectorRegistry, Counter
 from saga_otel import semconv as sc
 
 from ._backends import hold_database, open_store
+from ._connections import FD_RESERVE, PORTS, CappedSite, connection_cap, fd_limit
 from ._errors import SidecarError, StoreError
 from ._forward import Forwarder, cancel
 from ._groups import GROUPS_IN_A_ROW, Groups, Pending, Screened, deliver, screen_in_order, settle
@@ -289,12 +290,15 @@ class Sidecar:
         self._started = True
         try:
             host = self.settings.host
+            cap = self._connection_cap()
             self.otlp_http_port = await self._serve_app(
-                build_otlp_handler(self), host, self.settings.otlp_http_port
+                build_otlp_handler(self), host, self.settings.otlp_http_port, cap, "otlp_http"
             )
-            self.api_port = await self._serve_app(build_api_app(self), host, self.settings.api_port)
+            self.api_port = await self._serve_app(
+                build_api_app(self), host, self.settings.api_port, cap, "api"
+            )
             self._grpc, self.otlp_grpc_port = await start_grpc(
-                self, host, self.settings.otlp_grpc_port
+                self, host, self.settings.otlp_grpc_port, cap
             )
             if self.settings.forward:
                 self.forwarder = Forwarder(
@@ -313,7 +317,25 @@ class Sidecar:
             raise
         log.info("sidecar.started", **{k: v for k, v in self.listening().items() if k != "event"})
 
-    async def _serve_app(self, app: web.Application | OtlpHandler, host: str, port: int) -> int:
+    def _connection_cap(self) -> int:
+        """The connections each port holds (--max-connections, or fewer: see _connections)."""
+        wanted, limit = self.settings.max_connections, fd_limit()
+        cap = connection_cap(wanted, limit)
+        if cap < wanted:
+            log.warning(
+                "sidecar.connections.capped",
+                max_connections=cap,
+                asked=wanted,
+                fd_limit=limit,
+                fix=f"this process may open {limit} files: raise the limit (ulimit -n, "
+                f"LimitNOFILE= in a systemd unit) to at least {wanted * PORTS + FD_RESERVE} "
+                f"for {wanted} connections on each of the {PORTS} ports",
+            )
+        return cap
+
+    async def _serve_app(
+        self, app: web.Application | OtlpHandler, host: str, port: int, cap: int, name: str
+    ) -> int:
         # auto_decompress=False: the OTLP handler inflates gzip itself, with a bound
         # (a gzip bomb must cost a 413, not memory).
         # lingering_time: after an answer to a request whose body was not read (401, 408,
@@ -339,7 +361,8 @@ class Sidecar:
         )
         await runner.setup()
         self._runners.append(runner)
-        site = web.TCPSite(runner, host, port, reuse_address=True)
+        # aiohttp's TCPSite with a connection cap (aiohttp has none: _connections.py).
+        site = CappedSite(runner, host, port, limit=cap, name=name)
         try:
             await site.start()
         except OSError as exc:

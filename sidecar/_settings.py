@@ -29,6 +29,11 @@ DEFAULT_MAX_RECEIVING = 1024
 # Longer than the 60 s a proxy commonly keeps an idle upstream connection, so the proxy,
 # not the sidecar, closes a pooled one (the other way round races its next request).
 DEFAULT_KEEPALIVE_TIMEOUT = 75.0
+# Connections each port holds at once. Above what the other bounds admit on the OTLP
+# port (max_presence + --max-receiving + --max-in-flight: 11,088), so those answer
+# first; three full ports take 49,152 descriptors, within the 65,536 servers are
+# commonly given (LimitNOFILE). A lower descriptor limit lowers it (_connections.py).
+DEFAULT_MAX_CONNECTIONS = 16384
 # Seconds a body may take before --body-min-rate applies (slow starts are normal).
 BODY_RATE_GRACE = 2.0
 # Seconds aiohttp drains an unread body after answering (e.g. 401) before it closes.
@@ -142,8 +147,10 @@ class Settings:
     # Agent processes holding a live presence connection at once (one each).
     max_presence: int = 10_000
     # Every connection on the HTTP ports must send a whole request head within
-    # keepalive_timeout of opening or of its last answer (gRPC: its HTTP/2 preface).
+    # keepalive_timeout of opening or of its last answer (gRPC: its HTTP/2 preface);
+    # each port holds at most max_connections at once and closes the next on arrival.
     keepalive_timeout: float = DEFAULT_KEEPALIVE_TIMEOUT
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
 
     def __post_init__(self) -> None:
         self.validate()
@@ -208,6 +215,7 @@ class Settings:
             "body_min_rate",
             "max_receiving",
             "max_presence",
+            "max_connections",
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")

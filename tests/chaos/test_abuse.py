@@ -1,14 +1,17 @@
-"""Attacks on a real sidecar process: stalled bodies, unauthenticated load.
+"""Attacks on a real sidecar process: stalled bodies, unauthenticated load, idle floods.
 
 Each test starts ``saga-sidecar serve`` (saga_otel.testing.start_sidecar) and
 plays the attacker over loopback while a legitimate agent uses the same ports.
-The figures go to docs/reliability.md (rows "Slow clients", "Unauthenticated load").
+The figures go to docs/reliability.md (rows "Slow clients", "Unauthenticated load",
+"Idle connection flood").
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import resource
+import socket
 import sys
 import time
 from pathlib import Path
@@ -221,3 +224,70 @@ async def test_unauthenticated_large_grpc_messages_cost_no_memory(
             "peak_rss_growth_mib_after_both": round(growth_mib, 1),
             "refused": "all (UNAUTHENTICATED / 401)",
         }
+
+
+FLOOD = 1100
+FD_LIMIT = 1024  # a login shell's usual soft limit: the flood is past it
+
+
+def _flood(port: int, n: int) -> list[socket.socket]:
+    """``n`` connections that never send a byte (fewer if the server stops accepting)."""
+    held = []
+    for _ in range(n):
+        try:
+            held.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+        except OSError:
+            break
+    return held
+
+
+def test_idle_connections_past_the_descriptor_limit_do_not_starve_intake(
+    tmp_path: Path, chaos_results: dict[str, Any]
+) -> None:
+    """1,100 connections that never send a byte, to the API port of a sidecar that may
+    open 1,024 files (with --token: they are never asked for it; --keepalive-timeout 10m
+    so that they stay). Before, they took every descriptor: accept() failed on every
+    port (EMFILE) and the agent's export failed. Now each port holds at most what fits
+    the limit, the rest are closed on arrival, and the agent's exports over both
+    transports are stored while the flood holds the API port's places."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < FLOOD + 200:
+        pytest.skip(f"this test opens {FLOOD} sockets; the descriptor limit is {hard}")
+    token = "s3cret-token"
+    auth = {"authorization": f"Bearer {token}"}
+    api_auth = {"Authorization": auth["authorization"]}
+    resource.setrlimit(resource.RLIMIT_NOFILE, (FD_LIMIT, hard))  # the child inherits it
+    try:
+        side = start_sidecar(tmp_path, "--token", token, "--keepalive-timeout", "10m")
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    try:
+        if soft < FLOOD + 200:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # ours, for the flood
+        with side:
+            held = _flood(_port(side.api), FLOOD)
+            try:
+                run_ids = [_legit_export(side, transport, auth) for transport in ("http", "grpc")]
+            finally:
+                for sock in held:
+                    sock.close()
+            for _ in range(300):  # the API's places come back as the flood's close arrive
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(f"{side.api}/healthz", headers=api_auth).status_code == 200:
+                        break
+                time.sleep(0.1)
+            else:
+                raise AssertionError("the API never answered again after the flood left")
+            stored = [_stored(side, r, api_auth) for r in run_ids]
+            assert all(stored), stored
+            log = Path(side.log).read_text()
+            assert "Too many open files" not in log, log[-2000:]
+            assert "sidecar.connections.refused" in log, log[-2000:]
+            chaos_results["idle_flood"] = {
+                "fd_limit": FD_LIMIT,
+                "idle_connections": len(held),
+                "agent_exports_stored": sum(stored),
+                "emfile_errors": log.count("Too many open files"),
+            }
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

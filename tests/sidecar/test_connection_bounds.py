@@ -19,9 +19,10 @@ from typing import Any
 import aiohttp
 import pytest
 from opentelemetry.sdk.trace.export import SpanExportResult
-from sidecar_testkit import FakeClock, completed_run, export_http, settings_for
+from sidecar_testkit import FakeClock, completed_run, export_grpc, export_http, settings_for
 
 from sidecar import Sidecar
+from sidecar._connections import FD_RESERVE, connection_cap
 
 WAIT = 30.0  # generous: the bounds under test are 1 s
 PORTS = ["otlp", "api"]
@@ -134,6 +135,84 @@ async def test_a_silent_grpc_connection_is_closed_after_the_keepalive_timeout(
         async with _connections(sc_.otlp_grpc_port, 1) as [(reader, _)]:
             goaway = await _until_closed(reader)
         assert b"handshake timeout" in goaway, goaway
+
+
+# --- number: connections past the cap -------------------------------------------------
+
+
+@pytest.mark.parametrize("which", PORTS)
+async def test_connections_past_the_cap_are_closed_on_arrival_and_the_rest_still_served(
+    tmp_path: Path, clock: FakeClock, which: str
+) -> None:
+    """With --max-connections 8, eight idle connections fill the port: a ninth is closed
+    as it arrives (never left waiting in the accept queue, never blocking the eight),
+    the eight are still answered, the other port is not affected, and once one of the
+    eight goes a new connection is served."""
+    settings = settings_for(tmp_path, max_connections=8, keepalive_timeout=600.0)
+    async with Sidecar(settings, clock=clock) as sc_:
+        port = _port(sc_, which)
+        async with _connections(port, 8) as held:
+            async with _connections(port, 1) as [(ninth, _)]:
+                assert await _until_closed(ninth) == b""
+            for reader, writer in held:
+                assert await _answer(reader, writer, which) == b"HTTP/1.1 200 OK"
+            other = "api" if which == "otlp" else "otlp"
+            async with _connections(_port(sc_, other), 1) as [(reader, writer)]:
+                assert await _answer(reader, writer, other) == b"HTTP/1.1 200 OK"
+            held[0][1].close()
+            for _ in range(100):  # the server sees the close a moment later
+                async with _connections(port, 1) as [(reader, writer)]:
+                    with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+                        if await _answer(reader, writer, which) == b"HTTP/1.1 200 OK":
+                            break
+                await asyncio.sleep(0.05)
+            else:
+                raise AssertionError("a place freed by a closed connection was never taken")
+
+
+async def test_grpc_connections_past_the_cap_are_closed_on_arrival(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    settings = settings_for(tmp_path, max_connections=4, keepalive_timeout=600.0)
+    async with Sidecar(settings, clock=clock) as sc_:
+        port = sc_.otlp_grpc_port
+        assert port is not None
+        async with _connections(port, 4) as held:
+            for reader, _ in held:  # grpc greets each connection it holds (SETTINGS)
+                async with asyncio.timeout(WAIT):
+                    assert await reader.read(9)
+            async with _connections(port, 1) as [(fifth, _)]:
+                assert await _until_closed(fifth) == b""
+            # The HTTP port has its own places: an agent's spans still get in there.
+            assert await export_http(sc_, completed_run().spans()) is SpanExportResult.SUCCESS
+            held[0][1].close()
+            for _ in range(5):  # the exporter itself retries for up to 10 s
+                result = await export_grpc(sc_, completed_run().spans())
+                if result is SpanExportResult.SUCCESS:
+                    break
+                await asyncio.sleep(0.1)
+            else:
+                raise AssertionError("a place freed on the gRPC port was never taken")
+
+
+@pytest.mark.parametrize(
+    ("limit", "wanted", "per_port"),
+    [
+        (1_048_576, 16384, 16384),  # a container's usual limit: the setting holds
+        (65536, 16384, 16384),
+        (20000, 16384, (20000 - FD_RESERVE) // 3),
+        (1024, 16384, (1024 - FD_RESERVE) // 3),  # a login shell's usual soft limit
+        (1024, 50, 50),
+        (FD_RESERVE, 16384, 1),  # never zero: a port that holds nothing serves nothing
+    ],
+)
+def test_the_connection_cap_fits_the_descriptor_limit(
+    limit: int, wanted: int, per_port: int
+) -> None:
+    """Three ports full, plus what the sidecar itself keeps open (database, loop, grpc's
+    own), stay within the process's descriptor limit: past it, accept() fails on every
+    port and the database cannot open a file."""
+    assert connection_cap(wanted, limit) == per_port
 
 
 # --- API bodies: the OTLP port's bounded reader ------------------------------------

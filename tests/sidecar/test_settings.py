@@ -98,6 +98,7 @@ def test_slow_client_limits_are_flags_with_env_vars_and_are_validated(tmp_path: 
         ("--body-min-rate", "SAGA_SIDECAR_BODY_MIN_RATE"),
         ("--max-receiving", "SAGA_SIDECAR_MAX_RECEIVING"),
         ("--keepalive-timeout", "SAGA_SIDECAR_KEEPALIVE_TIMEOUT"),
+        ("--max-connections", "SAGA_SIDECAR_MAX_CONNECTIONS"),
     ):
         assert flag in help_text and env in help_text
     result = CliRunner().invoke(
@@ -112,6 +113,8 @@ def test_slow_client_limits_are_flags_with_env_vars_and_are_validated(tmp_path: 
         Settings(body_timeout=0)
     with pytest.raises(ConfigError, match="keepalive_timeout=0"):
         Settings(keepalive_timeout=0)
+    with pytest.raises(ConfigError, match="max_connections=0 must be >= 1"):
+        Settings(max_connections=0)
 
 
 def test_late_compensation_alerts_flag_and_env() -> None:
