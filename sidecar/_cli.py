@@ -189,7 +189,7 @@ def main() -> None:
 )
 @click.option(
     "--keepalive-timeout",
-    default="75s",
+    default="10s",
     show_default=True,
     envvar=_env("KEEPALIVE_TIMEOUT"),
     show_envvar=True,

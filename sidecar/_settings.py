@@ -26,9 +26,11 @@ DEFAULT_BODY_MIN_RATE = 16 * 1024
 DEFAULT_MAX_RECEIVING = 1024
 # A connection that has sent no whole request head for this long, since it opened or
 # since its last answer, is closed: idle, or its request line and headers trickling.
-# Longer than the 60 s a proxy commonly keeps an idle upstream connection, so the proxy,
-# not the sidecar, closes a pooled one (the other way round races its next request).
-DEFAULT_KEEPALIVE_TIMEOUT = 75.0
+# Every client of the sidecar sends its head at once; a pooled one reconnects after a
+# pause (cheap on loopback or a LAN). Twice an OpenTelemetry SDK's 5 s export cadence,
+# so a busy exporter's connection is never closed under it. Behind a proxy that keeps
+# idle upstream connections longer (60 s is common), set it above the proxy's.
+DEFAULT_KEEPALIVE_TIMEOUT = 10.0
 # Connections each port holds at once. Above what the other bounds admit on the OTLP
 # port (max_presence + --max-receiving + --max-in-flight: 11,088), so those answer
 # first; three full ports take 49,152 descriptors, within the 65,536 servers are
