@@ -199,12 +199,12 @@ def main() -> None:
 @click.option(
     "--max-connections",
     type=int,
-    default=DEFAULT_MAX_CONNECTIONS,
-    show_default=True,
+    default=None,
     envvar=_env("MAX_CONNECTIONS"),
     show_envvar=True,
     help="Connections each port holds at once; the next are closed on arrival. Lowered "
-    "to fit the process's file descriptor limit (ulimit -n).",
+    f"to fit the process's file descriptor limit (ulimit -n) [default: "
+    f"{DEFAULT_MAX_CONNECTIONS}, or what the limit allows].",
 )
 @click.option(
     "--log-level",
@@ -232,7 +232,7 @@ def serve(
     body_min_rate: str,
     max_receiving: int,
     keepalive_timeout: str,
-    max_connections: int,
+    max_connections: int | None,
     log_level: str,
     **alerting: Any,
 ) -> None:

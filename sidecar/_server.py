@@ -61,7 +61,7 @@ from ._metrics import SidecarMetrics
 from ._otlp import MAX_ERROR_MESSAGES, Decoded, span_from_stored
 from ._putaway import fold_stored, matches, summary_key
 from ._redact import Redactor
-from ._settings import LINGERING_TIME, Settings
+from ._settings import DEFAULT_MAX_CONNECTIONS, LINGERING_TIME, Settings
 from ._state import RunState, Transition
 from ._storage import (
     EVICT_BATCH,
@@ -288,9 +288,9 @@ class Sidecar:
             self._release()
             raise
         self._started = True
+        cap = self._connection_cap()
         try:
             host = self.settings.host
-            cap = self._connection_cap()
             self.otlp_http_port = await self._serve_app(
                 build_otlp_handler(self), host, self.settings.otlp_http_port, cap, "otlp_http"
             )
@@ -315,13 +315,20 @@ class Sidecar:
         except BaseException:
             await self.stop()
             raise
-        log.info("sidecar.started", **{k: v for k, v in self.listening().items() if k != "event"})
+        log.info(
+            "sidecar.started",
+            **{k: v for k, v in self.listening().items() if k != "event"},
+            max_connections=cap,
+        )
 
     def _connection_cap(self) -> int:
-        """The connections each port holds (--max-connections, or fewer: see _connections)."""
-        wanted, limit = self.settings.max_connections, fd_limit()
+        """The connections each port holds (--max-connections, or fewer: see _connections).
+        The default is lowered in silence (``sidecar.started`` shows it, and a port that
+        fills says so with the fix); a number given is lowered with a warning."""
+        asked, limit = self.settings.max_connections, fd_limit()
+        wanted = asked if asked is not None else DEFAULT_MAX_CONNECTIONS
         cap = connection_cap(wanted, limit)
-        if cap < wanted:
+        if asked is not None and cap < asked:
             log.warning(
                 "sidecar.connections.capped",
                 max_connections=cap,

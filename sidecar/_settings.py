@@ -31,10 +31,11 @@ DEFAULT_MAX_RECEIVING = 1024
 # so a busy exporter's connection is never closed under it. Behind a proxy that keeps
 # idle upstream connections longer (60 s is common), set it above the proxy's.
 DEFAULT_KEEPALIVE_TIMEOUT = 10.0
-# Connections each port holds at once. Above what the other bounds admit on the OTLP
-# port (max_presence + --max-receiving + --max-in-flight: 11,088), so those answer
-# first; three full ports take 49,152 descriptors, within the 65,536 servers are
-# commonly given (LimitNOFILE). A lower descriptor limit lowers it (_connections.py).
+# Connections each port holds at once, unless told (max_connections None). Above what the
+# other bounds admit on the OTLP port (max_presence + --max-receiving + --max-in-flight:
+# 11,088), so those answer first; three full ports take 49,152 descriptors, within the
+# 65,536 servers are commonly given (LimitNOFILE). A lower descriptor limit lowers it
+# (_connections.connection_cap).
 DEFAULT_MAX_CONNECTIONS = 16384
 # Seconds a body may take before --body-min-rate applies (slow starts are normal).
 BODY_RATE_GRACE = 2.0
@@ -150,9 +151,10 @@ class Settings:
     max_presence: int = 10_000
     # Every connection on the HTTP ports must send a whole request head within
     # keepalive_timeout of opening or of its last answer (gRPC: its HTTP/2 preface);
-    # each port holds at most max_connections at once and closes the next on arrival.
+    # each port holds at most max_connections at once and closes the next on arrival
+    # (None: DEFAULT_MAX_CONNECTIONS, silently fewer to fit the descriptor limit).
     keepalive_timeout: float = DEFAULT_KEEPALIVE_TIMEOUT
-    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    max_connections: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -219,7 +221,7 @@ class Settings:
             "max_presence",
             "max_connections",
         ):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
         for name in (
             "idle_timeout",

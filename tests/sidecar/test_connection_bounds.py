@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,8 @@ from opentelemetry.sdk.trace.export import SpanExportResult
 from sidecar_testkit import FakeClock, completed_run, export_grpc, export_http, settings_for
 
 from sidecar import Sidecar
-from sidecar._connections import FD_RESERVE, connection_cap
+from sidecar._connections import FD_RESERVE, connection_cap, fd_limit
+from sidecar._settings import DEFAULT_MAX_CONNECTIONS
 
 WAIT = 30.0  # generous: the bounds under test are 1 s
 PORTS = ["otlp", "api"]
@@ -142,18 +144,23 @@ async def test_a_silent_grpc_connection_is_closed_after_the_keepalive_timeout(
 
 @pytest.mark.parametrize("which", PORTS)
 async def test_connections_past_the_cap_are_closed_on_arrival_and_the_rest_still_served(
-    tmp_path: Path, clock: FakeClock, which: str
+    tmp_path: Path, clock: FakeClock, caplog: pytest.LogCaptureFixture, which: str
 ) -> None:
     """With --max-connections 8, eight idle connections fill the port: a ninth is closed
     as it arrives (never left waiting in the accept queue, never blocking the eight),
     the eight are still answered, the other port is not affected, and once one of the
     eight goes a new connection is served."""
     settings = settings_for(tmp_path, max_connections=8, keepalive_timeout=600.0)
+    port_name = {"otlp": "otlp_http", "api": "api"}
     async with Sidecar(settings, clock=clock) as sc_:
         port = _port(sc_, which)
         async with _connections(port, 8) as held:
+            caplog.set_level(logging.WARNING, logger="sidecar")
             async with _connections(port, 1) as [(ninth, _)]:
                 assert await _until_closed(ninth) == b""
+            [refused] = [r.__dict__ for r in caplog.records if "refused" in r.getMessage()]
+            assert (refused["port"], refused["max_connections"]) == (port_name[which], 8)
+            assert "--max-connections" in refused["fix"]
             for reader, writer in held:
                 assert await _answer(reader, writer, which) == b"HTTP/1.1 200 OK"
             other = "api" if which == "otlp" else "otlp"
@@ -193,6 +200,31 @@ async def test_grpc_connections_past_the_cap_are_closed_on_arrival(
                 await asyncio.sleep(0.1)
             else:
                 raise AssertionError("a place freed on the gRPC port was never taken")
+
+
+async def test_the_cap_in_use_is_logged_and_one_given_past_the_limit_is_warned(
+    tmp_path: Path, clock: FakeClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The default fits the descriptor limit in silence (``sidecar.started`` says the
+    cap); a --max-connections the limit cannot hold is lowered with a warning saying
+    what limit to set."""
+    caplog.set_level(logging.INFO, logger="sidecar")
+
+    def events(name: str) -> list[dict[str, Any]]:
+        return [r.__dict__ for r in caplog.records if r.getMessage() == name]
+
+    limit = fd_limit()
+    async with Sidecar(settings_for(tmp_path), clock=clock):
+        pass
+    [started] = events("sidecar.started")
+    assert started["max_connections"] == connection_cap(DEFAULT_MAX_CONNECTIONS, limit)
+    assert events("sidecar.connections.capped") == []
+    caplog.clear()
+    async with Sidecar(settings_for(tmp_path, max_connections=limit), clock=clock):
+        pass
+    [capped] = events("sidecar.connections.capped")
+    assert capped["asked"] == limit and capped["max_connections"] < limit
+    assert "ulimit -n" in capped["fix"] and str(limit * 3 + FD_RESERVE) in capped["fix"]
 
 
 @pytest.mark.parametrize(
