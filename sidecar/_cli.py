@@ -194,7 +194,7 @@ def main() -> None:
     envvar=_env("KEEPALIVE_TIMEOUT"),
     show_envvar=True,
     help="Close a connection that sends no whole request head within this long of opening "
-    "or of its last answer (idle, or slow headers); gRPC: its HTTP/2 preface.",
+    "or of its last answer (idle, or slow headers); gRPC: its HTTP/2 preface, or a call.",
 )
 @click.option(
     "--max-connections",

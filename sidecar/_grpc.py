@@ -70,6 +70,7 @@ class _TokenInterceptor(aio.ServerInterceptor):  # type: ignore[misc]  # grpc is
 def server_options(settings: Settings, max_connections: int) -> list[tuple[str, int]]:
     """grpc's own limits; each bounds what a slow or hostile peer can hold (docs/sidecar.md)."""
     body_ms = int(settings.body_timeout * 1000)
+    keepalive_ms = int(settings.keepalive_timeout * 1000)
     return [
         # grpc enforces this on the decompressed message too: no gzip bomb here either.
         ("grpc.max_receive_message_length", settings.max_body),
@@ -77,15 +78,16 @@ def server_options(settings: Settings, max_connections: int) -> list[tuple[str, 
         # The port's connection cap (_connections.connection_cap): past it grpc closes a
         # new connection as it accepts it.
         ("grpc.max_allowed_incoming_connections", max_connections),
-        # A peer that has not sent its HTTP/2 preface and settings by then is told so and
-        # closed (grpc's default: 120 s): the HTTP ports' --keepalive-timeout for a head.
-        ("grpc.server_handshake_timeout_ms", int(settings.keepalive_timeout * 1000)),
+        # The HTTP ports' --keepalive-timeout: a peer that has not sent its HTTP/2 preface
+        # by then is told so and closed (grpc's default: 120 s), and a connection with no
+        # call for that long gets a GOAWAY and is closed (clients reconnect on their next).
+        ("grpc.server_handshake_timeout_ms", keepalive_ms),
+        ("grpc.max_connection_idle_ms", keepalive_ms),
         # One connection cannot open more streams than this at once.
         ("grpc.max_concurrent_streams", 16),
-        # A connection with no call for 5 minutes is closed; any connection is asked to
-        # go away after 30 minutes and closed --body-timeout later whatever it does, so a
-        # stalled call cannot outlive age + grace even if it slipped past the handler.
-        ("grpc.max_connection_idle_ms", 300_000),
+        # Any connection is asked to go away after 30 minutes and closed --body-timeout
+        # later whatever it does, so a stalled call cannot outlive age + grace even if it
+        # slipped past the handler.
         ("grpc.max_connection_age_ms", 1_800_000),
         ("grpc.max_connection_age_grace_ms", body_ms),
         # Keepalive: ping a quiet peer every 60 s, drop it if no answer in 20 s (half-open

@@ -139,6 +139,21 @@ async def test_a_silent_grpc_connection_is_closed_after_the_keepalive_timeout(
         assert b"handshake timeout" in goaway, goaway
 
 
+async def test_a_grpc_connection_that_starts_no_call_is_closed_after_the_keepalive_timeout(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    """Past its handshake, a connection that never starts a call was held 5 minutes
+    (grpc.max_connection_idle_ms); it goes after --keepalive-timeout too, with a GOAWAY
+    (grpc clients reconnect when they next call)."""
+    preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+    async with Sidecar(settings_for(tmp_path, keepalive_timeout=1.0), clock=clock) as sc_:
+        assert sc_.otlp_grpc_port is not None
+        async with _connections(sc_.otlp_grpc_port, 1) as [(reader, writer)]:
+            writer.write(preface)  # the HTTP/2 preface and an empty SETTINGS frame
+            goaway = await _until_closed(reader)
+        assert b"connection idle" in goaway, goaway
+
+
 # --- number: connections past the cap -------------------------------------------------
 
 
