@@ -20,7 +20,6 @@ container's service name), so any Host is answered.
 
 from __future__ import annotations
 
-import ipaddress
 from dataclasses import dataclass, field
 from typing import Final
 from urllib.parse import urlsplit
@@ -45,13 +44,6 @@ def host_name(host: str) -> str | None:
     return name.lower().removesuffix(".")
 
 
-def _loopback_ip(name: str) -> bool:
-    try:
-        return ipaddress.ip_address(name).is_loopback
-    except ValueError:
-        return False
-
-
 @dataclass(frozen=True, slots=True)
 class HostRule:
     """The Host check of both HTTP ports; :meth:`of` builds it from the serve settings."""
@@ -70,9 +62,7 @@ class HostRule:
         if not self.checked or not host:  # no name at all (HTTP/1.0): nothing was renamed
             return True
         name = host_name(host)
-        return name is not None and (
-            name == "localhost" or name in self.names or _loopback_ip(name)
-        )
+        return name is not None and (name in self.names or is_loopback(name))
 
     def refusal(self, host: str | None) -> str | None:
         """None when ``host`` (the request's Host header) names this sidecar, else why not
@@ -80,7 +70,7 @@ class HostRule:
         if host is None or self.names_us(host):
             return None
         shown = repr(host[:SHOWN_MAX]) + ("..." if len(host) > SHOWN_MAX else "")
-        named = sorted(n for n in self.names if n != "localhost" and not _loopback_ip(n))
+        named = sorted(n for n in self.names if not is_loopback(n))
         also = f", {', '.join(named)}" if named else ""
         return (
             f"Host {shown} does not name this sidecar: on loopback it answers only to "
