@@ -136,7 +136,8 @@ async def test_a_silent_grpc_connection_is_closed_after_the_keepalive_timeout(
         assert sc_.otlp_grpc_port is not None
         async with _connections(sc_.otlp_grpc_port, 1) as [(reader, _)]:
             goaway = await _until_closed(reader)
-        assert b"handshake timeout" in goaway, goaway
+        # grpc.max_connection_idle_ms has the same bound, and its timer may fire first.
+        assert b"handshake timeout" in goaway or b"connection idle" in goaway, goaway
 
 
 async def test_a_grpc_connection_that_starts_no_call_is_closed_after_the_keepalive_timeout(
