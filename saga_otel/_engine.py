@@ -477,6 +477,7 @@ class _Core:
         self.tel: RunTelemetry | None = None
         self.state: st.StackState | None = None
         self.error: BaseException | None = None
+        self._stop: StopIteration | None = None  # a step's, for _as_raised
         self.report: SagaReport | None = None
         self.fence: UndoFence | None = None  # set by a recovery: its lease around each undo
         self._settling: Signal | None = None  # rung as a write ends, once an unwind waits
@@ -635,6 +636,8 @@ class _Core:
                 try:
                     result = yield self.invoke(mode, t.fn, name, **kwargs)
                 except BaseException as exc:
+                    if isinstance(exc, StopIteration):
+                        self._stop = exc  # it leaves this frame as a RuntimeError: _as_raised
                     interrupted = interrupted_effect(t.name, idx, t.step_class, t.pivot, exc)
                     if interrupted is not None:
                         obs.extra[sc.SAGA_COMPENSATION_UNSTORABLE] = _short(interrupted)
@@ -650,7 +653,7 @@ class _Core:
                 mode, self.forward_policy, lambda n: attempt(n, snapshot)
             )
         except BaseException as exc:
-            self.failed(t, idx, args, exc, tries, interrupted)
+            self.failed(t, idx, args, self._as_raised(exc), tries, interrupted)
             raise  # the step's error, unchanged
         if done.interrupt is not None:
             # Recorded done, with no undo: the run's exit unwinds the rest and escalates it.
@@ -947,13 +950,22 @@ class _Core:
             yield from body()
             yield self.exit(mode, None)
         except BaseException as exc:
-            failure = exc
+            failure = self._as_raised(exc)
         if failure is not None:  # unwound outside the except block: nothing chains onto it
             yield self.exit(mode, failure)
             if not isinstance(failure, Exception):
                 raise failure
         assert self.report is not None
         return self.report
+
+    def _as_raised(self, exc: BaseException) -> BaseException:
+        """What a step raised, for its record and the report: a tool's StopIteration leaves
+        the policy's generator frames (and the async driver's coroutine) as Python's
+        RuntimeError (PEP 479), with the object as its cause."""
+        stop = self._stop
+        if stop is not None and type(exc) is RuntimeError and exc.__cause__ is stop:
+            return stop
+        return exc
 
 
 class _CallScope:

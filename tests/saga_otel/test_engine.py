@@ -129,11 +129,14 @@ async def test_a_tool_raising_stop_iteration_reaches_the_agent_as_itself(
             async with saga.run() as run:
                 await run.call("find_order")
         assert type(info.value) is RuntimeError and info.value.__cause__ is raised
+        assert run.report is not None
+        assert str(run.report.steps[-1].error).startswith("StopIteration")
     else:  # not through the mode's async adapter: a coroutine would make it a RuntimeError
         with pytest.raises(StopIteration) as stopped, saga.run_sync() as sync_run:
             sync_run.call("find_order")
         assert stopped.value is raised and raised.__context__ is None
         assert sync_run.report is not None and sync_run.report.error is raised
+        assert str(sync_run.report.steps[-1].error).startswith("StopIteration")
     (do,) = cap.spans(phase="do")
     assert span_attrs(do)[sc.ERROR_TYPE] == "StopIteration"
 
@@ -560,6 +563,31 @@ async def test_fixed_plan_unwinds_in_reverse(cap: Captured, mode: Driver) -> Non
     assert report.status is RunStatus.COMPENSATED
     assert log == ["a", "b", "undo b", "undo a"]
     assert isinstance(report.error, ValueError)
+
+
+async def test_a_fixed_plan_step_raising_stop_iteration_is_reported_as_itself(
+    cap: Captured, mode: Driver
+) -> None:
+    """A plan's steps run inside a generator (the plan body): a step's StopIteration
+    left it as Python's RuntimeError (PEP 479), so the report, the run's unwind reason
+    and its span said RuntimeError for what the step raised as StopIteration."""
+    log: list[str] = []
+    raised = StopIteration("no matching order")
+
+    def find(c: Any) -> None:
+        raise raised
+
+    steps = [
+        Step("a", do=lambda c: log.append("a"), compensate=lambda c: log.append("undo a")),
+        Step("find", do=find),
+    ]
+    report = await mode.execute(cap.saga("plan"), steps)
+    assert report.status is RunStatus.COMPENSATED
+    assert log == ["a", "undo a"]
+    assert report.error is raised
+    assert str(report.steps[-1].error).startswith("StopIteration: no matching order")
+    (unwind,) = cap.spans(phase="unwind")
+    assert "StopIteration: no matching order" in str(span_attrs(unwind)[sc.SAGA_UNWIND_REASON])
 
 
 async def test_fixed_plan_validation_rejects_before_any_do(cap: Captured, mode: Driver) -> None:
