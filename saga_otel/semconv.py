@@ -263,6 +263,9 @@ M_SIDECAR_LEASE_REQUESTS: Final = "saga_sidecar_lease_requests_total"
 # its series whose every label is STREAM_OVERFLOW, so a stream of new names (a run id
 # in a saga name, a hostile agent) cannot grow memory and /metrics without bound.
 M_SIDECAR_SERIES_OVERFLOWED: Final = "saga_sidecar_series_overflowed_total"
+# connections_refused{port=otlp_http|api}: connections closed on arrival because the port
+# held --max-connections already (gRPC's port refuses inside grpc, uncounted).
+M_SIDECAR_CONNECTIONS_REFUSED: Final = "saga_sidecar_connections_refused_total"
 STREAM_MAX_SERIES: Final = 2000
 STREAM_OVERFLOW: Final = "_overflow"
 

@@ -85,18 +85,23 @@ class _Counted(asyncio.Protocol):
 class _Cap:
     """One port's protocol factory (what ``loop.create_server`` calls for each accepted
     connection): the server's own while fewer than ``limit`` connections are open, else
-    ``_Refused``, counted in a warning at most once a REFUSED_LOG_INTERVAL."""
+    ``_Refused``, each counted by ``refused`` (the port's metric) and in a warning at most
+    once a REFUSED_LOG_INTERVAL."""
 
-    def __init__(self, factory: Callable[[], Any], limit: int, port: str) -> None:
+    def __init__(
+        self, factory: Callable[[], Any], limit: int, port: str, refused: Callable[[], None]
+    ) -> None:
         self._factory = factory
         self.limit = limit
         self.port = port
+        self._count_refused = refused
         self.open = 0
         self._refused = 0
         self._warned_at = -REFUSED_LOG_INTERVAL
 
     def __call__(self) -> asyncio.Protocol:
         if self.open >= self.limit:
+            self._count_refused()
             self._refused += 1
             now = time.monotonic()
             if now - self._warned_at >= REFUSED_LOG_INTERVAL:
@@ -118,18 +123,27 @@ class _Cap:
 
 class CappedSite(web.BaseSite):
     """aiohttp's ``TCPSite`` (same listener options) holding at most ``limit``
-    connections: the runner's protocol factory is wrapped in ``_Cap``."""
+    connections: the runner's protocol factory is wrapped in ``_Cap``; ``refused`` is
+    called for each connection turned away."""
 
-    __slots__ = ("_host", "_limit", "_port", "_port_name")
+    __slots__ = ("_host", "_limit", "_port", "_port_name", "_refused")
 
     def __init__(
-        self, runner: web.BaseRunner, host: str, port: int, *, limit: int, name: str
+        self,
+        runner: web.BaseRunner,
+        host: str,
+        port: int,
+        *,
+        limit: int,
+        name: str,
+        refused: Callable[[], None],
     ) -> None:
         super().__init__(runner)
         self._host = host
         self._port = port
         self._limit = limit
         self._port_name = name
+        self._refused = refused
 
     @property
     def name(self) -> str:
@@ -139,7 +153,7 @@ class CappedSite(web.BaseSite):
         await super().start()
         server = self._runner.server
         assert server is not None  # BaseSite() refuses a runner not set up
-        cap = _Cap(server, self._limit, self._port_name)
+        cap = _Cap(server, self._limit, self._port_name, self._refused)
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(
             cap, self._host, self._port, backlog=self._backlog, reuse_address=True

@@ -65,6 +65,13 @@ class SidecarMetrics:
             ["action", "outcome"],
             registry=self.registry,
         )
+        self.connections_refused = Counter(
+            sc.M_SIDECAR_CONNECTIONS_REFUSED,
+            "Connections closed on arrival because their port already held --max-connections, "
+            "by port (otlp_http, api): agents' exports or the API were turned away.",
+            ["port"],
+            registry=self.registry,
+        )
         # Saga metrics derived from the received spans (any agent, any language).
         self.stream = StreamMetrics(self.registry)
         for state in ALL_STATES:
@@ -74,6 +81,8 @@ class SidecarMetrics:
                 self.spans_received.labels(transport=transport, outcome=outcome)
             for reason in SPAN_REFUSAL_REASONS:
                 self.spans_refused.labels(transport=transport, reason=reason)
+        for port in ("otlp_http", "api"):
+            self.connections_refused.labels(port=port)
 
     def render(self, state: RunState, intake_waiting: float = 0.0) -> bytes:
         # Run gauges are computed at scrape time: cheaper than tracking every change.

@@ -369,7 +369,8 @@ class Sidecar:
         await runner.setup()
         self._runners.append(runner)
         # aiohttp's TCPSite with a connection cap (aiohttp has none: _connections.py).
-        site = CappedSite(runner, host, port, limit=cap, name=name)
+        refused = self.metrics.connections_refused.labels(port=name).inc
+        site = CappedSite(runner, host, port, limit=cap, name=name, refused=refused)
         try:
             await site.start()
         except OSError as exc:

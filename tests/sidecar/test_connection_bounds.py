@@ -22,6 +22,7 @@ import pytest
 from opentelemetry.sdk.trace.export import SpanExportResult
 from sidecar_testkit import FakeClock, completed_run, export_grpc, export_http, settings_for
 
+from saga_otel import semconv as sc
 from sidecar import Sidecar
 from sidecar._connections import FD_RESERVE, connection_cap, fd_limit
 from sidecar._settings import DEFAULT_MAX_CONNECTIONS
@@ -34,6 +35,17 @@ def _port(sc_: Sidecar, which: str) -> int:
     port = sc_.otlp_http_port if which == "otlp" else sc_.api_port
     assert port is not None
     return port
+
+
+def _refused_total(sc_: Sidecar) -> dict[str, float]:
+    """saga_sidecar_connections_refused_total by port, from the sidecar's registry."""
+    return {
+        s.labels["port"]: s.value
+        for metric in sc_.metrics.registry.collect()
+        if metric.name + "_total" == sc.M_SIDECAR_CONNECTIONS_REFUSED
+        for s in metric.samples
+        if s.name == sc.M_SIDECAR_CONNECTIONS_REFUSED
+    }
 
 
 async def _until_closed(reader: asyncio.StreamReader) -> bytes:
@@ -168,6 +180,7 @@ async def test_connections_past_the_cap_are_closed_on_arrival_and_the_rest_still
     eight goes a new connection is served."""
     settings = settings_for(tmp_path, max_connections=8, keepalive_timeout=600.0)
     port_name = {"otlp": "otlp_http", "api": "api"}
+    other_of = {"otlp": "api", "api": "otlp"}
     async with Sidecar(settings, clock=clock) as sc_:
         port = _port(sc_, which)
         async with _connections(port, 8) as held:
@@ -177,9 +190,14 @@ async def test_connections_past_the_cap_are_closed_on_arrival_and_the_rest_still
             [refused] = [r.__dict__ for r in caplog.records if "refused" in r.getMessage()]
             assert (refused["port"], refused["max_connections"]) == (port_name[which], 8)
             assert "--max-connections" in refused["fix"]
+            # Each refusal is counted, not only the first warned of (one warning a minute).
+            async with _connections(port, 2) as late:
+                for reader, _ in late:
+                    assert await _until_closed(reader) == b""
+            assert _refused_total(sc_) == {port_name[which]: 3.0, port_name[other_of[which]]: 0}
             for reader, writer in held:
                 assert await _answer(reader, writer, which) == b"HTTP/1.1 200 OK"
-            other = "api" if which == "otlp" else "otlp"
+            other = other_of[which]
             async with _connections(_port(sc_, other), 1) as [(reader, writer)]:
                 assert await _answer(reader, writer, other) == b"HTTP/1.1 200 OK"
             held[0][1].close()
