@@ -51,17 +51,27 @@ class AlertSettings:
     late_compensation: bool = True
 
     def __post_init__(self) -> None:
-        for url in (*([self.public_url] if self.public_url else []), *self.alertmanager_urls,
-                    self.pagerduty_url, *self.webhook_urls):  # fmt: skip
+        # A sink URL with no host or a bad port would make every alert to it wait, retried,
+        # until someone saw the backlog: each is refused here, naming its flag.
+        named = [
+            *([("--public-url", self.public_url)] if self.public_url else []),
+            *(("--alertmanager", url) for url in self.alertmanager_urls),
+            ("--pagerduty-url", self.pagerduty_url),
+            *(("--webhook", url) for url in self.webhook_urls),
+        ]
+        for flag, url in named:
             if not url.startswith(("http://", "https://")):
                 raise ConfigError(
-                    f"{url!r} is not an http(s) URL: write e.g. http://127.0.0.1:9093"
+                    f"{flag} {url!r} is not an http(s) URL: write e.g. http://127.0.0.1:9093"
                 )
-        if self.public_url and not _has_host(self.public_url):
-            raise ConfigError(
-                f"--public-url {self.public_url!r} names no host (or a bad port): write the "
-                "API as people reach it, e.g. https://saga.example.org or http://10.0.0.5:4320"
-            )
+            if not _has_host(url):
+                example = (
+                    "the API as people reach it, e.g. https://saga.example.org or "
+                    "http://10.0.0.5:4320"
+                    if flag == "--public-url"
+                    else "e.g. http://127.0.0.1:9093/path"
+                )
+                raise ConfigError(f"{flag} {url!r} names no host (or a bad port): write {example}")
         if self.alertmanager_resend <= 0 or self.timeout <= 0:
             raise ConfigError(
                 f"alertmanager_resend={self.alertmanager_resend} and timeout={self.timeout} "

@@ -136,3 +136,31 @@ def test_late_compensation_alerts_flag_and_env() -> None:
     assert runner.invoke(cmd, [], env=env).exit_code == 0
     assert [s.late_compensation for s in got] == [True, False, False]
     assert [s.rule_config().late_compensation for s in got] == [True, False, False]
+
+
+@pytest.mark.parametrize(
+    ("flag", "kwargs"),
+    [
+        ("--webhook", {"webhook_urls": ("http://127.0.0.1:99999/hook",)}),
+        ("--alertmanager", {"alertmanager_urls": ("http://",)}),
+        ("--pagerduty-url", {"pagerduty_routing_key": "k", "pagerduty_url": "https://:443/x"}),
+    ],
+)
+def test_a_sink_url_that_names_no_host_is_refused_at_start(
+    flag: str, kwargs: dict[str, object]
+) -> None:
+    """aiohttp cannot send to it: every alert to that sink would wait in the outbox,
+    retried, until someone saw the backlog. It is refused at start, naming its flag."""
+    from sidecar._alert_settings import AlertSettings
+
+    with pytest.raises(ConfigError, match=f"^{flag} .* names no host"):
+        AlertSettings(**kwargs)  # type: ignore[arg-type]
+
+
+def test_cli_refuses_a_sink_url_with_a_bad_port_in_one_line(tmp_path: Path) -> None:
+    hook = "http://127.0.0.1:99999/hook"
+    args = ["serve", "--db", str(tmp_path / "s.db"), "--webhook", hook]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code != 0
+    assert f"--webhook '{hook}' names no host (or a bad port)" in result.output
+    assert "Traceback" not in result.output
