@@ -44,6 +44,7 @@ from ._storage import (
     OWNER_ROW,
     PRUNE_BATCH,
     PUT_AWAY_FLAG_V5,
+    RESOLVED_BY_V7,
     SCHEMA_VERSION,
     SPAN_ROW,
     AlertTx,
@@ -178,6 +179,8 @@ CREATE INDEX IF NOT EXISTS {table}_changed ON {table} (changed);
 """
         for table in ("instances", "run_marks", "run_leases")
     ),
+    # 7: as SQLite's (who resolved a run; replicas read it with the mark's row).
+    7: RESOLVED_BY_V7.format(add="ADD COLUMN IF NOT EXISTS"),
 }
 # The owners' put-away flag (schema 5) of sorted run ids, their rows locked in that
 # order (as the intake locks them), so two replicas' put-aways cannot deadlock on them.
@@ -694,18 +697,20 @@ class PgStore(_Pooled):
             with self._tx("clear lapsed resolutions") as conn, conn.cursor() as cur:
                 cur.executemany(
                     "UPDATE run_marks SET resolution_note = NULL, resolution_at = NULL, "
-                    f"changed = {_CHANGED} WHERE run_id = %s",
+                    f"resolution_by = NULL, changed = {_CHANGED} WHERE run_id = %s",
                     rows,
                 )
 
-    def resolve(self, run_id: str, note: str, at: float) -> None:
+    def resolve(self, run_id: str, note: str, at: float, by: str | None) -> None:
+        # The row's change number moves with it: the other replicas read it (changes()).
         with self._tx("store the resolution") as conn:
             conn.execute(
-                "INSERT INTO run_marks(run_id, resolution_note, resolution_at) "
-                "VALUES (%s, %s, %s) ON CONFLICT (run_id) DO UPDATE SET "
+                "INSERT INTO run_marks(run_id, resolution_note, resolution_at, resolution_by) "
+                "VALUES (%s, %s, %s, %s) ON CONFLICT (run_id) DO UPDATE SET "
                 "resolution_note = excluded.resolution_note, "
-                "resolution_at = excluded.resolution_at, changed = excluded.changed",
-                (run_id, note, at),
+                "resolution_at = excluded.resolution_at, "
+                "resolution_by = excluded.resolution_by, changed = excluded.changed",
+                (run_id, note, at, by),
             )
 
     def delete_runs(self, run_ids: list[str]) -> None:

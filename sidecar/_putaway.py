@@ -56,7 +56,9 @@ def fold_stored(
         if mark.orphaned_at is not None:
             state.restore_orphaned(mark.run_id, mark.orphaned_at)
         if mark.resolution_at is not None:
-            state.restore_resolution(mark.run_id, mark.resolution_note or "", mark.resolution_at)
+            state.restore_resolution(
+                mark.run_id, mark.resolution_note or "", mark.resolution_at, mark.resolution_by
+            )
     for lease in leases:
         state.set_lease(lease)
     return count

@@ -1310,7 +1310,7 @@ class Sidecar:
                 marked.append(moved)
             if mark.resolution_at is not None:
                 state.restore_resolution(
-                    mark.run_id, mark.resolution_note or "", mark.resolution_at
+                    mark.run_id, mark.resolution_note or "", mark.resolution_at, mark.resolution_by
                 )
         self._learn({}, changes.leases)
         # The leader raised the alert of its mark after storing the mark (in another
@@ -1438,16 +1438,19 @@ class Sidecar:
                 self._notify(before, after, now)
         return outcome
 
-    async def resolve(self, run_id: str, note: str, *, first: bool = False) -> RunView | None:
+    async def resolve(
+        self, run_id: str, note: str, *, first: bool = False, by: str | None = None
+    ) -> RunView | None:
         """Record a person's resolution; the new view, or None for an unknown run.
 
-        With ``first``, a run resolved already keeps its note: its view comes back
-        unchanged (resolutions of this sidecar are taken one at a time).
+        ``by`` is the name the person gave (None: they gave none; nothing is made up).
+        With ``first``, a run resolved already keeps its note and its ``by``: its view
+        comes back unchanged (resolutions of this sidecar are taken one at a time).
         """
         async with self._resolving:
-            return await self._resolve(run_id, note, first)
+            return await self._resolve(run_id, note, first, by)
 
-    async def _resolve(self, run_id: str, note: str, first: bool) -> RunView | None:
+    async def _resolve(self, run_id: str, note: str, first: bool, by: str | None) -> RunView | None:
         if run_id not in self.state:
             async with self._intake:
                 await self._reopen([run_id])
@@ -1458,8 +1461,8 @@ class Sidecar:
             return before
         now = self.clock()
         if self.store is not None:
-            await self._call(self.store.resolve, run_id, note, now)
-        self.state.resolve(run_id, note, now)
+            await self._call(self.store.resolve, run_id, note, now, by)
+        self.state.resolve(run_id, note, now, by)
         after = self.state.view(run_id)
         assert after is not None
         self._notify(before, after, now)

@@ -109,8 +109,11 @@ class Service(Protocol):
         """Its live connection closed, with a goodbye (``clean``) or not."""
         ...
 
-    async def resolve(self, run_id: str, note: str, *, first: bool = False) -> RunView | None:
-        """Record a resolution; with ``first`` a resolved run keeps its note (view unchanged)."""
+    async def resolve(
+        self, run_id: str, note: str, *, first: bool = False, by: str | None = None
+    ) -> RunView | None:
+        """Record a resolution (``by``: who, as they named themselves, or None); with
+        ``first`` a resolved run keeps its note and ``by`` (view unchanged)."""
         ...
 
     async def lease(self, run_id: str, action: LeaseAction, data: object) -> Lease | LeaseRefusal:

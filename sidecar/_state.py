@@ -95,6 +95,7 @@ class Escalation(NamedTuple):
 class Resolution(NamedTuple):
     note: str
     at: float
+    by: str | None = None  # the name the person gave, if any
 
 
 class Revived(NamedTuple):
@@ -793,7 +794,9 @@ class RunState:
             "stack": self._stack(run),
             "escalation": escalation,
             "resolution": (
-                {"note": run.resolution.note, "at": run.resolution.at} if run.resolution else None
+                {"note": run.resolution.note, "at": run.resolution.at, "by": run.resolution.by}
+                if run.resolution
+                else None
             ),
             "dropped_spans": [
                 {"span": d.span, "reason": d.reason, "at": d.start, "span_id": f"{d.span_id:016x}"}
@@ -1377,7 +1380,7 @@ class RunState:
             return []
         return self._beat(_intern(instance), at, interval, open_runs, now)
 
-    def restore_resolution(self, run_id: str, note: str, at: float) -> bool:
+    def restore_resolution(self, run_id: str, note: str, at: float, by: str | None = None) -> bool:
         """Apply a resolution read from the store (this sidecar's before a restart, or one
         made through another replica) to a run that has none; False when the run is
         unknown, resolved already, or orphaned after it (a replica that orphaned the run
@@ -1391,15 +1394,16 @@ class RunState:
             orphaned = run.revived.orphaned_at
         if _before_mark(at, orphaned):
             return False
-        run.resolution = Resolution(note, at)
+        run.resolution = Resolution(note, at, by)
         return True
 
-    def resolve(self, run_id: str, note: str, now: float) -> bool:
-        """Record that a person settled the run. False for an unknown run."""
+    def resolve(self, run_id: str, note: str, now: float, by: str | None = None) -> bool:
+        """Record that a person settled the run (``by``: the name they gave, if any).
+        False for an unknown run."""
         run = self._runs.get(run_id)
         if run is None:
             return False
-        run.resolution = Resolution(note, now)
+        run.resolution = Resolution(note, now, by)
         return True
 
     # --- ownership and leases (rules: _leases.py) -------------------------------------

@@ -26,14 +26,15 @@ from urllib.parse import urlsplit
 from ._errors import ConfigError
 from ._leases import Lease, LeaseRefusal, Owner
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 """The schema this sidecar writes. 1: the first (no outbox claims); 2: outbox claims;
 3: the index of finished runs put away from memory (``run_index``); 4: the outbox's
 fires marked ``resolved_at`` and its indexes on state and on the fires still firing;
 5: the owners' ``put_away`` flag and its partial index (what a start folds); 6
 (PostgreSQL; nothing on SQLite): change numbers on heartbeats, run marks and leases,
 and the mark a clear ended, so replicas read every change by the database's order,
-clears included, whatever their clocks say.
+clears included, whatever their clocks say; 7: who resolved a run (``run_marks``'
+``resolution_by``; NULL for the resolutions stored before, whose person is unknown).
 
 Opening an older database upgrades it in place; a newer one is refused
 (``_store.py`` and ``_pgstore.py`` hold the steps, one per version).
@@ -149,6 +150,7 @@ class RunMark:
     orphaned_at: float | None
     resolution_note: str | None
     resolution_at: float | None
+    resolution_by: str | None  # who resolved it, as they named themselves (schema 7)
     # The orphan mark a clear ended (replicas: another one heard from the run).
     cleared: float | None = None
 
@@ -273,7 +275,9 @@ class Store(Protocol):
         agent, or a recoverer), each only while it is the run's mark: a later orphaning
         stands."""
 
-    def resolve(self, run_id: str, note: str, at: float) -> None: ...
+    def resolve(self, run_id: str, note: str, at: float, by: str | None) -> None:
+        """Store a person's resolution (``by``: the name they gave, or None), in place of
+        any the run had."""
 
     def clear_resolutions(self, run_ids: Iterable[str]) -> None:
         """Drop the resolutions of runs that came to need a person again."""
@@ -514,6 +518,10 @@ CREATE INDEX IF NOT EXISTS run_owners_held ON run_owners (run_id) WHERE put_away
 """
 """Schema step 5 (both backends; ``{add}``: the dialect's ADD COLUMN)."""
 
+RESOLVED_BY_V7 = "ALTER TABLE run_marks {add} resolution_by TEXT;"
+"""Schema step 7 (both backends): who resolved a run. Rows stored before keep their note
+and time with NULL here: their person is unknown, and nothing is made up for them."""
+
 
 LEASE_ROW = (
     "SELECT run_id, holder, token, granted_at, expires_at, released, forced_reason, "
@@ -527,7 +535,9 @@ OWNER_ROW = "SELECT run_id, trace_id, instance, service FROM run_owners"
 HELD_OWNER_ROWS = OWNER_ROW + " WHERE put_away = 0"
 """The owners of the runs not put away (``NOT_PUT_AWAY``'s rule, read through the same
 partial index): what a start folds."""
-MARK_ROW = "SELECT run_id, orphaned_at, resolution_note, resolution_at FROM run_marks"
+MARK_ROW = (
+    "SELECT run_id, orphaned_at, resolution_note, resolution_at, resolution_by FROM run_marks"
+)
 """A run mark's columns in :class:`RunMark`'s order."""
 
 

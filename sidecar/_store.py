@@ -42,6 +42,7 @@ from ._storage import (
     OWNER_ROW,
     PRUNE_BATCH,
     PUT_AWAY_FLAG_V5,
+    RESOLVED_BY_V7,
     SCHEMA_VERSION,
     SPAN_ROW,
     AlertTx,
@@ -168,6 +169,8 @@ CREATE INDEX IF NOT EXISTS run_index_seen ON run_index (last_seen);
     5: PUT_AWAY_FLAG_V5.format(add="ADD COLUMN"),
     # 6: replicas' change numbers (PostgreSQL's): one process per file reads nothing back.
     6: "",
+    # 7: who resolved a run, as they named themselves; NULL for the resolutions before it.
+    7: RESOLVED_BY_V7.format(add="ADD COLUMN"),
 }
 
 
@@ -497,16 +500,18 @@ class SqliteStore:
 
     def clear_resolutions(self, run_ids: Iterable[str]) -> None:
         self._marks(
-            "UPDATE run_marks SET resolution_note = NULL, resolution_at = NULL WHERE run_id = ?",
+            "UPDATE run_marks SET resolution_note = NULL, resolution_at = NULL, "
+            "resolution_by = NULL WHERE run_id = ?",
             [(r,) for r in run_ids],
         )
 
-    def resolve(self, run_id: str, note: str, at: float) -> None:
+    def resolve(self, run_id: str, note: str, at: float, by: str | None) -> None:
         self._marks(
-            "INSERT INTO run_marks(run_id, resolution_note, resolution_at) VALUES (?, ?, ?) "
-            "ON CONFLICT(run_id) DO UPDATE SET resolution_note=excluded.resolution_note, "
-            "resolution_at=excluded.resolution_at",
-            [(run_id, note, at)],
+            "INSERT INTO run_marks(run_id, resolution_note, resolution_at, resolution_by) "
+            "VALUES (?, ?, ?, ?) ON CONFLICT(run_id) DO UPDATE SET "
+            "resolution_note=excluded.resolution_note, resolution_at=excluded.resolution_at, "
+            "resolution_by=excluded.resolution_by",
+            [(run_id, note, at, by)],
         )
 
     def _marks(self, sql: str, rows: list[tuple[object, ...]]) -> None:

@@ -85,8 +85,12 @@ class EscalationView(TypedDict):
 
 
 class ResolutionView(TypedDict):
+    """A person's resolution: their note, when, and who they said they are (``by``;
+    None when they gave no name: the sidecar never invents one)."""
+
     note: str
     at: float
+    by: str | None
 
 
 class RevivedView(TypedDict):

@@ -346,7 +346,12 @@ async def test_resolve_and_listeners(sidecar: Sidecar) -> None:
             assert "note" in (await resp.json())["error"]
         async with s.post(api(sidecar, "/runs/unknown/resolve"), json={"note": "x"}) as resp:
             assert resp.status == 404
-    assert view["resolution"] == {"note": "closed the ticket by hand", "at": sidecar.clock()}
+    # No by in the body: no name is stored, none made up.
+    assert view["resolution"] == {
+        "note": "closed the ticket by hand",
+        "at": sidecar.clock(),
+        "by": None,
+    }
     assert len(seen) == 1
     before, after, _ = seen[0]
     assert before["resolution"] is None and after["resolution"]["note"].startswith("closed")
@@ -365,7 +370,7 @@ async def test_a_resolution_is_not_overwritten_by_a_different_note(
     await export_http(sidecar, run.spans())
     sidecar.add_listener(lambda before, after, now: seen.append(after["resolution"]))
     url = api(sidecar, f"/runs/{run.run_id}/resolve")
-    alice = {"note": "Alice: reversed cr_1 by hand", "at": clock.now}
+    alice = {"note": "Alice: reversed cr_1 by hand", "at": clock.now, "by": None}
     async with aiohttp.ClientSession() as s:
         async with s.post(url, json={"note": alice["note"]}) as resp:
             assert resp.status == 200
@@ -387,7 +392,7 @@ async def test_a_resolution_is_not_overwritten_by_a_different_note(
         assert sidecar.state.view(run.run_id)["resolution"] == alice  # type: ignore[index]
         async with s.post(url, json={"note": "Bob: nothing to do", "replace": True}) as resp:
             assert resp.status == 200
-            bob = {"note": "Bob: nothing to do", "at": clock.now}
+            bob = {"note": "Bob: nothing to do", "at": clock.now, "by": None}
             assert (await resp.json())["resolution"] == bob
         clock.now += 60
         async with s.post(url, json={"note": bob["note"], "replace": True}) as resp:

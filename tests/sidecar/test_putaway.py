@@ -134,11 +134,12 @@ async def test_resolve_and_prune_reach_runs_put_away(tmp_path: Path, clock: Fake
     async with Sidecar(settings_for(tmp_path, retention=3600.0), clock=clock) as sc_:
         await export_http(sc_, run.spans())
         assert await sc_.evict_async() == [run.run_id]
-        view = await sc_.resolve(run.run_id, "checked by hand")
+        view = await sc_.resolve(run.run_id, "checked by hand", by="dana")
         assert view is not None and view["resolution"] is not None
         assert await sc_.evict_async() == [run.run_id]
-        _, got = await _get(sc_, f"/runs/{run.run_id}")
+        _, got = await _get(sc_, f"/runs/{run.run_id}")  # folded back from the store
         assert got["resolution"]["note"] == "checked by hand"
+        assert got["resolution"]["by"] == "dana"
         clock.now += 1800
         sc_.prune()
         await sc_.flush()

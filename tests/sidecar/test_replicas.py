@@ -249,6 +249,25 @@ async def test_a_resolution_older_than_the_orphan_mark_lapses_on_every_replica(
             assert view is not None and view["resolution"] is not None
 
 
+async def test_who_resolved_a_run_reaches_every_replica(tmp_path: Path) -> None:
+    """A resolution made through one replica reaches the others with its by (the mark
+    row's resolution_by, read by change number like the note), and one made without a
+    name reaches them without one."""
+    clock = FakeClock()
+    settings = settings_for(tmp_path, tick_interval=3600.0)
+    async with Sidecar(settings, clock=clock) as a, Sidecar(settings, clock=clock) as b:
+        named, nameless = stuck_run(run_id="run-named"), stuck_run(run_id="run-nameless")
+        await export_http(a, named.spans() + nameless.spans())
+        await b.sync()
+        assert await b.resolve("run-named", "settled by hand", by="alice") is not None
+        assert await b.resolve("run-nameless", "settled too") is not None
+        await a.sync()
+        for run_id, by in (("run-named", "alice"), ("run-nameless", None)):
+            view = a.state.view(run_id)
+            assert view is not None and view["resolution"] is not None
+            assert view["resolution"]["by"] == by, run_id
+
+
 async def test_an_agent_back_with_heartbeats_at_the_follower_is_back_at_the_leader(
     tmp_path: Path,
 ) -> None:

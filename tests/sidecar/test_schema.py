@@ -16,6 +16,7 @@ from sidecar_testkit import (
     completed_run,
     db_for,
     settings_for,
+    stuck_run,
 )
 from support import sql_on
 
@@ -194,7 +195,7 @@ async def test_a_version_1_database_is_upgraded_in_place(tmp_path: Path, backend
     async with Sidecar(settings, clock=FakeClock()) as sc_:
         view = sc_.state.view(run_id)
         assert view is not None and view["status"] == sc.STATUS_COMPENSATION_FAILED
-        assert sc_.store is not None and sc_.store.schema_version() == SCHEMA_VERSION == 6
+        assert sc_.store is not None and sc_.store.schema_version() == SCHEMA_VERSION == 7
     # The outbox row written by version 1 is still there, pending, in the new shape.
     box = Outbox(where, [])
     try:
@@ -329,4 +330,63 @@ async def test_a_version_4_database_keeps_what_a_start_folds(tmp_path: Path, bac
         ("r-away", 1),
         ("r-open", 0),
         ("r-reopened", 0),
+    ]
+
+
+async def test_a_version_6_database_keeps_its_resolutions_with_no_one_named(
+    tmp_path: Path, backend: str
+) -> None:
+    """Version 7 stores who resolved a run (run_marks.resolution_by). A resolution stored
+    before has its note and time intact and names no one (by null): nothing is made up
+    for it; the next one stores its name."""
+    where = db_for(tmp_path / "sidecar.db")
+    steps = pg_steps if backend == "postgresql" else sqlite_steps
+    script = ";".join(
+        ["CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)"]
+        + [s for version in range(1, 7) for s in statements(steps[version])]
+    )
+    rows: list[tuple[str, tuple[object, ...]]] = [
+        ("INSERT INTO meta(key, value) VALUES ('schema', '6')", ())
+    ]
+    runs = [stuck_run(run_id="r-resolved"), stuck_run(run_id="r-later")]
+    for run in runs:
+        body = encode_spans(run.spans()).SerializeToString()
+        decoded = extract(parse_protobuf(body), body)
+        first = decoded.spans[0]
+        rows.append(
+            (
+                "INSERT INTO run_owners(run_id, trace_id, instance, service) VALUES (?, ?, ?, ?)",
+                (run.run_id, first.trace_id, first.instance, first.service),
+            )
+        )
+        rows += [
+            (
+                "INSERT INTO spans(run_id, span_id, received_at, service, instance, data) "
+                "VALUES (?, ?, ?, ?, ?, ?)",
+                (run.run_id, span.span_id, 1.0, span.service, span.instance, raw),
+            )
+            for span, raw in zip(decoded.spans, decoded.raw, strict=True)
+        ]
+    rows.append(
+        (
+            "INSERT INTO run_marks(run_id, resolution_note, resolution_at) VALUES (?, ?, ?)",
+            ("r-resolved", "reversed cr_1 by hand", 5.0),
+        )
+    )
+    _execute(where, script, rows)
+    clock = FakeClock()
+    async with Sidecar(settings_for(tmp_path, retention=1e12), clock=clock) as sc_:
+        assert sc_.store is not None and sc_.store.schema_version() == SCHEMA_VERSION
+        view = sc_.state.view("r-resolved")
+        assert view is not None
+        assert view["resolution"] == {"note": "reversed cr_1 by hand", "at": 5.0, "by": None}
+        assert await sc_.resolve("r-later", "settled", by="alice") is not None
+    async with Sidecar(settings_for(tmp_path, retention=1e12), clock=clock) as sc_:
+        for run_id, by in (("r-resolved", None), ("r-later", "alice")):
+            view = sc_.state.view(run_id)
+            assert view is not None and view["resolution"] is not None
+            assert view["resolution"]["by"] == by, run_id
+    assert sorted(_rows(where, "SELECT run_id, resolution_note, resolution_by FROM run_marks")) == [
+        ("r-later", "settled", "alice"),
+        ("r-resolved", "reversed cr_1 by hand", None),
     ]

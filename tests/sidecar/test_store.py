@@ -20,12 +20,14 @@ from sidecar_testkit import (
     RunScript,
     compensated_run,
     compensation_failed_run,
+    db_for,
     export_http,
     open_run,
     settings_for,
     start_sidecar,
     stuck_run,
 )
+from support import sql_on
 
 from saga_otel import semconv as sc
 from sidecar import Sidecar
@@ -80,8 +82,38 @@ async def test_restart_keeps_orphan_marks_and_resolutions(tmp_path: Path) -> Non
         assert view is not None and view["resolution"] == {
             "note": "settled by hand",
             "at": clock.now,
+            "by": None,
         }
         assert sc_.tick() == []
+
+
+async def test_who_resolved_a_run_is_stored_and_goes_when_the_resolution_lapses(
+    tmp_path: Path,
+) -> None:
+    """``by`` is stored with the note (resolution_by) and comes back after a restart; a
+    lapsed resolution leaves no name behind in the store."""
+    clock = FakeClock()
+    settings = settings_for(tmp_path)
+    stuck, failed = stuck_run(), compensation_failed_run()
+    spans = failed.spans()
+    cut = next(i for i, s in enumerate(spans) if s.attributes[sc.SAGA_PHASE] == sc.PHASE_UNWIND)
+    async with Sidecar(settings, clock=clock) as sc_:
+        await export_http(sc_, stuck.spans() + spans[: cut + 1])
+        assert await sc_.resolve(stuck.run_id, "settled by hand", by="alice") is not None
+        assert await sc_.resolve(failed.run_id, "watching it", by="bob") is not None
+        await export_http(sc_, spans[cut + 1 :])  # its undo failed: the resolution lapses
+        await sc_.flush()
+    async with Sidecar(settings, clock=clock) as sc_:
+        view = sc_.state.view(stuck.run_id)
+        assert view is not None
+        assert view["resolution"] == {"note": "settled by hand", "at": clock.now, "by": "alice"}
+        view = sc_.state.view(failed.run_id)
+        assert view is not None and view["resolution"] is None
+    with sql_on(db_for(tmp_path / "sidecar.db")) as run:
+        rows = run("SELECT run_id, resolution_note, resolution_by FROM run_marks")
+    assert sorted(rows) == sorted(
+        [(stuck.run_id, "settled by hand", "alice"), (failed.run_id, None, None)]
+    )
 
 
 async def test_prune_removes_finished_runs_from_memory_and_disk(tmp_path: Path) -> None:
