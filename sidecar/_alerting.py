@@ -515,7 +515,9 @@ def _describe(alertname: str, view: View, action: Action) -> tuple[str, str]:
         resolution = view.get("resolution")
         revived = view.get("revived")
         if isinstance(resolution, Mapping) and resolution:
-            how = f"resolved by a person: {resolution.get('note') or 'no note'}"
+            by = resolution.get("by")
+            who = f" ({by})" if isinstance(by, str) and by else ""  # the name they gave
+            how = f"resolved by a person{who}: {resolution.get('note') or 'no note'}"
         elif (
             alertname == sc.ALERT_RUN_ORPHANED
             and isinstance(revived, Mapping)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import getpass
 import json
 import os
 import shlex
@@ -497,9 +498,26 @@ def stack(run_id: str, api: str, token: str | None, as_json: bool) -> None:
         click.echo(f"  #{item['index']} {item['step']}: {item['tool']} {json.dumps(item['args'])}")
 
 
+def login_name() -> str | None:
+    """Who runs the command, by the login name (``getpass.getuser``: LOGNAME, USER,
+    ..., then the password database); None when it cannot tell (a container's uid with
+    no name), and then the resolution names no one rather than a made-up name."""
+    try:
+        return getpass.getuser() or None
+    except (OSError, KeyError, ImportError):  # 3.13 raises OSError; before, pwd's KeyError
+        return None
+
+
 @runs.command("resolve")
 @click.argument("run_id")
 @click.option("--note", required=True, help="What a person did or decided.")
+@click.option(
+    "--by",
+    default=None,
+    metavar="NAME",
+    help="Who resolved it, kept with the note (audit trail, the alert's resolution). "
+    "Default: your login name; --by '' names no one.",
+)
 @click.option(
     "--replace",
     is_flag=True,
@@ -507,39 +525,60 @@ def stack(run_id: str, api: str, token: str | None, as_json: bool) -> None:
 )
 @_api_option
 @_token_option
-def resolve(run_id: str, note: str, replace: bool, api: str, token: str | None) -> None:
+def resolve(
+    run_id: str, note: str, by: str | None, replace: bool, api: str, token: str | None
+) -> None:
     """Record that a person settled the run.
 
     RUN_ID may be any prefix of the id that no other run shares. A run resolved
-    already keeps its note: resolving it again with the same note changes nothing,
-    with another is refused (showing the note that stands) unless --replace.
+    already keeps its note: resolving it again with the same note changes nothing
+    (whoever --by names), with another is refused (showing the note that stands)
+    unless --replace.
     """
+    name = login_name() if by is None else by.strip()
     body: dict[str, Any] = {"note": note, **({"replace": True} if replace else {})}
+    if name:
+        body["by"] = name
     try:
         view = _on_run(api, token, "POST", run_id, "/resolve", json=body)
     except ApiError as exc:
         standing = exc.body.get("resolution") if exc.status == 409 and exc.body else None
         if isinstance(standing, dict):
-            raise _resolved_already(run_id, note, standing) from exc
+            raise _resolved_already(run_id, note, by, standing) from exc
         raise _fail(exc) from exc
     except SidecarError as exc:
         raise _fail(exc) from exc
     view = printable_doc(view)
-    click.echo(f"resolved {view['run_id']} ({view['status']}): {view['resolution']['note']}")
+    resolution = view["resolution"]
+    click.echo(
+        f"resolved {view['run_id']} ({view['status']}){_by(resolution)}: {resolution['note']}"
+    )
 
 
-def _resolved_already(given: str, note: str, standing: dict[str, Any]) -> click.ClickException:
+def _by(resolution: dict[str, Any]) -> str:
+    """The ' by NAME' of a resolution that names its person; else nothing."""
+    by = resolution.get("by")
+    return f" by {by}" if isinstance(by, str) and by else ""
+
+
+def _resolved_already(
+    given: str, note: str, by: str | None, standing: dict[str, Any]
+) -> click.ClickException:
     """The API's 409: someone resolved the run first; show their note and the way to
-    replace it, every outside text escaped."""
+    replace it (with the --by given, if one was), every outside text escaped."""
     at = standing.get("at")
     when_text = when(at, time.time()) if isinstance(at, int | float) else "-"
-    again = f"saga-sidecar runs resolve {shlex.quote(given)} --note {shlex.quote(note)} --replace"
+    named = f" --by {shlex.quote(by)}" if by is not None else ""
+    again = (
+        f"saga-sidecar runs resolve {shlex.quote(given)} --note {shlex.quote(note)}{named} "
+        "--replace"
+    )
     return click.ClickException(
         "\n".join(
             printable(line)
             for line in (
                 f"run {given} is already resolved; your note was not saved.",
-                f"  resolved {when_text}: {standing.get('note')}",
+                f"  resolved {when_text}{_by(standing)}: {standing.get('note')}",
                 f"  your note: {note}",
                 f"  to put yours in its place: {again}",
             )

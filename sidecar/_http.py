@@ -27,7 +27,7 @@ from ._hosts import HostRule
 from ._leases import Lease, LeaseAction, lease_view, when
 from ._log import get_logger
 from ._otlp import extract, parse_json, parse_protobuf, response
-from ._pages import browser_auth, misdirected, page_routes, run_page, wants_html
+from ._pages import BY_MAX, browser_auth, misdirected, page_routes, run_page, wants_html
 from ._service import BODY, SERVICE, Service
 from ._settings import BODY_RATE_GRACE, Settings
 from ._state import ALL_STATES
@@ -599,10 +599,33 @@ def _bad_cursor(text: str, why: str) -> DecodeError:
     )
 
 
+def _resolved_by(data: dict[str, object]) -> str | None:
+    """The ``by`` of a resolve body: the name the person gave, trimmed; None when left
+    out, null or blank (the sidecar makes no name up). DecodeError for anything else.
+    Stored as sent, like the note: control characters are escaped where it is shown."""
+    by = data.get("by")
+    if by is None:
+        return None
+    if not isinstance(by, str):
+        raise DecodeError(
+            f'by={by!r:.40} is not a string: send {{"note": "...", "by": "your name"}}, '
+            "or leave by out"
+        )
+    by = by.strip()
+    if len(by) > BY_MAX:
+        raise DecodeError(
+            f"by is {len(by)} characters, past the {BY_MAX} a name may have: send your name "
+            "or handle as by, and what you did as the note"
+        )
+    return by or None
+
+
 def _resolved_already(run_id: str, standing: ResolutionView) -> str:
+    by = standing.get("by")
     return (
-        f"run {run_id!r} is already resolved, at {when(standing['at'])}, with the note "
-        f"{standing['note']!r:.300}; your note was not saved. Read the run (GET "
+        f"run {run_id!r} is already resolved, at {when(standing['at'])}"
+        + (f", by {by!r:.100}" if by else "")
+        + f", with the note {standing['note']!r:.300}; your note was not saved. Read the run (GET "
         '/runs/{id}); if yours should stand instead, send it again with "replace": true '
         "(saga-sidecar runs resolve RUN --note '...' --replace)"
     )
@@ -791,11 +814,17 @@ def build_api_app(service: Service) -> web.Application:
                 '{"note": "...", "replace": true} only to put your note in place of another',
             )
         try:
+            by = _resolved_by(data)
+        except DecodeError as exc:
+            return error(400, str(exc))
+        try:
             # The page's rule (sidecar/_pages.py): a run resolved already keeps its note.
-            view = await sidecar.resolve(run_id, note, first=True)
+            # A resolution is its note: the same note with another (or no) by is the same
+            # resolution, kept as it stands with its by; a replacement brings its own by.
+            view = await sidecar.resolve(run_id, note, first=True, by=by)
             standing = view["resolution"] if view is not None else None
             if replace and standing is not None and standing["note"] != note:
-                view = await sidecar.resolve(run_id, note)
+                view = await sidecar.resolve(run_id, note, by=by)
         except StoreError as exc:
             return error(503, str(exc), {"Retry-After": RETRY_AFTER})
         if view is None:

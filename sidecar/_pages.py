@@ -62,6 +62,8 @@ TEMPLATES: Final = Path(__file__).with_name("templates")
 HTML: Final = "text/html"
 DIAGRAM_WIDTH: Final = 110
 NOTE_MAX: Final = 4000
+# A resolution's `by`: a person's name or handle, not a second note (the API's bound too).
+BY_MAX: Final = 200
 # Runs on one page of /review: the oldest; a link leads to the next ones.
 REVIEW_PAGE: Final = 200
 
@@ -383,7 +385,7 @@ def _not_found(run_id: str) -> web.Response:
 
 
 async def run_page(
-    request: web.Request, *, note: str = "", problem: str = "", status: int = 200
+    request: web.Request, *, note: str = "", by: str = "", problem: str = "", status: int = 200
 ) -> web.Response:
     service = request.app[SERVICE]
     run_id = request.match_info["run_id"]
@@ -447,6 +449,8 @@ async def run_page(
         can_resolve=not resolution and state not in CLEARING_STATUSES,
         action=f"/ui/runs/{quote(run_id, safe='')}/resolve",
         note=note,
+        by=by,
+        by_max=BY_MAX,
         problem=problem,
         now=when(now),
     )
@@ -458,17 +462,21 @@ async def resolve(request: web.Request) -> web.StreamResponse:
     # The form's body, read (bounded) by the API's body middleware: _service.BODY.
     form = parse_qs(request.get(BODY, b"").decode("utf-8", "replace"))
     note = form.get("note", [""])[0].strip()
-    if not note or len(note) > NOTE_MAX:
-        problem = (
-            "Say what a person did or decided: the note is empty."
-            if not note
-            else f"The note is {len(note)} characters: keep it under {NOTE_MAX}."
-        )
-        return await run_page(request, note=note, problem=problem, status=400)
+    # The name field may be left empty: then no name is stored (none is made up).
+    by = form.get("by", [""])[0].strip()
+    problem = ""
+    if not note:
+        problem = "Say what a person did or decided: the note is empty."
+    elif len(note) > NOTE_MAX:
+        problem = f"The note is {len(note)} characters: keep it under {NOTE_MAX}."
+    elif len(by) > BY_MAX:
+        problem = f"Your name is {len(by)} characters: keep it under {BY_MAX}."
+    if problem:
+        return await run_page(request, note=note, by=by, problem=problem, status=400)
     try:
         current = (await service.lookup(run_id)).view(run_id)
     except StoreError as exc:
-        return await run_page(request, note=note, problem=str(exc), status=503)
+        return await run_page(request, note=note, by=by, problem=str(exc), status=503)
     if current is not None and current["resolution"]:
         # Two people on one run: the second sees the first's note, it does not overwrite it.
         return await run_page(
@@ -476,9 +484,9 @@ async def resolve(request: web.Request) -> web.StreamResponse:
             f"was not saved: {note}", status=409,
         )  # fmt: skip
     try:
-        view = await service.resolve(run_id, note, first=True)
+        view = await service.resolve(run_id, note, first=True, by=by or None)
     except StoreError as exc:
-        return await run_page(request, note=note, problem=str(exc), status=503)
+        return await run_page(request, note=note, by=by, problem=str(exc), status=503)
     if view is None:
         return _not_found(run_id)
     resolution = view["resolution"]

@@ -263,7 +263,8 @@ def render_run(
             parts.append(Text(f"(the agent's card was not an object: {json.dumps(card)})"))
     resolution = view["resolution"]
     if resolution:
-        parts.append(Text(f"resolved {_when(resolution['at'])}: {resolution['note']}", "green"))
+        by = f" by {resolution['by']}" if resolution.get("by") else ""
+        parts.append(Text(f"resolved {_when(resolution['at'])}{by}: {resolution['note']}", "green"))
     return _Drawing(parts, table)
 
 

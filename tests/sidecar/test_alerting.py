@@ -317,6 +317,15 @@ def test_a_person_resolving_the_run_resolves_all_its_alerts() -> None:
     )
     assert all(e.at == 500.0 for e in events)
     assert "refunded by hand" in events[0].annotations["description"]
+    # Who resolved it, when they said: in the description and the resolution annotation.
+    for event in events:
+        assert event.annotations["resolution"].endswith("resolved by a person: refunded by hand")
+    named = {**bad, "resolution": {"note": "refunded by hand", "at": 500.0, "by": "alice"}}
+    for event in evaluate(bad, named, now=501.0):
+        for key in ("description", "resolution"):
+            assert event.annotations[key].endswith(
+                "resolved by a person (alice): refunded by hand"
+            ), event.annotations[key]
 
 
 def test_links_follow_the_configuration() -> None:

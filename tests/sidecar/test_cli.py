@@ -119,6 +119,54 @@ async def test_resolve_keeps_the_first_note_and_replaces_it_only_when_asked(
     assert view["resolution"]["note"] == "Bob: no-op"
 
 
+async def test_resolve_says_who_by_default_the_login_name(
+    sidecar: Sidecar, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`runs resolve` sends --by, by default the login name; --by '' or a login name
+    that cannot be found sends none (nothing made up). The name is printed escaped by
+    `resolve`, `show` and the refusal of a second note, which repeats --by."""
+    runs = {k: stuck_run(run_id=f"run-{k}") for k in ("login", "given", "none", "unknown")}
+    await export_http(sidecar, [s for r in runs.values() for s in r.spans()])
+
+    async def resolve(key: str, *args: str) -> str:
+        result = await cli(sidecar, "runs", "resolve", f"run-{key}", "--note", "n", *args,
+                           LOGNAME="carol", COLUMNS="200")  # fmt: skip
+        assert result.exit_code == 0, result.output
+        return result.output
+
+    def by(key: str) -> object:
+        view = sidecar.state.view(f"run-{key}")
+        assert view is not None and view["resolution"] is not None
+        return view["resolution"]["by"]
+
+    assert await resolve("login") == f"resolved run-login ({sc.STATUS_STUCK}) by carol: n\n"
+    assert by("login") == "carol"
+    hostile = "Eve\x1b]0;pwned\x07\u202e"
+    out = await resolve("given", "--by", hostile)
+    assert by("given") == hostile
+    assert steering(out) == [] and "by Eve\\x1b]0;pwned\\x07\\u202e: n" in out, out
+    assert await resolve("none", "--by", "") == f"resolved run-none ({sc.STATUS_STUCK}): n\n"
+    assert by("none") is None
+
+    def nameless() -> str:
+        raise OSError("no such user")  # what getuser raises for a uid with no name
+
+    monkeypatch.setattr(cli_module.getpass, "getuser", nameless)
+    await resolve("unknown")
+    assert by("unknown") is None
+    monkeypatch.undo()
+
+    shown = await cli(sidecar, "runs", "show", "run-given", COLUMNS="200")
+    assert shown.exit_code == 0, shown.output
+    assert steering(shown.output) == [], shown.output
+    assert "by Eve\\x1b]0;pwned\\x07\\u202e: n" in shown.output
+    refused = await cli(sidecar, "runs", "resolve", "run-login", "--note", "other", "--by", "dan")
+    assert refused.exit_code == 1, refused.output
+    lines = refused.output.splitlines()
+    assert lines[1].startswith("  resolved ") and lines[1].endswith("ago) by carol: n"), lines
+    assert lines[3].endswith("--note other --by dan --replace"), lines
+
+
 async def test_ids_and_undo_args_are_never_cut(sidecar: Sidecar) -> None:
     """At 80 columns the list keeps whole run ids; piped, `show` keeps whole undo arguments."""
     runs = [compensation_failed_run(), stuck_run(), completed_run()]

@@ -417,6 +417,60 @@ async def test_the_api_keeps_a_note_made_on_the_page(sidecar: Sidecar) -> None:
     assert sidecar.state.view(run.run_id)["resolution"]["note"] == form["note"]  # type: ignore[index]
 
 
+async def test_resolve_records_who_resolved_it(sidecar: Sidecar, clock: Any) -> None:
+    """``by``: the name a person gives, kept with the note (audit trail, the alert's
+    resolution). A name that is not a string or longer than 200 characters is a 400 and
+    stores nothing; blank or null stores none; a hostile one is kept as sent (JSON
+    escapes it; the pages and the CLI show it escaped). The same note with another by
+    is the same resolution: 200, its by unchanged; a replacement brings its own by."""
+    run = stuck_run()
+    await export_http(sidecar, run.spans())
+    url = api(sidecar, f"/runs/{run.run_id}/resolve")
+    note = "reversed cr_1 by hand"
+    async with aiohttp.ClientSession() as s:
+        for by, shown in ((42, "by=42"), (["alice"], "by=['alice']"), (True, "by=True")):
+            async with s.post(url, json={"note": note, "by": by}) as resp:
+                assert resp.status == 400
+                error = (await resp.json())["error"]
+                assert shown in error and "not a string" in error and '"by": "your name"' in error
+        async with s.post(url, json={"note": note, "by": "x" * 201}) as resp:
+            assert resp.status == 400
+            error = (await resp.json())["error"]
+            assert "201 characters" in error and "200" in error and "x" * 201 not in error
+        assert sidecar.state.view(run.run_id)["resolution"] is None  # type: ignore[index]
+        async with s.post(url, json={"note": note, "by": "  alice@example.org  "}) as resp:
+            assert resp.status == 200
+            alice = {"note": note, "at": clock.now, "by": "alice@example.org"}
+            assert (await resp.json())["resolution"] == alice
+        clock.now += 60
+        # Bob retries Alice's note: the same resolution, still hers, not re-stamped.
+        async with s.post(url, json={"note": note, "by": "bob"}) as resp:
+            assert resp.status == 200
+            assert (await resp.json())["resolution"] == alice
+        async with s.post(url, json={"note": "Bob: nothing to do", "by": "bob"}) as resp:
+            assert resp.status == 409
+            body = await resp.json()
+        assert body["resolution"] == alice and "by 'alice@example.org'" in body["error"]
+        hostile = "Mallory\x1b]0;pwned\x07\u202e<script>x</script>"
+        replaced = {"note": "Mallory: done", "replace": True, "by": hostile}
+        async with s.post(url, json=replaced) as resp:
+            assert resp.status == 200
+            assert (await resp.json())["resolution"]["by"] == hostile
+        async with s.post(url, json={"note": "Nobody", "replace": True, "by": " "}) as resp:
+            assert resp.status == 200
+            assert (await resp.json())["resolution"] == {
+                "note": "Nobody",
+                "at": clock.now,
+                "by": None,
+            }
+        async with s.post(url, json={"note": "x" * 10, "replace": True, "by": "y" * 200}) as resp:
+            assert resp.status == 200  # 200 characters: at the bound, kept
+            assert (await resp.json())["resolution"]["by"] == "y" * 200
+        async with s.post(url, json={"note": "z", "replace": True, "by": None}) as resp:
+            assert resp.status == 200
+            assert (await resp.json())["resolution"]["by"] is None
+
+
 async def test_list_filters_and_cursor_pagination(sidecar: Sidecar) -> None:
     runs = [completed_run(t0=1_700_000_000.0 + i * 10) for i in range(5)]
     await export_http(sidecar, [s for r in runs for s in r.spans()])

@@ -68,12 +68,13 @@ async def get(
 
 
 async def post_form(
-    url: str, note: str, headers: dict[str, str] | None = None
+    url: str, note: str, headers: dict[str, str] | None = None, by: str | None = None
 ) -> tuple[int, str, Any]:
+    data = {"note": note} if by is None else {"note": note, "by": by}
     async with (
         aiohttp.ClientSession() as s,
         s.post(
-            url, data={"note": note}, headers={"Accept": BROWSER, **(headers or {})},
+            url, data=data, headers={"Accept": BROWSER, **(headers or {})},
             allow_redirects=False,
         ) as r,
     ):  # fmt: skip
@@ -195,6 +196,47 @@ async def test_resolve_form_resolves_the_run_and_its_alerts(
     text = visible(page)
     assert "Resolved " in text and "closed the ticket by hand" in text
     assert "resolve" in text and 'id="resolve"' not in page  # the form is gone
+
+
+async def test_the_resolve_form_keeps_who_resolved_it_and_the_page_shows_it(
+    alerting_sidecar: tuple[Sidecar, AlertService],
+) -> None:
+    """The form's "your name" field is sent as by: a name past 200 characters is
+    refused with the page (what was typed kept), an empty one stores none, and the
+    page shows the name with its control and bidi characters as escapes; the run's
+    alerts resolve saying who."""
+    sidecar, service = alerting_sidecar
+    named, nameless = stuck_run(run_id="run-named"), stuck_run(run_id="run-nameless")
+    await export_http(sidecar, named.spans() + nameless.spans())
+    url = f"{api(sidecar)}/ui/runs/run-named/resolve"
+    status, page, _ = await post_form(url, "done by hand", by="n" * 201)
+    assert status == 400 and "Your name is 201 characters" in visible(page)
+    assert 'value="' + "n" * 201 + '"' in page and "done by hand" in page
+    assert sidecar.state.view("run-named")["resolution"] is None  # type: ignore[index]
+    assert 'name="by"' in page and 'maxlength="200"' in page
+    hostile = "  Eve\x1b]0;pwned\x07\u202e<b>x</b>  "
+    status, _, _ = await post_form(url, "done by hand", by=hostile)
+    assert status == 303
+    view = sidecar.state.view("run-named")
+    assert view is not None and view["resolution"] is not None
+    assert view["resolution"]["by"] == hostile.strip()
+    await service.outbox.flush()  # PostgreSQL: alerts are written on the outbox's thread
+    resolves = [r for r in service.outbox.rows() if r.action == "resolve"]
+    assert resolves and all(
+        f"resolved by a person ({hostile.strip()}): done by hand"
+        in r.event.annotations["resolution"]
+        for r in resolves
+    )
+    status, page, _ = await get(f"{api(sidecar)}/runs/run-named")
+    assert status == 200 and steering(page) == [] and "<b>" not in page
+    banner = re.search(r'<p class="banner ok" id="resolution">(.*?)</p>', page, re.S)
+    assert banner, page
+    assert visible(banner[1]).endswith(" by Eve\\x1b]0;pwned\\x07\\u202e<b>x</b>: done by hand")
+    status, _, _ = await post_form(f"{api(sidecar)}/ui/runs/run-nameless/resolve", "ok", by="")
+    assert status == 303
+    assert sidecar.state.view("run-nameless")["resolution"]["by"] is None  # type: ignore[index]
+    status, page, _ = await get(f"{api(sidecar)}/runs/run-nameless")
+    assert 'id="resolved-by"' not in page and ": ok" in visible(page)
 
 
 @pytest.mark.parametrize(
@@ -410,7 +452,7 @@ async def test_every_user_controlled_field_is_escaped(
     await export_http(sidecar, run.spans())
     page_url = f"{api(sidecar)}/runs/{quote(run_id, safe='')}"
     status, _, _ = await post_form(
-        f"{api(sidecar)}/ui/runs/{quote(run_id, safe='')}/resolve", h("note")
+        f"{api(sidecar)}/ui/runs/{quote(run_id, safe='')}/resolve", h("note"), by=h("by")
     )
     assert status == 303
     status, page, _ = await get(page_url)
@@ -427,7 +469,8 @@ async def test_every_user_controlled_field_is_escaped(
         assert "<script" not in lowered and "<img" not in lowered
     shown = visible(page)
     for field in ("saga", "step0", "step1", "step2", "tool", "argname", "argvalue",
-                  "description", "reason", "error", "comperror", "decide", "note"):  # fmt: skip
+                  "description", "reason", "error", "comperror", "decide", "note",
+                  "by"):  # fmt: skip
         assert f"<script>alert('{field}')</script>" in shown, field
     assert run_id in shown and "onerror=alert(2)" in shown
     assert "<script>alert('saga2')</script>" in visible(queue)
