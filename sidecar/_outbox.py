@@ -68,6 +68,12 @@ T = TypeVar("T")
 log = get_logger("sidecar.alerts")
 
 POLL_S: Final = 1.0  # shared stores: how often an idle worker looks for others' rows
+# How often a started outbox counts what is pending for its depth gauge: as often as a
+# worker looks for others' rows. Replicas share the rows, and one that writes or delivers
+# a row tells no other: without this, a replica's gauge kept the count of its own last
+# write or delivery (a backlog long drained, paging SagaSidecarOutboxBacklog). One COUNT
+# on the state index (alert_outbox_state), costing what is pending.
+DEPTH_REFRESH_S: Final = POLL_S
 # On a shared store a row is held for its send (AlertStore.sending) this long past the
 # send's limit, at which the outbox cuts it: the hold begins before the send does.
 SEND_MARGIN_S: Final = 5.0
@@ -412,6 +418,8 @@ class Outbox:
             self._tasks.append(
                 asyncio.create_task(self._worker(sink), name=f"alert-outbox {sink.name}")
             )
+        if self.metrics is not None:
+            self._tasks.append(asyncio.create_task(self._refresh_depth(), name="outbox-depth"))
 
     async def run(self) -> None:
         """Deliver until cancelled (for a background-task runner)."""
@@ -482,6 +490,17 @@ class Outbox:
             )
         if state != PENDING:
             self._update_depth()
+
+    async def _refresh_depth(self) -> None:
+        """Keep the depth gauge true to the rows every replica shares: counted again each
+        DEPTH_REFRESH_S, on both backends (on SQLite, one process, it only repeats what
+        add and _mark set). A timer, not the injected sleep, which is the backoff's."""
+        while True:
+            await asyncio.sleep(DEPTH_REFRESH_S)
+            # The database down: the workers log it; the gauge keeps its last count
+            # until the database answers again.
+            with contextlib.suppress(StoreError):
+                await self.call(self._update_depth)
 
     def _count(self, alertname: str, kind: str, outcome: str) -> None:
         if self.metrics is not None:

@@ -21,6 +21,7 @@ from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExportResult
+from prometheus_client import CollectorRegistry
 from sidecar_testkit import (
     CREDIT,
     FakeClock,
@@ -46,7 +47,7 @@ from sidecar._errors import StoreError
 from sidecar._groups import Groups
 from sidecar._leases import Lease
 from sidecar._otlp import Decoded, extract, parse_protobuf
-from sidecar._outbox import DELIVERED, PENDING, Backoff, Outbox
+from sidecar._outbox import DELIVERED, PENDING, AlertMetrics, Backoff, Outbox
 from sidecar._pgstore import CLAIM_TTL_S, PgAlertStore, PgStore, check_version
 from sidecar._sinks import DeliveryRetry
 from sidecar._storage import parse_db
@@ -130,6 +131,91 @@ async def test_two_outboxes_deliver_each_alert_once_and_in_order(tmp_path: Path)
     for r in run_ids:  # a resolve never overtakes its fire, whichever replica sent them
         mine = [e.action for _, e in got if e.run_id == r]
         assert mine == [Action.FIRE, Action.RESOLVE]
+
+
+class GatedSink(SharedSink):
+    """A receiver that holds the send of a gated run until its gate opens, whichever
+    replica sends it (``gates``, shared: run id -> (send entered, release))."""
+
+    def __init__(
+        self,
+        got: list[tuple[str, AlertEvent]],
+        replica: str,
+        gates: dict[str, tuple[asyncio.Event, asyncio.Event]],
+    ) -> None:
+        super().__init__(got, replica)
+        self.gates = gates
+
+    async def send(self, event: AlertEvent) -> None:
+        if event.run_id in self.gates:
+            entered, release = self.gates[event.run_id]
+            entered.set()
+            await release.wait()
+        await super().send(event)
+
+
+async def test_each_replicas_outbox_depth_counts_what_the_others_delivered(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each replica's saga_sidecar_outbox_depth is the shared outbox's: a replica learns
+    of a row another replica delivered by counting again (DEPTH_REFRESH_S, shortened
+    here), not only when it writes or delivers one itself. It kept the count of its own
+    last write or delivery: a backlog the database no longer had, which paged
+    SagaSidecarOutboxBacklog. Each replica here is busy sending a held alert while the
+    other delivers one it wrote, so the order of events is fixed."""
+    monkeypatch.setattr("sidecar._outbox.DEPTH_REFRESH_S", 0.05)
+    url = db_for(tmp_path / "sidecar.db")
+    got: list[tuple[str, AlertEvent]] = []
+    gates = {run: (asyncio.Event(), asyncio.Event()) for run in ("b-held", "a-held")}
+    registries = {"a": CollectorRegistry(), "b": CollectorRegistry()}
+    a, b = (
+        Outbox(url, [GatedSink(got, name, gates)], metrics=AlertMetrics.create(registries[name]))
+        for name in ("a", "b")
+    )
+    fires = {
+        e.run_id: e
+        for e in _events(["b-held", "a-held", "to-a", "to-b"])
+        if e.action is Action.FIRE
+    }
+
+    def gauges() -> list[float | None]:
+        return [r.get_sample_value(sc.M_SIDECAR_OUTBOX_DEPTH) for r in registries.values()]
+
+    def delivered(who: str, run_id: str) -> bool:
+        return any(w == who and e.run_id == run_id for w, e in got)
+
+    async def agree(pending: int) -> None:
+        """Both gauges at what the database holds, within a bound (polled)."""
+        assert await a.call(a.depth) == pending
+        for _ in range(1000):
+            if gauges() == [pending, pending]:
+                break
+            await asyncio.sleep(0.01)
+        assert gauges() == [pending, pending]
+
+    try:
+        await b.start()  # alone: b claims the held alert
+        await b.call(b.add, [fires["b-held"]])
+        await asyncio.wait_for(gates["b-held"][0].wait(), 10)
+        await a.start()
+        await b.call(b.add, [fires["to-a"]])  # b is busy: a delivers it
+        await _until(lambda: delivered("a", "to-a"), "a delivered b's alert")
+        await a.call(a.add, [fires["a-held"]])  # b is still busy: a claims it
+        await asyncio.wait_for(gates["a-held"][0].wait(), 10)
+        gates["b-held"][1].set()
+        await _until(lambda: delivered("b", "b-held"), "b delivered its held alert")
+        await agree(1)  # a counted 2 when it wrote a-held, and delivered nothing since
+        await a.call(a.add, [fires["to-b"]])  # a is busy: b delivers it
+        await _until(lambda: delivered("b", "to-b"), "b delivered a's alert")
+        gates["a-held"][1].set()
+        await _until(lambda: delivered("a", "a-held"), "a delivered its held alert")
+        await agree(0)  # b counted 1 (a-held) when it delivered to-b
+    finally:
+        for _, release in gates.values():
+            release.set()
+        for box in (a, b):
+            await box.stop()
+            box.close()
 
 
 def _alerting_replicas(
