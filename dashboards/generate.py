@@ -310,17 +310,20 @@ def build() -> dict[str, Any]:
         .with_panel(
             _stat(
                 "Orphaned runs",
-                "Runs whose agent process went silent. See the SagaRunOrphaned runbook.",
+                "Runs whose agent process went silent. See the SagaRunOrphaned runbook. "
+                "Replicas of one job share their runs and each reports them all: counted "
+                "once per job.",
                 "short",
-                _query(f"sum({sc.M_SIDECAR_ORPHANED_RUNS})", "orphaned"),
+                _query(f"sum(max by (job) ({sc.M_SIDECAR_ORPHANED_RUNS}))", "orphaned"),
             )
         )
         .with_panel(
             _stat(
                 "Outbox depth",
-                "Alerts waiting in the sidecar's outbox for delivery.",
+                "Alerts waiting in the sidecar's outbox for delivery. Replicas of one job "
+                "share the outbox and each reports it whole: counted once per job.",
                 "short",
-                _query(f"sum({sc.M_SIDECAR_OUTBOX_DEPTH})", "outbox"),
+                _query(f"sum(max by (job) ({sc.M_SIDECAR_OUTBOX_DEPTH}))", "outbox"),
             )
         )
         .with_panel(
