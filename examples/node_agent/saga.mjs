@@ -13,10 +13,12 @@
 //   ends `stuck` and escalates;
 // * a `saga.heartbeat` span every interval while a run is open, each flushed
 //   at once, so a BatchSpanProcessor never holds heartbeats back;
-// * the `run` span when the run ends, flushed.
+// * the `run` span when the run ends, flushed;
+// * a span the sidecar rejects (OTLP partial success) is a failed ack, never
+//   a silent success.
 
 import { randomUUID } from "node:crypto";
-import { ROOT_CONTEXT, SpanStatusCode, trace } from "@opentelemetry/api";
+import { diag, DiagLogLevel, ROOT_CONTEXT, SpanStatusCode, trace } from "@opentelemetry/api";
 import { ExportResultCode } from "@opentelemetry/core";
 import { OTLPTraceExporter as GrpcExporter } from "@opentelemetry/exporter-trace-otlp-grpc";
 import { OTLPTraceExporter as JsonExporter } from "@opentelemetry/exporter-trace-otlp-http";
@@ -38,21 +40,111 @@ export function log(event, fields = {}) {
   process.stderr.write(`${JSON.stringify({ event, ...fields })}\n`);
 }
 
-/** Wraps an exporter to remember whether the last export was acknowledged. */
+const MAX_MESSAGE = 500; // characters of a sidecar's message kept in a log line
+const bounded = (text) => (text.length > MAX_MESSAGE ? `${text.slice(0, MAX_MESSAGE)}...` : text);
+
+// The JS OTLP exporters resolve an export as SUCCESS when the receiver answers
+// with a partial success (spans rejected) and say so only through `diag`, at
+// WARN, with this message and the partialSuccess as JSON; diag logs nothing
+// unless a logger is registered. The exporter handles the response and calls
+// back in one synchronous step, so the partial success seen here belongs to
+// the export whose callback runs next. A microtask clears it: one from another
+// exporter in the process (which no AckingExporter takes) is not kept for a
+// later export, unless that export's answer is handled in the same turn.
+const PARTIAL_SUCCESS = "Received Partial Success response:";
+let partialSuccess = null; // {rejected, message} until the exporter's callback takes it
+
+/**
+ * Take the exporter's partial-success diag message; false for any other.
+ * diag has one logger per process: an app that registers its own calls this
+ * from its `warn` (the example registers `SagaDiagLogger`).
+ */
+export function catchPartialSuccess(message, args) {
+  if (message !== PARTIAL_SUCCESS) return false;
+  let doc = {};
+  try {
+    doc = JSON.parse(String(args[0])) ?? {};
+  } catch {
+    // not JSON: counted as rejecting nothing
+  }
+  // int64 arrives as a number (protobuf) or, in OTLP/JSON, possibly as a string.
+  const seen = {
+    rejected: Number(doc.rejectedSpans ?? 0) || 0,
+    message: String(doc.errorMessage ?? ""),
+  };
+  partialSuccess = seen;
+  queueMicrotask(() => {
+    if (partialSuccess === seen) partialSuccess = null;
+  });
+  return true;
+}
+
+/** A diag logger (WARN and above) that takes the partial success and drops the rest, as before. */
+class SagaDiagLogger {
+  warn(message, ...args) {
+    catchPartialSuccess(message, args);
+  }
+  error() {}
+  info() {}
+  debug() {}
+  verbose() {}
+}
+
+let diagRegistered = false;
+
+// Failed spans kept for their acks: an ack that timed out never takes its own.
+const MAX_FAILED_SPANS = 1024;
+
+/**
+ * Wraps an exporter to remember which spans were not acknowledged: a failed
+ * export, or a partial success that rejected spans of the request (OTLP does
+ * not say which: every span of it counts as failed).
+ */
 class AckingExporter {
   constructor(inner) {
     this.inner = inner;
-    this.failures = 0;
-    this.lastError = null;
+    this.failed = new Map(); // span id -> {failure, name}; oldest first
   }
   export(spans, done) {
     this.inner.export(spans, (result) => {
+      const partial = partialSuccess;
+      partialSuccess = null;
+      let failure = null;
       if (result.code !== ExportResultCode.SUCCESS) {
-        this.failures += 1;
-        this.lastError = String(result.error?.message ?? result.error ?? "export failed");
+        const error = String(result.error?.message ?? result.error ?? "export failed");
+        failure = { reason: "error", error };
+      } else if (partial !== null && partial.rejected > 0) {
+        // The sidecar refused spans of this request: it did not store them, so no ack.
+        failure = {
+          reason: "rejected",
+          error: bounded(partial.message || `${partial.rejected} span(s) rejected`),
+          rejected: partial.rejected,
+        };
+      }
+      if (failure !== null) {
+        for (const span of spans) {
+          this.failed.set(span.spanContext().spanId, { failure, name: span.name });
+          if (this.failed.size > MAX_FAILED_SPANS) {
+            this.failed.delete(this.failed.keys().next().value);
+          }
+        }
       }
       done(result);
     });
+  }
+  /** The first failure among `spans` (forgotten once taken) and the names of the failed ones. */
+  take(spans) {
+    let failure = null;
+    const names = [];
+    for (const span of spans) {
+      const id = span.spanContext().spanId;
+      const found = this.failed.get(id);
+      if (found === undefined) continue;
+      this.failed.delete(id);
+      failure ??= found.failure;
+      names.push(found.name);
+    }
+    return failure === null ? null : { ...failure, spans: names.slice(0, 10) };
   }
   shutdown() {
     return this.inner.shutdown();
@@ -92,6 +184,11 @@ export class Telemetry {
     if (!(heartbeatIntervalS > 0)) {
       throw new Error(`heartbeat interval ${heartbeatIntervalS} must be > 0 seconds (default 1)`);
     }
+    if (!diagRegistered) {
+      // WARN: the level of the exporters' partial-success message.
+      diag.setLogger(new SagaDiagLogger(), DiagLogLevel.WARN);
+      diagRegistered = true;
+    }
     this.exporter = new AckingExporter(exporterFor(protocol, endpoint));
     const spanProcessor =
       processor === "batch"
@@ -120,32 +217,29 @@ export class Telemetry {
   }
 
   /**
-   * Wait until every ended span was exported (acknowledged by the sidecar),
-   * at most ackTimeoutMs; a miss is logged and the run goes on.
+   * Wait until every ended span was exported, at most ackTimeoutMs, and say
+   * whether the sidecar took `spans`, the ones this ack stands for (another
+   * span's failure fails that span's ack); a miss is logged, the run goes on.
    */
-  async ack(what) {
-    const before = this.exporter.failures;
+  async ack(what, spans) {
     let timer;
     const bound = new Promise((resolve) => {
       timer = setTimeout(() => resolve(false), this.ackTimeoutMs);
     });
+    let failure = null;
     try {
       const flushed = await Promise.race([this.provider.forceFlush().then(() => true), bound]);
-      const ok = flushed && this.exporter.failures === before;
-      if (!ok) {
-        log("saga.export.failed", {
-          reason: flushed ? "error" : "timeout",
-          what,
-          error: flushed ? this.exporter.lastError : `no ack within ${this.ackTimeoutMs} ms`,
-        });
-      }
-      return ok;
+      failure = flushed
+        ? this.exporter.take(spans)
+        : { reason: "timeout", error: `no ack within ${this.ackTimeoutMs} ms` };
     } catch (err) {
-      log("saga.export.failed", { reason: "error", what, error: String(err) });
-      return false;
+      // A batch processor's flush fails with any failed batch, maybe before ours is done.
+      failure = this.exporter.take(spans) ?? { reason: "error", error: String(err) };
     } finally {
       clearTimeout(timer);
     }
+    if (failure !== null) log("saga.export.failed", { reason: failure.reason, what, ...failure });
+    return failure === null;
   }
 
   openRun(runId) {
@@ -182,7 +276,7 @@ export class Telemetry {
     span.end();
     this.heartbeats += 1;
     const n = this.heartbeats;
-    this.ack("heartbeat").then((ok) => this.onHeartbeat?.(n, ok));
+    this.ack("heartbeat", [span]).then((ok) => this.onHeartbeat?.(n, ok));
   }
 
   async shutdown() {
@@ -227,6 +321,7 @@ export class Run {
     this.nextIndex = 0;
     this.failedStep = null;
     this.status = null;
+    this.unacked = []; // spans ended since the run's last ack
     this.span.setAttributes(this.identity("run"));
     telemetry.openRun(this.runId);
   }
@@ -238,6 +333,19 @@ export class Run {
       "saga.contract.version": CONTRACT_VERSION,
       "saga.phase": phase,
     };
+  }
+
+  /** End a span of the run: its next ack stands for it. */
+  finish(span) {
+    span.end();
+    this.unacked.push(span);
+  }
+
+  /** Wait for the sidecar's ack of every span the run ended since its last ack. */
+  ack(what) {
+    const spans = this.unacked;
+    this.unacked = [];
+    return this.tel.ack(what, spans);
   }
 
   child(name, attributes) {
@@ -284,14 +392,14 @@ export class Run {
       span.recordException(err);
       span.setAttribute("error.type", errorType(err));
       span.setStatus({ code: SpanStatusCode.ERROR, message: describe(err) });
-      span.end();
+      this.finish(span);
       throw err;
     }
-    span.end();
+    this.finish(span);
     this.done.push(name);
     if (t.cls === "irreversible") this.pivot = name;
     // Durability: the undo is at the sidecar before the next step starts.
-    if (t.undo) await this.tel.ack(`do ${name}`);
+    if (t.undo) await this.ack(`do ${name}`);
     return result;
   }
 
@@ -318,8 +426,8 @@ export class Run {
         ? { code: SpanStatusCode.OK }
         : { code: SpanStatusCode.ERROR, message: describe(err) },
     );
-    this.span.end();
-    await this.tel.ack("run");
+    this.finish(this.span);
+    await this.ack("run");
     this.tel.closeRun(this.runId);
     return this.status;
   }
@@ -332,8 +440,8 @@ export class Run {
       "saga.run.failed_step": this.failedStep ?? "(agent)",
       "saga.stack": JSON.stringify(top),
     });
-    unwind.end(); // zero duration: the instant unwinding begins
-    await this.tel.ack("unwind"); // the sidecar alerts before the first undo runs
+    this.finish(unwind); // zero duration: the instant unwinding begins
+    await this.ack("unwind"); // the sidecar alerts before the first undo runs
     for (const comp of top) {
       if (await this.compensate(comp)) this.undone.push(comp.description);
       else this.notUndone.push(comp.description);
@@ -357,15 +465,15 @@ export class Run {
         if (t === undefined) throw new Error(`unknown undo tool ${comp.tool}`);
         await t.fn(comp.args);
         span.setStatus({ code: SpanStatusCode.OK });
-        span.end();
+        this.finish(span);
         // A recovery elsewhere never repeats an undo the sidecar has seen done.
-        await this.tel.ack(`compensate ${comp.step}`);
+        await this.ack(`compensate ${comp.step}`);
         return true;
       } catch (e) {
         span.recordException(e);
         span.setAttribute("error.type", errorType(e));
         span.setStatus({ code: SpanStatusCode.ERROR, message: describe(e) });
-        span.end();
+        this.finish(span);
         if (attempt < attempts) await new Promise((r) => setTimeout(r, 50 * 2 ** attempt));
       }
     }
@@ -393,6 +501,6 @@ export class Run {
       "saga.escalation.reason": reason,
       "saga.escalation.card": JSON.stringify(card),
     });
-    span.end();
+    this.finish(span);
   }
 }

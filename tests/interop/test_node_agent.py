@@ -4,7 +4,8 @@ Over OTLP/proto, OTLP/JSON and OTLP/gRPC, with the JS SDK's SimpleSpanProcessor
 and BatchSpanProcessor (its default 5 s delay; the agent flushes at every point
 the contract orders): run states and stacks from the sidecar's API, every
 stored span valid under the contract, the alerts at a webhook sink, the
-SagaRunOrphaned page after kill -9, and no page while a paused agent lives.
+SagaRunOrphaned page after kill -9, and no page while a paused agent lives;
+a span the sidecar rejects is a failed ack, logged.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ PROCESSORS = ("simple", "batch")
 COMBOS = [(p, q) for p in PROTOCOLS for q in PROCESSORS]
 HEARTBEAT_S = 0.5  # the agent's interval here: the sidecar orphans after 3 missed
 LIVE_BEATS = 8  # heartbeats a paused agent sends while the test watches for a false page
+POSITIONAL_UNDO = Path(__file__).with_name("positional_undo.mjs")
 
 
 @dataclass
@@ -64,10 +66,19 @@ class Setup:
         ]  # fmt: skip
 
     def view(self, run_id: str) -> dict[str, Any]:
-        resp = httpx.get(f"{self.sidecar.api}/runs/{run_id}", timeout=10)
-        assert resp.status_code == 200, (resp.status_code, resp.text)
-        doc: dict[str, Any] = resp.json()
-        return doc
+        return run_view(self.sidecar, run_id)
+
+
+def run_view(sidecar: SidecarProcess, run_id: str) -> dict[str, Any]:
+    resp = httpx.get(f"{sidecar.api}/runs/{run_id}", timeout=10)
+    assert resp.status_code == 200, (resp.status_code, resp.text)
+    doc: dict[str, Any] = resp.json()
+    return doc
+
+
+def agent_log(text: str) -> list[dict[str, Any]]:
+    """The agent's JSON lines (its log on stderr, its results on stdout)."""
+    return [json.loads(line) for line in text.splitlines()]
 
 
 @pytest.fixture(params=COMBOS, ids=[f"{p}-{q}" for p, q in COMBOS])
@@ -275,3 +286,29 @@ def test_no_endpoint_gets_one_line_naming_the_fix(node_agent: Path) -> None:
     )
     assert done.returncode == 2
     assert done.stderr.count("\n") == 1 and "--endpoint" in done.stderr, done.stderr
+
+
+def test_a_span_the_sidecar_rejects_is_a_failed_ack_logged_with_its_message(setup: Setup) -> None:
+    # The JS exporters call a partial success SUCCESS and tell only diag, silent by default.
+    cmd = ["node", str(POSITIONAL_UNDO), setup.endpoint, setup.protocol, setup.processor]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    run = json.loads(done.stdout.splitlines()[-1])
+    failed = [doc for doc in agent_log(done.stderr) if doc["event"] == "saga.export.failed"]
+    do = [doc for doc in failed if doc["what"] == "do issue_credit"]
+    assert len(do) == 1, done.stderr
+    assert do[0]["reason"] == "rejected"
+    assert do[0]["rejected"] == 1
+    assert do[0]["spans"] == ["saga.do issue_credit"]
+    assert do[0]["error"].startswith("1 saga span(s) rejected: saga.compensation.args=")
+    assert "must be JSON object text" not in do[0]["error"]  # cut: the long value comes first
+    assert len(do[0]["error"]) == 503 and do[0]["error"].endswith("...")
+    if setup.processor == "simple":
+        # One span per request: only the ack the rejected span stands in fails.
+        assert failed == do, done.stderr
+    # The run went on (telemetry never stops the agent); the sidecar never got the undo.
+    assert run["status"] == "completed"
+    view = setup.view(run["run_id"])
+    assert view["status"] == "completed"
+    assert view["stack"] == []
+    assert [s["name"] for s in view["steps"]] == []
