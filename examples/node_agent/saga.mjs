@@ -15,7 +15,8 @@
 //   at once, so a BatchSpanProcessor never holds heartbeats back;
 // * the `run` span when the run ends, flushed;
 // * a span the sidecar rejects (OTLP partial success) is a failed ack, never
-//   a silent success.
+//   a silent success, and the saga spans are never truncated by the SDK's
+//   attribute limits.
 
 import { randomUUID } from "node:crypto";
 import { diag, DiagLogLevel, ROOT_CONTEXT, SpanStatusCode, trace } from "@opentelemetry/api";
@@ -34,6 +35,15 @@ export const CONTRACT_VERSION = 1;
 export const PROTOCOLS = ["http/protobuf", "http/json", "grpc"];
 export const PROCESSORS = ["simple", "batch"];
 const CLASSES = ["read", "convergent", "reversible", "compensable", "irreversible"];
+// The SDK's default attribute count: far above the ~15 a saga span carries.
+const SPAN_ATTRIBUTE_COUNT = 128;
+// The JS SDK's standard limits that would cut or drop saga attributes.
+const LIMIT_VARIABLES = [
+  "OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT",
+  "OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT",
+  "OTEL_ATTRIBUTE_COUNT_LIMIT",
+  "OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT",
+];
 
 /** One JSON line on stderr: the agent's own log (telemetry problems never throw). */
 export function log(event, fields = {}) {
@@ -206,7 +216,22 @@ export class Telemetry {
         }),
       ),
       spanProcessors: [spanProcessor],
+      // Saga spans are never cut: a truncated undo, stack or run id is rejected by the
+      // sidecar (or names another run). Given here, these win over the environment's.
+      spanLimits: {
+        attributeValueLengthLimit: Infinity,
+        attributeCountLimit: SPAN_ATTRIBUTE_COUNT,
+      },
     });
+    for (const name of LIMIT_VARIABLES) {
+      if (process.env[name]) {
+        log("saga.config.ignored", {
+          variable: name,
+          value: bounded(process.env[name]),
+          why: "saga spans are never truncated: this provider sets its own span limits",
+        });
+      }
+    }
     this.tracer = this.provider.getTracer("saga-otel-node-agent", "0.1.0");
     this.heartbeatIntervalS = heartbeatIntervalS;
     this.ackTimeoutMs = ackTimeoutMs;

@@ -5,7 +5,8 @@ and BatchSpanProcessor (its default 5 s delay; the agent flushes at every point
 the contract orders): run states and stacks from the sidecar's API, every
 stored span valid under the contract, the alerts at a webhook sink, the
 SagaRunOrphaned page after kill -9, and no page while a paused agent lives;
-a span the sidecar rejects is a failed ack, logged.
+a span the sidecar rejects is a failed ack, logged, and the SDK's attribute
+limits from the environment never cut a saga span.
 """
 
 from __future__ import annotations
@@ -39,6 +40,13 @@ COMBOS = [(p, q) for p in PROTOCOLS for q in PROCESSORS]
 HEARTBEAT_S = 0.5  # the agent's interval here: the sidecar orphans after 3 missed
 LIVE_BEATS = 8  # heartbeats a paused agent sends while the test watches for a false page
 POSITIONAL_UNDO = Path(__file__).with_name("positional_undo.mjs")
+# The JS SDK's limits from the environment, each with a value that cuts or drops saga attributes.
+LIMITS = {
+    "OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT": "12",
+    "OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT": "12",
+    "OTEL_ATTRIBUTE_COUNT_LIMIT": "6",
+    "OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT": "6",
+}
 
 
 @dataclass
@@ -312,3 +320,34 @@ def test_a_span_the_sidecar_rejects_is_a_failed_ack_logged_with_its_message(setu
     assert view["status"] == "completed"
     assert view["stack"] == []
     assert [s["name"] for s in view["steps"]] == []
+
+
+def test_attribute_limits_in_the_environment_never_cut_saga_spans(
+    node_agent: Path, tmp_path: Path
+) -> None:
+    # The JS SDK applies them to every attribute: a cut undo or stack is rejected by the
+    # sidecar, a cut run id names another run, a dropped attribute leaves a hole.
+    base = {k: v for k, v in os.environ.items() if k not in LIMITS}
+    with start_sidecar(tmp_path) as sidecar:
+        for variable, value in LIMITS.items():
+            done = subprocess.run(
+                ["node", str(node_agent), "--endpoint", sidecar.otlp, "--ack-timeout-ms", "5000",
+                 "--fail", "send_reply"],
+                capture_output=True, text=True, timeout=60, env={**base, variable: value},
+                check=False,
+            )  # fmt: skip
+            assert done.returncode == 0, done.stderr
+            lines = agent_log(done.stderr)
+            assert [doc["event"] for doc in lines] == ["saga.config.ignored"], done.stderr
+            assert (lines[0]["variable"], lines[0]["value"]) == (variable, value)
+            agent = next(doc for doc in agent_log(done.stdout) if "status" in doc)
+            view = run_view(sidecar, agent["run_id"])
+            assert view["status"] == "compensated", variable
+            assert [(s["name"], s["compensated"]) for s in view["steps"]] == [
+                ("get_order", False),
+                ("issue_credit", True),
+                ("set_ticket_status", True),
+                ("send_reply", False),
+            ], variable
+            for name, attrs in stored_spans(sidecar, agent["run_id"]):
+                assert contract.check(attrs, name, complete=True) == [], (variable, name, attrs)
