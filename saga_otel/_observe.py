@@ -41,6 +41,7 @@ from saga_otel._telemetry import Attempt, Instrumentation, RunTelemetry
 from saga_otel.records import (
     Compensation,
     StepClass,
+    args_json,
     describe_error,
     exception_text,
     interrupted_effect,
@@ -60,7 +61,11 @@ class ObservedRun:
     instr: Instrumentation
     tel: RunTelemetry
     next_index: int = 0
-    indexes: dict[str, int] = field(default_factory=dict)
+    indexes: dict[str, int] = field(default_factory=dict)  # the last index each step took
+    # Per step name, the indexes whose undo is still owed (pushed, or marked unstorable),
+    # as an ordered set: a step called more than once has one per call, and a compensate
+    # picks among them (_Observer._undo_index).
+    owed: dict[str, dict[int, None]] = field(default_factory=dict)
     stack: dict[int, Compensation] = field(default_factory=dict)
     # Steps whose undo could not be stored, until their own compensate succeeds.
     unstorable: dict[int, str] = field(default_factory=dict)
@@ -186,6 +191,33 @@ class _Observer:
         run.indexes[self.step] = idx
         return idx
 
+    def _owe(self, run: ObservedRun, idx: int) -> None:
+        """``idx`` now waits for its undo (one dict operation: this is the do's path)."""
+        owed = run.owed.get(self.step)
+        if owed is None:
+            run.owed[self.step] = {idx: None}
+        else:
+            owed[idx] = None
+
+    def _undo_index(self, run: ObservedRun, args: Any, kwargs: Any) -> int:
+        """The index a compensate undoes. An explicit ``index=`` wins. Else, among the
+        step's calls still owed an undo, the one whose stored undo arguments equal this
+        call's (compared as the record stores them, its JSON), else the latest (the
+        unwind's reverse order; a failed undo stays owed, so its retry lands there too).
+        With none owed, the step's last index (-1 if it never ran here)."""
+        if self.fixed_index is not None:
+            return self.fixed_index
+        owed = run.owed.get(self.step)
+        if not owed:
+            return run.indexes.get(self.step, -1)
+        if len(owed) > 1:
+            text = _call_args_json(args, kwargs)
+            if text is not None:
+                same = [i for i in owed if (c := run.stack.get(i)) and c.args_json() == text]
+                if same:
+                    return max(same)
+        return max(owed)
+
     def _compensation(
         self, run: ObservedRun, idx: int, args: Any, result: Any
     ) -> tuple[Compensation | None, str | None, BaseException | None]:
@@ -233,9 +265,11 @@ class _Observer:
         if comp is not None:
             obs.pushed(comp)
             run.stack[idx] = comp
+            self._owe(run, idx)
         if unstorable is not None:
             obs.extra[sc.SAGA_COMPENSATION_UNSTORABLE] = unstorable[:256]
             run.unstorable[idx] = unstorable
+            self._owe(run, idx)
         if run.pivot is None and is_pivot(self.step_class, self.pivot):
             run.pivot = self.step
             self.instr.pivot_crossed(run.tel, self.step)
@@ -249,12 +283,14 @@ class _Observer:
         pending = sorted(run.stack.values(), key=lambda c: -c.index)
         yield mode.ack(self.instr.unwind(run.tel, run.failure, run.failed_step, pending))
 
-    def _compensate_ended(self, run: ObservedRun, idx: int, ok: bool) -> None:
+    def _compensate_ended(self, run: ObservedRun, idx: int, ok: bool, claimed: bool) -> None:
         if ok:
             run.stack.pop(idx, None)
             run.unstorable.pop(idx, None)
         else:
             run.compensations_failed += 1
+            if claimed:  # still owed: the next compensate of this step may retry it
+                self._owe(run, idx)
         self.instr.compensation_finished(self.step, ok)
 
     # -- the policy, written once ------------------------------------------------
@@ -281,6 +317,7 @@ class _Observer:
                     if why is not None:  # its effect may stand with no undo
                         obs.extra[sc.SAGA_COMPENSATION_UNSTORABLE] = why[:256]
                         run.unstorable[idx] = why
+                        self._owe(run, idx)
                     raise
                 pushed, interrupt = self._after_do(run, obs, idx, args, result)
             if interrupt is not None:
@@ -301,11 +338,18 @@ class _Observer:
         self, mode: Mode, fn: Callable[..., Any], args: Any, kwargs: Any
     ) -> Script[Any]:
         run = self.run()
-        idx = run.indexes.get(self.step, self.fixed_index if self.fixed_index is not None else -1)
+        yield from self._begin_unwind(mode, run)
+        idx = self._undo_index(run, args, kwargs)
+        # Claimed while it runs (no wait between here and the call), so a concurrent
+        # compensate of the same step (gathered undos) takes another owed index; given
+        # back if it fails.
+        owed, claimed = run.owed.get(self.step), False
+        if owed is not None and idx in owed:
+            del owed[idx]
+            claimed = True
         comp = run.stack.get(idx) or Compensation(
             f"{self.step}.compensate", {}, f"undo {self.step}", self.step, idx
         )
-        yield from self._begin_unwind(mode, run)
         try:
             with self.instr.attempt(
                 run.tel,
@@ -317,13 +361,24 @@ class _Observer:
             ) as obs:
                 out = yield mode.call(fn, *args, **kwargs)
         except BaseException:
-            self._compensate_ended(run, idx, False)
+            self._compensate_ended(run, idx, False, claimed)
             raise  # the undo's exception, unchanged
-        self._compensate_ended(run, idx, True)
+        self._compensate_ended(run, idx, True, claimed)
         # As the engine's undo: once the sidecar knows it is done, a recovery elsewhere
         # will not repeat it.
         yield mode.ack(obs.span)
         return out
+
+
+def _call_args_json(args: Any, kwargs: Any) -> str | None:
+    """A compensate call's arguments in the form of a stored undo's (its JSON), or None:
+    its keyword arguments, or its one positional argument when that is a mapping (the
+    do's result, or the undo's arguments, handed back); no arguments read as ``{}``."""
+    if not args:
+        return args_json(kwargs or {})
+    if len(args) == 1 and not kwargs and isinstance(args[0], Mapping):
+        return args_json(args[0])
+    return None
 
 
 def _wrap(fn: Callable[..., Any], observer: _Observer, phase: str) -> Any:

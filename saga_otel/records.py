@@ -99,6 +99,19 @@ def _sorted_json_fast(value: dict[str, Any]) -> str:
 _PLAIN = frozenset({str, int, bool, type(None)})
 
 
+def args_json(value: Mapping[str, Any]) -> str | None:
+    """``value`` as :meth:`Compensation.args_json` would store it (JSON with sorted keys),
+    or None when it is not plain JSON: the one normal form to compare arguments in."""
+    try:
+        plain = dict(value)
+        try:
+            return _sorted_json_fast(plain)
+        except TypeError:  # as below: keys of mixed types
+            return _sorted_json(_from_json(json.dumps(plain, allow_nan=False)))
+    except Exception:  # not plain JSON, whatever the value raised on the way (a user Mapping)
+        return None
+
+
 def _json_object_and_text(value: Mapping[str, Any], what: str) -> tuple[dict[str, Any], str]:
     """A deep copy of ``value`` through JSON, and its JSON text with sorted keys (one encode).
 
