@@ -448,6 +448,11 @@ def observed(
     signature and docstring (``phase="compensate"`` marks an undo function).
     ``compensation(info)`` may return the record (or its args) to push, so the
     sidecar can show what would be undone. Exceptions pass through unchanged.
+
+    A step called more than once in a run has an index per call; a compensate
+    undoes the call still owed an undo whose stored arguments equal its own
+    (its keyword arguments, or its one mapping argument, as JSON), else the
+    latest; ``index`` fixes it (docs/frameworks.md, "Your own saga runner").
     """
     has_do = callable(getattr(target, "do", None))
     has_comp = callable(getattr(target, "compensate", None))
