@@ -2,8 +2,9 @@
 
 In durable mode every saga span the processor takes (heartbeats aside) gets a
 ticket: a ``concurrent.futures.Future`` that resolves when the sidecar answered
-2xx for the request that carried it (result None) or when the span was lost
-(result: the reason). The engine waits with :func:`wait_for_ack` /
+2xx for the request that carried it and did not report it rejected (result None)
+or when the span was lost (result: the reason; a span replaced by a marker, once
+the marker was answered). The engine waits with :func:`wait_for_ack` /
 :func:`wait_for_ack_async`, bounded by the owning processor's ``ack_timeout``.
 Tickets are kept by span id in :data:`saga_otel._state.STATE` because the
 engine asks by span, not by processor.
@@ -12,8 +13,8 @@ Counting rule, one increment per event: ``timeout`` counts durable waits that
 passed their bound (the span may still arrive later); ``sidecar_down`` counts
 steps that went on unacknowledged without waiting because the sidecar was known
 to be down (the processor's circuit was open; the span is kept and retried); ``queue_full``,
-``rejected`` (a 4xx other than 429, or spans the sidecar reported as
-rejected), ``too_large`` (a span over the sidecar's or the local size bound,
+``rejected`` (a 4xx other than 429, or a span a 2xx answer's partial
+success reported rejected), ``too_large`` (a span over the sidecar's or the local size bound,
 replaced by a marker span), and ``error`` (encoding failure, spans still unsent
 at shutdown, a hook error) count spans lost. A wait that finds its span already
 lost logs but does not count it a second time.

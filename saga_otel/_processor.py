@@ -8,11 +8,13 @@ Nothing here ever raises into the agent: failures are logged
 see :mod:`saga_otel._acks` for the counting rule).
 
 One bad span never costs another run its spans: a request refused as a whole
-(413 or another 4xx) that carried several spans is retried span by span, and a
-span too large to send (413 alone, or over ``max_span_bytes`` once encoded) is
-replaced by a small marker span of the same run and trace, carrying
-``saga.export.dropped`` (see ``docs/semantic-conventions.md``), after an error
-log naming the run, the step and the size.
+(413 or another 4xx), or answered with rejected spans (OTLP partial success, which
+counts them but does not say which), that carried several spans is retried span
+by span. A span too large to send (413 alone, or over ``max_span_bytes`` once
+encoded), or rejected on its own, is never acknowledged: it is replaced by a small
+marker span of the same run and trace, carrying ``saga.export.dropped`` (see
+``docs/semantic-conventions.md``), after an error log naming the run, the step,
+the size and, for a rejected span, the sidecar's message.
 
 Several endpoints (sidecar replicas on one database): requests take them in
 turn; one that refuses, resets, times out or answers 429/5xx is skipped for
@@ -100,6 +102,9 @@ class _Item:
     ticket: Ticket | None
     alone: bool = False  # set after its batch was refused as a whole
     marker: bool = False  # a marker is never replaced by another marker
+    # A marker carries the ticket of the span it replaces, released with this reason
+    # (not acknowledged) once the marker was answered.
+    failed: str | None = None
 
 
 def _is_saga_span(span: ReadableSpan) -> bool:
@@ -356,7 +361,7 @@ class SagaSpanProcessor(SpanProcessor):
                 # Refused as a whole: each span goes again on its own, in order.
                 with self._cond:
                     self._queue.extendleft(
-                        reversed([_Item(i.span, i.ticket, True, i.marker) for i in batch])
+                        reversed([_Item(i.span, i.ticket, True, i.marker, i.failed) for i in batch])
                     )
                     self._inflight = 0
                     self._cond.notify_all()
@@ -409,17 +414,28 @@ class SagaSpanProcessor(SpanProcessor):
                     endpoint=self.endpoint,
                 )
             self._overflow_logged = False
-            rejected = partial_rejections(resp.body)
-            if rejected:
-                self.count(REASON_REJECTED, rejected)
-                self.log_failure(
-                    REASON_REJECTED,
-                    "sidecar accepted the request but rejected some spans",
-                    rejected_spans=rejected,
+            answer = partial_rejections(resp.body)
+            if answer.rejected:
+                # A rejected span is never acknowledged. The answer counts the rejected
+                # spans but does not say which: a batch goes again span by span (as one
+                # refused as a whole), so each span has an answer of its own. The spans
+                # the receiver took are answered as resends (deduplicated by span id);
+                # failing the whole batch instead would escalate runs whose spans arrived.
+                if len(batch) > 1:
+                    return "split", None
+                self._replace(
+                    batch[0],
+                    len(body),
+                    reason=REASON_REJECTED,
+                    dropped=sc.DROPPED_REJECTED,
+                    message="the sidecar rejected a saga span (OTLP partial success; "
+                    "error says why); a marker span replaces it",
+                    error=answer.message,
                 )
+                return "drop", None
             for item in batch:
                 if item.ticket is not None:
-                    resolve(item.ticket, None)
+                    resolve(item.ticket, item.failed)
             return "ok", None
         if code == 429 or code >= 500:
             delay = retry_after(resp.retry_after, self._retry_max)
@@ -479,46 +495,66 @@ class SagaSpanProcessor(SpanProcessor):
             )
         return bool(ready)
 
-    # -- a span too large to send --------------------------------------------
+    # -- a span too large to send, or rejected ------------------------------
 
     def _too_large(self, item: _Item, size: int, why: str) -> None:
-        """Lose ``item`` loudly and queue a small marker of its run in its place."""
+        self._replace(
+            item,
+            size,
+            reason=REASON_TOO_LARGE,
+            dropped=sc.DROPPED_TOO_LARGE,
+            message=f"saga span too large to send ({why}); a marker span replaces it",
+        )
+
+    def _replace(
+        self, item: _Item, size: int, *, reason: str, dropped: str, message: str, **kw: object
+    ) -> None:
+        """Lose ``item`` loudly and queue a small marker of its run in its place, so
+        the sidecar knows the run and escalates it instead of never hearing of it."""
         attrs = item.span.attributes or {}
-        self.count(REASON_TOO_LARGE)
+        self.count(reason)
         # The waiter is released last: once it goes on, the agent (or a test) may read
-        # the log, or flush for the marker, before this thread runs again.
+        # the log before this thread runs again; with a marker, once the marker was
+        # answered, so that an agent killed after its step went on has left the run
+        # at the sidecar.
+        handed = False
         try:
             self.log_failure(
-                REASON_TOO_LARGE,
-                f"saga span too large to send ({why}); a marker span replaces it",
+                reason,
+                message,
                 run_id=attrs.get(sc.SAGA_RUN_ID),
                 step=attrs.get(sc.SAGA_STEP_NAME),
                 span_name=item.span.name,
                 size_bytes=size,
                 marker=not item.marker and not _is_heartbeat(item.span),
+                **kw,
             )
             if item.marker or _is_heartbeat(item.span):
                 # A refused marker: nothing smaller to send. A heartbeat: one without
-                # its run list would say "no runs open"; the next one may fit.
+                # its run list would say "no runs open"; the next one may get through.
                 return
             try:
-                marker = self._marker(item.span, size)
+                marker = self._marker(item.span, size, dropped)
             except Exception as exc:
                 self._hook_error("marker", exc)
                 return
             with self._cond:
                 # First in line: the marker is what the sidecar needs to hear next.
-                self._queue.appendleft(_Item(marker, None, True, True))
+                self._queue.appendleft(_Item(marker, item.ticket, True, True, reason))
                 self._cond.notify()
+            handed = True
         finally:
-            if item.ticket is not None:
-                resolve(item.ticket, REASON_TOO_LARGE)
+            if item.ticket is not None and not handed:
+                resolve(item.ticket, reason)
 
-    def _marker(self, span: ReadableSpan, size: int) -> ReadableSpan:
+    def _marker(self, span: ReadableSpan, size: int, dropped: str) -> ReadableSpan:
+        # Too large: the small attributes travel along. Rejected: the identity only, as
+        # any other may be what the sidecar refused (a value cut by a span limit).
+        small_too = dropped == sc.DROPPED_TOO_LARGE
         kept: dict[str, Any] = {}
         removed: list[str] = []
         for key, value in (span.attributes or {}).items():
-            if key in _IDENTITY or _small(value):
+            if key in _IDENTITY or (small_too and _small(value)):
                 kept[key] = value
             else:
                 removed.append(key)
@@ -527,7 +563,7 @@ class SagaSpanProcessor(SpanProcessor):
             raise ValueError(f"span {span.name!r} has no context")
         kept.update(
             {
-                sc.SAGA_EXPORT_DROPPED: sc.DROPPED_TOO_LARGE,
+                sc.SAGA_EXPORT_DROPPED: dropped,
                 sc.SAGA_EXPORT_DROPPED_SPAN: span.name[:_MARKER_VALUE_BYTES],
                 sc.SAGA_EXPORT_DROPPED_SPAN_ID: f"{ctx.span_id:016x}",
                 sc.SAGA_EXPORT_DROPPED_SIZE: size,

@@ -32,9 +32,13 @@ from urllib.parse import urlsplit
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 
+from saga_otel._text import printable
+
 __all__ = [
+    "MAX_PARTIAL_MESSAGE",
     "Answer",
     "Compression",
+    "PartialSuccess",
     "Poster",
     "TransportSettings",
     "partial_rejections",
@@ -238,15 +242,37 @@ def request_once(
         poster.abort()  # ends its watchdog thread
 
 
-def partial_rejections(body: bytes) -> int:
-    """How many spans an OTLP 2xx answer says were rejected (0 if unreadable)."""
+# The receiver's partial-success message is logged: at most this many characters of it.
+MAX_PARTIAL_MESSAGE: Final = 1000
+
+
+@dataclass(frozen=True, slots=True)
+class PartialSuccess:
+    """An OTLP 2xx answer's partial success: how many spans the receiver rejected, and
+    its message (the sidecar's names the first problem and the fix), bounded to
+    ``MAX_PARTIAL_MESSAGE`` characters and printable (control characters escaped):
+    it comes from outside and goes into the agent's log."""
+
+    rejected: int = 0
+    message: str = ""
+
+
+_ACCEPTED: Final = PartialSuccess()
+
+
+def partial_rejections(body: bytes) -> PartialSuccess:
+    """What an OTLP 2xx answer says was rejected (nothing if unreadable)."""
     if not body:
-        return 0
+        return _ACCEPTED
     try:
-        msg = ExportTraceServiceResponse.FromString(body)
-        return int(msg.partial_success.rejected_spans)
+        found = ExportTraceServiceResponse.FromString(body).partial_success
+        rejected, text = max(0, int(found.rejected_spans)), str(found.error_message)
     except Exception:
-        return 0  # a body we cannot read is not a reason to resend
+        return _ACCEPTED  # a body we cannot read is not a reason to resend
+    if len(text) > MAX_PARTIAL_MESSAGE:
+        text = text[: MAX_PARTIAL_MESSAGE - 1] + "\u2026"
+    # Escaping may lengthen it (up to 10 characters each): cut again after.
+    return PartialSuccess(rejected, printable(text)[:MAX_PARTIAL_MESSAGE])
 
 
 def retry_after(value: str | None, cap: float) -> float | None:

@@ -78,7 +78,8 @@ SAGA_EXPORT_DROPPED_SPAN: Final = "saga.export.dropped_span"  # the refused span
 SAGA_EXPORT_DROPPED_SPAN_ID: Final = "saga.export.dropped_span_id"  # 16 hex digits
 SAGA_EXPORT_DROPPED_SIZE: Final = "saga.export.dropped_size_bytes"  # its encoded size
 SAGA_EXPORT_DROPPED_ATTRIBUTES: Final = "saga.export.dropped_attributes"  # keys left out
-DROPPED_TOO_LARGE: Final = "too_large"  # the one reason so far
+DROPPED_TOO_LARGE: Final = "too_large"  # over the sidecar's or the local size bound
+DROPPED_REJECTED: Final = "rejected"  # the sidecar rejected it (OTLP partial success)
 # The fencing token of the recovery lease a recoverer holds; on its spans.
 SAGA_RECOVERY_TOKEN: Final = "saga.recovery.token"
 

@@ -1,5 +1,5 @@
-"""The export path (saga_otel._config, _processor, _acks, _heartbeat) against a real
-OTLP/HTTP receiver on loopback.
+"""The export path (saga_otel._config, _processor, _transport, _acks, _heartbeat)
+against a real OTLP/HTTP receiver on loopback.
 
 The receiver stands in for the sidecar: it decodes each ExportTraceServiceRequest
 before answering, so "received" is always true by the time the exporter sees
@@ -39,6 +39,7 @@ from saga_otel._config import ENV_SIDECAR_ENDPOINT, SidecarExport, configure
 from saga_otel._errors import ConfigurationError
 from saga_otel._heartbeat import register_open_run, unregister_open_run
 from saga_otel._state import STATE
+from saga_otel._transport import MAX_PARTIAL_MESSAGE, PartialSuccess, partial_rejections
 
 
 def free_port() -> int:
@@ -77,8 +78,11 @@ class Receiver:
         self.requests: list[dict[str, str]] = []  # headers of every request, answered or not
         self.statuses: list[int] = []  # scripted answers, consumed first; then 200
         self.answer = b""  # body of a 200 (e.g. an OTLP partial success)
+        # Why a span is rejected (OTLP partial success, as the sidecar's), or None: taken.
+        self.reject: Callable[[Got], str | None] | None = None
         self.max_body: int | None = None  # larger bodies get 413, as the sidecar's --max-body
         self.stall = threading.Event()  # set => requests wait for `release` first
+        self.hold = 2.0  # at most this long (seconds)
         self.release = threading.Event()
         self.lock = threading.Lock()
         self._server: ThreadingHTTPServer | None = None
@@ -97,25 +101,36 @@ class Receiver:
                 if rx.max_body is not None and len(body) > rx.max_body:
                     status = 413
                 if rx.stall.is_set():
-                    rx.release.wait(2.0)
+                    rx.release.wait(rx.hold)
+                answer = rx.answer
                 if status == 200 and self.path == "/v1/traces":
                     req = ExportTraceServiceRequest.FromString(body)
+                    refused: list[str] = []
                     with rx.lock:
                         for rs in req.resource_spans:
                             res = {a.key: _value(a.value) for a in rs.resource.attributes}
                             for ss in rs.scope_spans:
                                 for s in ss.spans:
-                                    rx.spans.append(
-                                        Got(
-                                            s.name,
-                                            int.from_bytes(s.span_id, "big"),
-                                            {a.key: _value(a.value) for a in s.attributes},
-                                            res,
-                                        )
+                                    got = Got(
+                                        s.name,
+                                        int.from_bytes(s.span_id, "big"),
+                                        {a.key: _value(a.value) for a in s.attributes},
+                                        res,
                                     )
+                                    why = rx.reject(got) if rx.reject is not None else None
+                                    if why is None:
+                                        rx.spans.append(got)
+                                    else:
+                                        refused.append(why)
+                    if refused:
+                        answer = ExportTraceServiceResponse(
+                            partial_success=ExportTracePartialSuccess(
+                                rejected_spans=len(refused), error_message="; ".join(refused)
+                            )
+                        ).SerializeToString()
                 elif status == 200:
                     status = 404
-                answer = rx.answer if status == 200 else b""
+                answer = answer if status == 200 else b""
                 self.send_response(status)
                 self.send_header("Content-Type", "application/x-protobuf")
                 self.send_header("Content-Length", str(len(answer)))
@@ -394,21 +409,109 @@ def test_4xx_is_dropped_and_counted(
     assert not receiver.by_id(span.get_span_context().span_id)
 
 
-def test_partial_success_rejections_are_counted(
+def test_a_rejected_span_is_not_acknowledged_and_the_log_carries_the_sidecars_message(
     receiver: Receiver,
     setup: Any,
     provider: TracerProvider,
     registry: CollectorRegistry,
     log: RecordingLogger,
 ) -> None:
-    receiver.answer = ExportTraceServiceResponse(
-        partial_success=ExportTracePartialSuccess(rejected_spans=1, error_message="bad")
-    ).SerializeToString()
-    export = setup(receiver.url)
-    saga_span(provider).end()
-    assert export.force_flush(5.0)
+    why = 'saga.compensation.args=\'{"a": "x\': must be JSON object text\x1b[2J'
+    receiver.reject = lambda g: None if sc.SAGA_EXPORT_DROPPED in g.attrs else why
+    setup(receiver.url, ack_timeout=5.0)
+    span = saga_span(provider)
+    span.end()
+    assert wait_for_ack(span) is False  # answered 2xx, but never taken
     assert failures(registry, "rejected") == 1
-    assert "rejected" in log.reasons()
+    (line,) = [kw for _, ev, kw in log.calls if ev == sc.EV_EXPORT_FAILED and "error" in kw]
+    assert line["reason"] == "rejected" and line["run_id"] == "run-1"
+    assert line["span_name"] == "saga.do charge" and line["marker"] is True
+    # The sidecar's message, as printable text: a control character is shown, not obeyed.
+    assert line["error"] == why.replace("\x1b", "\\x1b")
+    # A marker stands in for it, so the sidecar knows the run; the identity only.
+    assert until(lambda: len(_markers(receiver)) == 1)
+    (marker,) = _markers(receiver)
+    assert marker.attrs[sc.SAGA_EXPORT_DROPPED] == sc.DROPPED_REJECTED
+    assert marker.attrs[sc.SAGA_RUN_ID] == "run-1"
+    assert marker.attrs[sc.SAGA_EXPORT_DROPPED_SPAN_ID] == f"{span.get_span_context().span_id:016x}"
+    assert marker.attrs[sc.SAGA_EXPORT_DROPPED_ATTRIBUTES] == [sc.SAGA_COMPENSATION_TOOL]
+
+
+def test_a_rejected_span_is_released_only_once_its_marker_was_answered(
+    receiver: Receiver, setup: Any, provider: TracerProvider
+) -> None:
+    def reject(g: Got) -> str | None:
+        if sc.SAGA_EXPORT_DROPPED in g.attrs:
+            return None
+        receiver.stall.set()  # the next request, the marker's, is held
+        return "bad span"
+
+    receiver.reject = reject
+    receiver.hold = 60.0
+    setup(receiver.url, ack_timeout=5.0)
+    span = saga_span(provider)
+    span.end()
+    ticket = STATE.tickets[span.get_span_context().span_id]
+    assert until(lambda: len(receiver.requests) == 2)  # the marker's request, held
+    # The step still waits: an agent killed once it went on has left the sidecar its run.
+    assert not ticket.future.done()
+    receiver.release.set()
+    assert wait_for_ack(span) is False
+    assert _markers(receiver)
+
+
+def test_a_batch_with_a_rejected_span_goes_again_span_by_span_and_only_that_one_is_lost(
+    receiver: Receiver,
+    setup: Any,
+    provider: TracerProvider,
+    registry: CollectorRegistry,
+) -> None:
+    # The answer counts rejected spans without naming them.
+    def reject(g: Got) -> str | None:
+        bad = g.name == "saga.do bad" and sc.SAGA_EXPORT_DROPPED not in g.attrs
+        return "bad span" if bad else None
+
+    receiver.reject = reject
+    export = setup(receiver.url, ack_timeout=5.0)
+    receiver.stall.set()
+    first = saga_span(provider, "saga.do first")
+    first.end()
+    assert until(lambda: len(receiver.requests) == 1)  # in flight and held: the rest queue
+    spans = [saga_span(provider, f"saga.do {name}") for name in ("good", "bad", "fine")]
+    for span in spans:
+        span.end()
+    receiver.release.set()
+    good, bad, fine = spans
+    assert wait_for_ack(first) is True
+    assert wait_for_ack(good) is True
+    assert wait_for_ack(bad) is False
+    assert wait_for_ack(fine) is True
+    assert export.force_flush(5.0)
+    # The three went in one request, then each on its own (the sidecar's answers to
+    # the resends of taken spans are "taken").
+    assert len(receiver.by_id(good.get_span_context().span_id)) == 2
+    assert len(receiver.by_id(fine.get_span_context().span_id)) == 2
+    (marker,) = _markers(receiver)
+    assert marker.attrs[sc.SAGA_EXPORT_DROPPED_SPAN] == "saga.do bad"
+    assert failures(registry, "rejected") == 1
+
+
+def test_the_partial_success_message_is_bounded_and_printable() -> None:
+    def answer(rejected: int, message: str) -> bytes:
+        return ExportTraceServiceResponse(
+            partial_success=ExportTracePartialSuccess(
+                rejected_spans=rejected, error_message=message
+            )
+        ).SerializeToString()
+
+    got = partial_rejections(answer(2, "bad\x1b[2J\n" + "y" * 5000))
+    assert got.rejected == 2
+    assert got.message.startswith("bad\\x1b[2J\\x0ay")
+    assert len(got.message) == MAX_PARTIAL_MESSAGE and got.message.isprintable()
+    caveat = "derived instance"  # taken with a caveat: nothing rejected
+    assert partial_rejections(answer(0, caveat)) == PartialSuccess(0, caveat)
+    assert partial_rejections(b"") == PartialSuccess()
+    assert partial_rejections(b"\xff not protobuf") == PartialSuccess()
 
 
 def test_slow_receiver_bounded_wait(
@@ -637,6 +740,80 @@ def test_configure_refuses_a_global_provider_it_can_neither_join_nor_replace() -
     assert done.returncode == 0, done.stderr
     assert "opentelemetry.trace.NoOpTracerProvider" in done.stdout
     assert "pass tracer_provider=" in done.stdout and "before" in done.stdout
+
+
+# --------------------------------------------------------------------------
+# attribute value length limits: a value cut short breaks the contract
+
+
+async def test_a_push_the_sidecar_rejects_is_not_acknowledged_and_the_run_escalates(
+    monkeypatch: pytest.MonkeyPatch,
+    setup: Any,
+    registry: CollectorRegistry,
+    log: RecordingLogger,
+    sidecar_process: Callable[..., Any],
+) -> None:
+    import httpx
+
+    from saga_otel import Saga, tool
+
+    class ServiceDown(Exception):
+        pass
+
+    @tool(
+        "compensable",
+        compensate="reverse_credit",
+        compensate_args=lambda i: {"credit_id": i.result, "note": "refund for order 4921"},
+    )
+    def issue_credit(order_id: int) -> str:
+        return "cr_4921_a1b2c3"
+
+    @tool("convergent")
+    def reverse_credit(credit_id: str, note: str) -> None:
+        pass
+
+    @tool("convergent")
+    def send_reply(text: str) -> None:
+        raise ServiceDown("mail down")
+
+    # The user's provider cuts every value to 40 characters: the undo's JSON arguments
+    # no longer parse, and the sidecar rejects the do span that pushed it.
+    monkeypatch.setenv("OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT", "40")
+    cutting = TracerProvider(shutdown_on_exit=False)
+    sidecar = sidecar_process()
+    export = setup(sidecar.otlp, tracer_provider=cutting, ack_timeout=5.0, presence=False)
+    saga = Saga(
+        "refund",
+        tools=[issue_credit, reverse_credit, send_reply],
+        tracer_provider=cutting,
+        registry=registry,
+    )
+    run_id = ""
+    with pytest.raises(ServiceDown):
+        async with saga.run() as run:
+            run_id = run.run_id
+            await run.call("issue_credit", order_id=4921)
+            unacked = [
+                kw
+                for _, ev, kw in log.calls
+                if ev == sc.EV_EXPORT_FAILED and kw.get("span_name") == "saga.do issue_credit"
+            ]
+            await run.call("send_reply", text="sorry")
+    assert export.force_flush(10.0)
+    # Rejected is not acknowledged: the step's wait said so before the next step began.
+    assert [kw["reason"] for kw in unacked] == ["rejected", "rejected"]
+    assert "saga.compensation.args" in unacked[0]["error"]  # the sidecar's own words
+    assert "not acknowledged" in unacked[1]["message"]
+    assert failures(registry, "rejected") >= 1
+    cutting.shutdown()
+    async with httpx.AsyncClient(base_url=sidecar.api, timeout=10.0) as api:
+        view = (await api.get(f"/runs/{run_id}")).json()
+    # The agent undid the credit, but the sidecar never got the undo it would have
+    # recovered from: the marker makes that a run for a person, not "compensated".
+    assert ("rejected", "saga.do issue_credit") in [
+        (d["reason"], d["span"]) for d in view["dropped_spans"]
+    ]
+    assert view["status"] == "compensation_failed"
 
 
 # --------------------------------------------------------------------------
