@@ -10,6 +10,7 @@ down at interpreter exit within ``shutdown_timeout``.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import ssl
 import threading
@@ -20,7 +21,7 @@ from urllib.parse import urlsplit, urlunsplit
 from opentelemetry import trace
 from opentelemetry.attributes import BoundedAttributes
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace import SpanLimits, TracerProvider
 from opentelemetry.util.re import parse_env_headers
 from prometheus_client import CollectorRegistry
 
@@ -31,6 +32,7 @@ from saga_otel._logging import Logger, default_logger
 from saga_otel._presence import Presence
 from saga_otel._processor import DEFAULT_MAX_SPAN_BYTES, SagaSpanProcessor
 from saga_otel._state import STATE
+from saga_otel._text import printable
 from saga_otel._transport import Compression, TransportSettings
 from saga_otel.records import exception_text
 
@@ -44,6 +46,11 @@ _ENV_OTLP: Final = "OTEL_EXPORTER_OTLP_"
 _ENV_OTLP_TRACES: Final = "OTEL_EXPORTER_OTLP_TRACES_"
 _DEFAULT_REQUEST_TIMEOUT: Final = 5.0
 _TRACES_PATH: Final = "/v1/traces"
+# The SDK's attribute value length limits, the span-specific one first (it wins).
+_ENV_LENGTH_LIMITS: Final = (
+    "OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT",
+    "OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT",
+)
 
 
 def instance_id() -> str:
@@ -178,11 +185,80 @@ def _transport(
     )
 
 
-def _own_provider() -> TracerProvider:
+def _length_limit_variable() -> tuple[str, str] | None:
+    """(variable, value) of the length limit the SDK would put on span attributes, if any.
+
+    As the SDK reads them: the span-specific variable wins, set even to "" (= none);
+    then the general one.
+    """
+    for name in _ENV_LENGTH_LIMITS:
+        if name in os.environ:
+            value = os.environ[name].strip()
+            return (name, value) if value else None
+    return None
+
+
+def _own_provider(log: Logger) -> TracerProvider:
+    """The provider saga_otel makes when the process has none, honouring the ``OTEL_*``
+    variables but an attribute value length limit.
+
+    A cut value breaks the contract (the sidecar rejects an undo whose JSON arguments
+    were cut; a run id cut is another run), and a provider has one limit for all its
+    spans. This provider exists for the saga spans (only they are exported from it), so
+    it gets none, and the log says whose limit is not applied.
+    """
     resource = Resource.create()
     if sc.SERVICE_INSTANCE_ID not in resource.attributes:
         resource = resource.merge(Resource({sc.SERVICE_INSTANCE_ID: STATE.instance_id}))
-    return TracerProvider(resource=resource)
+    found = _length_limit_variable()
+    if found is not None:
+        name, value = found
+        with contextlib.suppress(Exception):  # a broken logging setup must not stop us
+            log.warning(
+                sc.EV_CONFIGURE_WARNING,
+                variable=name,
+                value=printable(value[:40]),
+                message=(
+                    f"{name}={value[:40]!r} is not applied to the tracer provider "
+                    "saga_otel creates: a saga span attribute value cut short is refused "
+                    "by the sidecar, so the undo it carries would never reach it. Spans "
+                    "of this provider keep their whole values; to limit your own spans, "
+                    "give them a provider of your own"
+                ),
+            )
+    unlimited = SpanLimits(
+        max_attribute_length=SpanLimits.UNSET, max_span_attribute_length=SpanLimits.UNSET
+    )
+    return TracerProvider(resource=resource, span_limits=unlimited)
+
+
+def _warn_if_cut(provider: TracerProvider, log: Logger) -> None:
+    """Warn when the user's provider cuts attribute values: its limit applies to the
+    saga spans too (one limit per provider), and saga_otel does not change the user's.
+
+    The sidecar rejects a span whose contract a cut breaks; saga_otel then sends a
+    marker in its place (the run escalates), but the undo itself is not at the sidecar.
+    """
+    limits = getattr(provider, "_span_limits", None)  # the SDK keeps them private
+    limit = getattr(limits, "max_span_attribute_length", None)
+    if not isinstance(limit, int):
+        return
+    found = _length_limit_variable()
+    source = found[0] if found is not None and found[1] == str(limit) else "its span_limits"
+    with contextlib.suppress(Exception):  # a broken logging setup must not stop us
+        log.warning(
+            sc.EV_CONFIGURE_WARNING,
+            variable=source,
+            value=limit,
+            message=(
+                f"the tracer provider cuts span attribute values to {limit} characters "
+                f"({source}): a saga span whose undo arguments, stack or run id are cut "
+                "is rejected by the sidecar (saga_otel sends a marker span in its place, "
+                f"so the run escalates, but the undo is lost). Unset {source} for the "
+                "provider that makes the saga spans, or pass configure() a tracer_provider "
+                "without an attribute value length limit"
+            ),
+        )
 
 
 def _rebrand(resource: Resource, parent_id: str) -> None:
@@ -309,7 +385,11 @@ def configure(
     The processor joins ``tracer_provider``, else the global SDK provider, else a
     new one set as the global provider. A global provider that is not the SDK's
     (``NoOpTracerProvider``, a vendor's) cannot be joined nor replaced: refused
-    with a :class:`ConfigurationError`.
+    with a :class:`ConfigurationError`. The new one applies no attribute value
+    length limit (``OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT`` and
+    ``OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT`` are ignored, with a warning): the
+    sidecar refuses a saga span whose values were cut. A provider of yours that has
+    such a limit keeps it, with a warning.
 
     Sidecar replicas on one database: a list of URLs (or, in the variable, URLs
     separated by commas). Requests take them in turn; one that fails is skipped
@@ -358,12 +438,14 @@ def configure(
                 "TracerProvider; pass opentelemetry.sdk.trace.TracerProvider or None"
             )
         provider = tracer_provider
+        _warn_if_cut(provider, log)
     else:
         current = trace.get_tracer_provider()
         if isinstance(current, TracerProvider):
             provider = current  # the user's: we only add our processor to it
+            _warn_if_cut(provider, log)
         elif isinstance(current, trace.ProxyTracerProvider):  # none set yet: ours becomes it
-            provider = _own_provider()
+            provider = _own_provider(log)
             trace.set_tracer_provider(provider)
         else:
             # OpenTelemetry refuses to replace a global provider once set (it only logs a

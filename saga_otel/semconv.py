@@ -303,6 +303,7 @@ EV_EXPORT_FAILED: Final = "saga.export.failed"
 EV_EXPORT_FAILOVER: Final = "saga.export.failover"
 EV_EXPORT_RECOVERED: Final = "saga.export.recovered"
 EV_TELEMETRY_ERROR: Final = "saga.telemetry.error"
+EV_CONFIGURE_WARNING: Final = "saga.configure.warning"
 
 # --- alerts (sidecar) -------------------------------------------------------
 ALERT_COMPENSATION_STARTED: Final = "SagaCompensationStarted"

@@ -20,7 +20,9 @@ from typing import Any
 
 import httpx
 import pytest
-from support import wait_until
+from support import AlertReceiver, wait_until
+
+from saga_otel import semconv
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(900)]
 
@@ -162,3 +164,85 @@ def test_killed_agents_are_recovered_with_nothing_lost_or_repeated(
     }
     # The trials must actually exercise recovery, not only early or late kills.
     assert stats["recovered"] >= TRIALS // 4, stats
+
+
+# An agent under a standard OpenTelemetry attribute value length limit, killed right after
+# a write whose undo it pushed. saga_otel's own provider applies no limit (the undo is at
+# the sidecar); a provider of the user's that cuts the undo's arguments gets the do span
+# rejected, and the marker in its place makes the sidecar know the run and page it.
+LIMITED_AGENT = r"""
+import asyncio, sys
+from opentelemetry.sdk.trace import TracerProvider
+import saga_otel
+from saga_otel import Saga, tool
+
+@tool("compensable", compensate="reverse_credit",
+      compensate_args=lambda i: {"credit_id": i.result, "note": "refund for order 4921"})
+def issue_credit(order_id: int) -> str:
+    return "cr_4921_a1b2c3"
+
+@tool("convergent")
+def reverse_credit(credit_id: str, note: str) -> None:
+    pass
+
+provider = TracerProvider() if sys.argv[2] == "users" else None  # reads the variable
+saga_otel.configure(sys.argv[1], tracer_provider=provider, heartbeat_interval=0.2)
+saga = Saga("refund", tools=[issue_credit, reverse_credit], tracer_provider=provider)
+
+async def main() -> None:
+    async with saga.run() as run:
+        await run.call("issue_credit", order_id=4921)  # the write happened; its undo pushed
+        print(run.run_id, flush=True)
+        await asyncio.sleep(3600)  # killed here
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("provider", ["saga_otels", "users"])
+def test_an_agent_killed_after_a_write_under_a_length_limit_is_paged(
+    tmp_path: Path, sidecar_process: Any, provider: str
+) -> None:
+    script = tmp_path / "agent.py"
+    script.write_text(LIMITED_AGENT)
+    pager = AlertReceiver()
+    side = sidecar_process("--webhook", pager.url)
+    env = {**os.environ, "OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT": "40"}
+    agent = subprocess.Popen(
+        [sys.executable, str(script), side.otlp, provider],
+        stdout=subprocess.PIPE,
+        stderr=(tmp_path / "agent.err").open("w"),
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
+    try:
+        assert agent.stdout is not None
+        run_id = agent.stdout.readline().strip()
+        assert run_id, (tmp_path / "agent.err").read_text()[-2000:]
+        agent.kill()  # SIGKILL right after the write: no goodbye, no last span
+        agent.wait(10)
+        paged = wait_until(
+            lambda: pager.find(semconv.ALERT_RUN_ORPHANED, run_id),
+            timeout=30,
+            what=f"run {run_id} paged orphaned",
+        )
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait(10)
+        pager.stop()
+    assert paged
+    view = httpx.get(f"{side.api}/runs/{run_id}", timeout=5).json()
+    assert view["status"] == "orphaned"
+    if provider == "saga_otels":
+        # The variable is not applied to saga_otel's provider: the whole undo is there.
+        assert [(c["tool"], c["args"]) for c in view["stack"]] == [
+            ("reverse_credit", {"credit_id": "cr_4921_a1b2c3", "note": "refund for order 4921"})
+        ]
+    else:
+        # The cut undo was rejected; its marker says what is missing, for a person.
+        assert view["stack"] == []
+        assert [(d["reason"], d["span"]) for d in view["dropped_spans"]] == [
+            ("rejected", semconv.do_span_name("issue_credit"))
+        ]

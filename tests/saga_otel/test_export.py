@@ -30,7 +30,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
 )
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace import SpanLimits, TracerProvider
 from prometheus_client import CollectorRegistry
 
 from saga_otel import semconv as sc
@@ -744,6 +744,72 @@ def test_configure_refuses_a_global_provider_it_can_neither_join_nor_replace() -
 
 # --------------------------------------------------------------------------
 # attribute value length limits: a value cut short breaks the contract
+
+
+@pytest.mark.parametrize(
+    "variable", ["OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT", "OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT"]
+)
+def test_saga_otels_own_provider_cuts_no_value_whatever_the_length_limit_variables_say(
+    receiver: Receiver, variable: str
+) -> None:
+    # A fresh process: the provider saga_otel makes becomes the global one.
+    script = textwrap.dedent(
+        f"""
+        import json
+        from opentelemetry import trace
+        from saga_otel import semconv as sc
+        from saga_otel import configure
+        from saga_otel._acks import wait_for_ack
+        configure({receiver.url!r}, ack_timeout=5.0, presence=False)
+        span = trace.get_tracer("t").start_span("saga.do issue_credit", attributes={{
+            sc.SAGA_PHASE: sc.PHASE_DO, sc.SAGA_RUN_ID: "9" * 32, sc.SAGA_STEP_INDEX: 0,
+            sc.SAGA_COMPENSATION_TOOL: "reverse_credit",
+            sc.SAGA_COMPENSATION_ARGS: json.dumps({{"note": "n" * 100}})}})
+        span.end()
+        assert wait_for_ack(span)
+        """
+    )
+    env = {**os.environ, variable: "16"}
+    env.pop(ENV_SIDECAR_ENDPOINT, None)
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        env=env,
+        cwd=str(ROOT),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    (got,) = receiver.spans
+    assert got.attrs[sc.SAGA_COMPENSATION_ARGS] == '{"note": "' + "n" * 100 + '"}'
+    assert got.attrs[sc.SAGA_RUN_ID] == "9" * 32
+    # Not silently: the log names the variable that is not applied.
+    (warned,) = [line for line in done.stderr.splitlines() if sc.EV_CONFIGURE_WARNING in line]
+    assert f'"variable":"{variable}"' in warned and "not applied" in warned
+
+
+@pytest.mark.parametrize("source", ["variable", "span_limits"])
+def test_a_users_provider_that_cuts_values_is_warned_about_at_configure(
+    setup: Any, log: RecordingLogger, monkeypatch: pytest.MonkeyPatch, source: str
+) -> None:
+    if source == "variable":
+        monkeypatch.setenv("OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT", "64")
+        limits = SpanLimits()  # the SDK reads the variable
+    else:
+        limits = SpanLimits(max_span_attribute_length=64)
+    cutting = TracerProvider(span_limits=limits, shutdown_on_exit=False)
+    setup("http://127.0.0.1:9", tracer_provider=cutting, presence=False)
+    (warned,) = [kw for level, ev, kw in log.calls if ev == sc.EV_CONFIGURE_WARNING]
+    named = "OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT" if source == "variable" else "its span_limits"
+    assert warned["variable"] == named and warned["value"] == 64
+    assert "rejected by the sidecar" in warned["message"] and named in warned["message"]
+    # Values are left as the user's provider cuts them: saga_otel does not change it.
+    assert cutting._span_limits.max_span_attribute_length == 64
+    log.calls.clear()
+    monkeypatch.delenv("OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT", raising=False)
+    whole = TracerProvider(shutdown_on_exit=False)
+    setup("http://127.0.0.1:9", tracer_provider=whole, presence=False)
+    assert not [ev for _, ev, _ in log.calls if ev == sc.EV_CONFIGURE_WARNING]
 
 
 async def test_a_push_the_sidecar_rejects_is_not_acknowledged_and_the_run_escalates(
