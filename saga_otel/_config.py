@@ -51,6 +51,11 @@ _ENV_LENGTH_LIMITS: Final = (
     "OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT",
     "OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT",
 )
+# Its attribute count limits, the same way. A saga span carries up to about 20
+# attributes; past the count the SDK drops some, and the span breaks the contract.
+_ENV_COUNT_LIMITS: Final = ("OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT", "OTEL_ATTRIBUTE_COUNT_LIMIT")
+_MIN_SPAN_ATTRIBUTES: Final = 64  # the least a provider's count limit may be for saga spans
+_OWN_SPAN_ATTRIBUTES: Final = 128  # the SDK's default, for saga_otel's provider under a lower one
 
 
 def instance_id() -> str:
@@ -186,12 +191,27 @@ def _transport(
 
 
 def _length_limit_variable() -> tuple[str, str] | None:
-    """(variable, value) of the length limit the SDK would put on span attributes, if any.
+    """(variable, value) of the length limit the SDK would put on span attributes, if any."""
+    return _limit_variable(_ENV_LENGTH_LIMITS)
 
-    As the SDK reads them: the span-specific variable wins, set even to "" (= none);
-    then the general one.
-    """
-    for name in _ENV_LENGTH_LIMITS:
+
+def _count_limit_variable() -> tuple[str, str] | None:
+    """(variable, value) of a span attribute count limit too low for saga spans, if any
+    (one the SDK could not read is its business: it falls back to its default)."""
+    found = _limit_variable(_ENV_COUNT_LIMITS)
+    if found is None:
+        return None
+    try:
+        low = int(found[1]) < _MIN_SPAN_ATTRIBUTES
+    except ValueError:
+        return None
+    return found if low else None
+
+
+def _limit_variable(names: tuple[str, str]) -> tuple[str, str] | None:
+    """As the SDK reads a pair: the span-specific variable wins, set even to "" (= none);
+    then the general one."""
+    for name in names:
         if name in os.environ:
             value = os.environ[name].strip()
             return (name, value) if value else None
@@ -226,10 +246,31 @@ def _own_provider(log: Logger) -> TracerProvider:
                     "give them a provider of your own"
                 ),
             )
-    unlimited = SpanLimits(
-        max_attribute_length=SpanLimits.UNSET, max_span_attribute_length=SpanLimits.UNSET
+    counted = _count_limit_variable()
+    if counted is not None:
+        name, value = counted
+        with contextlib.suppress(Exception):  # a broken logging setup must not stop us
+            log.warning(
+                sc.EV_CONFIGURE_WARNING,
+                variable=name,
+                value=printable(value[:40]),
+                message=(
+                    f"{name}={value[:40]!r} is not applied to the tracer provider "
+                    "saga_otel creates: past it the SDK drops span attributes, and a saga "
+                    "span without its own is refused by the sidecar. Spans of this "
+                    f"provider keep up to {_OWN_SPAN_ATTRIBUTES}; to limit your own spans, "
+                    "give them a provider of your own"
+                ),
+            )
+    limits = SpanLimits(
+        max_attribute_length=SpanLimits.UNSET,
+        max_span_attribute_length=SpanLimits.UNSET,
+        # None reads the variables (the SDK's default without them): only a count too
+        # low for saga spans is replaced.
+        max_attributes=_OWN_SPAN_ATTRIBUTES if counted is not None else None,
+        max_span_attributes=_OWN_SPAN_ATTRIBUTES if counted is not None else None,
     )
-    return TracerProvider(resource=resource, span_limits=unlimited)
+    return TracerProvider(resource=resource, span_limits=limits)
 
 
 def _warn_if_cut(provider: TracerProvider, log: Logger) -> None:
@@ -240,6 +281,23 @@ def _warn_if_cut(provider: TracerProvider, log: Logger) -> None:
     marker in its place (the run escalates), but the undo itself is not at the sidecar.
     """
     limits = getattr(provider, "_span_limits", None)  # the SDK keeps them private
+    count = getattr(limits, "max_span_attributes", None)
+    if isinstance(count, int) and count < _MIN_SPAN_ATTRIBUTES:
+        found = _limit_variable(_ENV_COUNT_LIMITS)
+        source = found[0] if found is not None and found[1] == str(count) else "its span_limits"
+        with contextlib.suppress(Exception):  # a broken logging setup must not stop us
+            log.warning(
+                sc.EV_CONFIGURE_WARNING,
+                variable=source,
+                value=count,
+                message=(
+                    f"the tracer provider keeps at most {count} attributes a span "
+                    f"({source}): a saga span has up to about 20, and one missing its own is "
+                    "rejected by the sidecar (saga_otel sends a marker span in its place, so "
+                    f"the run escalates, but the undo is lost). Raise {source} to at least "
+                    f"{_MIN_SPAN_ATTRIBUTES} for the provider that makes the saga spans"
+                ),
+            )
     limit = getattr(limits, "max_span_attribute_length", None)
     if not isinstance(limit, int):
         return

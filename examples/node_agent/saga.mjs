@@ -225,7 +225,7 @@ export class Telemetry {
     });
     for (const name of LIMIT_VARIABLES) {
       if (process.env[name]) {
-        log("saga.config.ignored", {
+        log("saga.configure.warning", {
           variable: name,
           value: bounded(process.env[name]),
           why: "saga spans are never truncated: this provider sets its own span limits",

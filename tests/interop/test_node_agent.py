@@ -338,7 +338,7 @@ def test_attribute_limits_in_the_environment_never_cut_saga_spans(
             )  # fmt: skip
             assert done.returncode == 0, done.stderr
             lines = agent_log(done.stderr)
-            assert [doc["event"] for doc in lines] == ["saga.config.ignored"], done.stderr
+            assert [doc["event"] for doc in lines] == ["saga.configure.warning"], done.stderr
             assert (lines[0]["variable"], lines[0]["value"]) == (variable, value)
             agent = next(doc for doc in agent_log(done.stdout) if "status" in doc)
             view = run_view(sidecar, agent["run_id"])

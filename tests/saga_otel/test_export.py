@@ -812,6 +812,71 @@ def test_a_users_provider_that_cuts_values_is_warned_about_at_configure(
     assert not [ev for _, ev, _ in log.calls if ev == sc.EV_CONFIGURE_WARNING]
 
 
+@pytest.mark.parametrize(
+    "variable", ["OTEL_ATTRIBUTE_COUNT_LIMIT", "OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT"]
+)
+def test_saga_otels_own_provider_drops_no_saga_attribute_under_a_low_count_limit(
+    receiver: Receiver, variable: str
+) -> None:
+    """Past a count limit the SDK drops attributes: a do span without its own is refused
+    by the sidecar. saga_otel's own provider keeps 128 under a lower one, and says so."""
+    script = textwrap.dedent(
+        f"""
+        from opentelemetry import trace
+        from saga_otel import semconv as sc
+        from saga_otel import configure
+        from saga_otel._acks import wait_for_ack
+        configure({receiver.url!r}, ack_timeout=5.0, presence=False)
+        span = trace.get_tracer("t").start_span("saga.do issue_credit", attributes={{
+            sc.SAGA_PHASE: sc.PHASE_DO, sc.SAGA_RUN_ID: "9" * 32, sc.SAGA_STEP_INDEX: 0,
+            **{{f"x.{{i}}": i for i in range(20)}},
+            sc.SAGA_COMPENSATION_TOOL: "reverse_credit",
+            sc.SAGA_COMPENSATION_ARGS: '{{"credit_id": "cr_1"}}'}})
+        span.end()
+        assert wait_for_ack(span)
+        """
+    )
+    env = {**os.environ, variable: "6"}
+    env.pop(ENV_SIDECAR_ENDPOINT, None)
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        env=env,
+        cwd=str(ROOT),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    (got,) = receiver.spans
+    assert got.attrs[sc.SAGA_COMPENSATION_ARGS] == '{"credit_id": "cr_1"}'
+    assert got.attrs[sc.SAGA_RUN_ID] == "9" * 32 and len(got.attrs) >= 25
+    (warned,) = [line for line in done.stderr.splitlines() if sc.EV_CONFIGURE_WARNING in line]
+    assert f'"variable":"{variable}"' in warned and "not applied" in warned
+
+
+@pytest.mark.parametrize("source", ["variable", "span_limits"])
+def test_a_users_provider_with_a_low_count_limit_is_warned_about_at_configure(
+    setup: Any, log: RecordingLogger, monkeypatch: pytest.MonkeyPatch, source: str
+) -> None:
+    if source == "variable":
+        monkeypatch.setenv("OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT", "10")
+        limits = SpanLimits()  # the SDK reads the variable
+    else:
+        limits = SpanLimits(max_span_attributes=10)
+    dropping = TracerProvider(span_limits=limits, shutdown_on_exit=False)
+    setup("http://127.0.0.1:9", tracer_provider=dropping, presence=False)
+    (warned,) = [kw for level, ev, kw in log.calls if ev == sc.EV_CONFIGURE_WARNING]
+    named = "OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT" if source == "variable" else "its span_limits"
+    assert warned["variable"] == named and warned["value"] == 10
+    assert "rejected by the sidecar" in warned["message"] and "at least 64" in warned["message"]
+    assert dropping._span_limits.max_span_attributes == 10  # the user's, left as it is
+    log.calls.clear()
+    monkeypatch.setenv("OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT", "64")
+    enough = TracerProvider(shutdown_on_exit=False)
+    setup("http://127.0.0.1:9", tracer_provider=enough, presence=False)
+    assert not [ev for _, ev, _ in log.calls if ev == sc.EV_CONFIGURE_WARNING]
+
+
 async def test_a_push_the_sidecar_rejects_is_not_acknowledged_and_the_run_escalates(
     monkeypatch: pytest.MonkeyPatch,
     setup: Any,
