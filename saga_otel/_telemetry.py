@@ -24,6 +24,7 @@ from typing import Any, Literal
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import (
+    Link,
     NonRecordingSpan,
     Span,
     SpanContext,
@@ -429,9 +430,18 @@ class Instrumentation:
     def start_run(
         self, run_id: str | None = None, *, trace_id: int = 0, parent_span_id: int = 0
     ) -> RunTelemetry:
-        """Open the run span. Given ``trace_id``, the span joins that trace (recovery)."""
-        parent: Context | None = None
-        if trace_id:
+        """Open the run span. Given ``trace_id``, the span joins that trace (recovery, a
+        resume); else it is the root of a trace of its own, linked to the current span."""
+        links: tuple[Link, ...] = ()
+        if not trace_id:
+            # A fresh run's trace id is its run id: joining the current trace would give
+            # every run begun in one agent span the same id (one run in the sidecar, shared
+            # idempotency keys). A root with a link keeps the agent's trace connected.
+            parent = Context()
+            current = trace.get_current_span().get_span_context()
+            if current.is_valid:
+                links = (Link(current),)
+        else:
             remote = SpanContext(
                 trace_id=trace_id,
                 span_id=parent_span_id or 1,
@@ -443,7 +453,10 @@ class Instrumentation:
             self._guard(
                 "span",
                 lambda: self.tracer.start_span(
-                    sc.run_span_name(self.saga), context=parent, kind=SpanKind.INTERNAL
+                    sc.run_span_name(self.saga),
+                    context=parent,
+                    kind=SpanKind.INTERNAL,
+                    links=links,
                 ),
             )
             or trace.INVALID_SPAN

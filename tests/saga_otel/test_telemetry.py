@@ -11,8 +11,9 @@ import json
 from typing import Any
 
 import pytest
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
-from opentelemetry.trace import StatusCode
+from opentelemetry.trace import Span, StatusCode
 from saga_modes import Driver, refund_agent, run_refund, settle
 
 from examples.refund_tools import refund_tools
@@ -21,6 +22,10 @@ from examples.world import ServiceDown, World
 from saga_otel import RetryPolicy, RunStatus, Step, observed, observed_run
 from saga_otel import semconv as sc
 from saga_otel.testing import Captured, FailureInjector, capture, contract_violations, span_attrs
+from sidecar import RunState
+from sidecar._otlp import extract
+
+T = 1_700_000_100.0
 
 
 @pytest.fixture
@@ -61,6 +66,86 @@ async def test_completed_run_spans(cap: Captured, mode: Driver) -> None:
     assert reply[sc.SAGA_STEP_CLASS] == "irreversible"
     assert sc.SAGA_COMPENSATION_TOOL not in span_attrs(dos[0])  # reads push nothing
     assert cap.spans(phase="unwind") == []
+
+
+def _two_runs_of_one_turn(cap: Captured, turn: Span, first: str, second: str) -> None:
+    """Each run is the root of a trace of its own, its run id, linked to the agent's span."""
+    assert first != second
+    runs = cap.spans(phase="run")
+    assert [span_attrs(s)[sc.SAGA_RUN_ID] for s in runs] == [first, second]
+    for run_id, run in zip((first, second), runs, strict=True):
+        assert run.parent is None
+        assert run.context.trace_id == int(run_id, 16)
+        assert [link.context for link in run.links] == [turn.get_span_context()]
+        assert {s.context.trace_id for s in cap.spans(run_id=run_id)} == {run.context.trace_id}
+
+
+def _sidecar_state(spans: list[ReadableSpan]) -> RunState:
+    decoded = extract(encode_spans(spans))
+    assert decoded.rejected == 0, decoded.errors
+    state = RunState()
+    state.apply(list(decoded.spans), T)
+    return state
+
+
+async def test_runs_begun_in_one_agent_span_are_runs_of_their_own(
+    cap: Captured, mode: Driver
+) -> None:
+    """Agent frameworks keep a span open around a turn. A run begun inside it must not
+    take that span's trace (and so its trace id as run id): two runs of one turn would
+    share a run id, their writes the same idempotency keys (the second run's credit a
+    replay of the first's), and the sidecar would show the killed second run as the
+    first's completed one: never orphaned, never recovered."""
+    world = World()
+    saga = cap.saga("refund", tools=refund_tools(world))
+    with cap.provider.get_tracer("agent").start_as_current_span("agent turn") as turn:
+        first = mode.run(saga)
+        async with first:
+            await first.call("issue_credit", order_id=1, amount=100)
+        second = mode.run(saga)
+        async with second:
+            await second.call("issue_credit", order_id=2, amount=200)
+            await second.call("issue_credit", order_id=3, amount=300)
+            sent = cap.spans()  # all the sidecar gets if the agent is killed here
+    assert [e["order_id"] for e in world.ledger] == [1, 2, 3]  # no key replayed another's
+    _two_runs_of_one_turn(cap, turn, first.run_id, second.run_id)
+    state = _sidecar_state(sent)
+    assert sorted(state.run_ids()) == sorted([first.run_id, second.run_id])
+    assert state.status(first.run_id) == sc.STATUS_COMPLETED
+    assert state.status(second.run_id) == sc.STATE_RUNNING  # orphaned once its agent is silent
+    stack = [c["args"] for c in state.stack(second.run_id) or []]
+    assert stack == [{"credit_id": e["credit_id"]} for e in reversed(world.ledger[1:])]
+
+
+async def test_observed_runs_begun_in_one_agent_span_are_runs_of_their_own(
+    cap: Captured, mode: Driver
+) -> None:
+    """observed_run() opens its run span as the engine does: its own trace, linked."""
+    world = World()
+    kw: dict[str, Any] = {
+        "saga": "refund",
+        "tracer_provider": cap.provider,
+        "registry": cap.registry,
+        "logger": cap.logger,
+    }
+    step = observed(
+        credit_step(mode, world),
+        compensation=lambda i: {"credit_id": i.result["credit_id"]},
+        **kw,
+    )
+    with cap.provider.get_tracer("agent").start_as_current_span("agent turn") as turn:
+        with observed_run(**kw) as first:
+            await settle(step.do(1, 100))
+        with observed_run(**kw) as second:
+            await settle(step.do(2, 200))
+            sent = cap.spans()  # all the sidecar gets if the agent is killed here
+    _two_runs_of_one_turn(cap, turn, first.run_id, second.run_id)
+    state = _sidecar_state(sent)
+    assert sorted(state.run_ids()) == sorted([first.run_id, second.run_id])
+    assert state.status(first.run_id) == sc.STATUS_COMPLETED
+    assert state.status(second.run_id) == sc.STATE_RUNNING
+    stack = [c["args"] for c in state.stack(second.run_id) or []]
+    assert stack == [{"credit_id": world.ledger[1]["credit_id"]}]
 
 
 async def test_compensated_run_spans_logs_and_metrics(cap: Captured, mode: Driver) -> None:
@@ -597,7 +682,6 @@ def test_runs_on_many_threads_each_keep_their_own_identity_on_their_spans() -> N
     from opentelemetry.trace import (
         INVALID_SPAN,
         NonRecordingSpan,
-        Span,
         SpanContext,
         get_current_span,
     )
