@@ -3,7 +3,7 @@
 A sink turns one :class:`AlertEvent` into one request and reports how it went
 by raising: :class:`DeliveryRetry` for what may work later (429, 5xx,
 connection errors, timeouts) and :class:`DeliveryRejected` for what never will
-(other 4xx: a configuration error). Retrying, ordering and durability are the
+(other 4xx, and a redirect: a configuration error). Retrying, ordering and durability are the
 outbox's job. Every payload is redacted here, at the last step before it
 leaves the process.
 """
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 from typing import Any, ClassVar, Final, Protocol, TextIO
-from urllib.parse import urlsplit
+from urllib.parse import urljoin, urlsplit
 
 import aiohttp
 import structlog
@@ -51,7 +51,8 @@ class DeliveryRetry(DeliveryError):
 
 
 class DeliveryRejected(DeliveryError):
-    """The sink refused the alert for good (4xx other than 429): fix the configuration."""
+    """The sink refused the alert for good (4xx other than 429, or a redirect): fix the
+    configuration."""
 
 
 class Sink(Protocol):
@@ -98,6 +99,22 @@ def shown_sink(name: str) -> str:
     return f"{kind}:{shown_url(url)}" if sep and "://" in url else name
 
 
+def _shown_location(url: str, location: str | None) -> str:
+    """Where a redirect from ``url`` points, as :func:`shown_url` shows a URL: its path may
+    hold the sink's secret as well (an http -> https move keeps it), so only whether it is
+    ``url``'s own path is said."""
+    if not location:
+        return "nowhere (no Location header)"
+    try:
+        target = urljoin(url, location)
+        old, new = urlsplit(url), urlsplit(target)
+        shown = shown_url(target)
+    except ValueError:
+        return "a Location that is no URL"
+    same = (old.path, old.query) == (new.path, new.query)
+    return f"{shown} ({'the same path' if same else 'another path'})"
+
+
 def parse_retry_after(value: str | None, now: float) -> float | None:
     """Seconds from a Retry-After header (delta seconds or an HTTP date)."""
     if not value:
@@ -131,10 +148,22 @@ class _Http:
         now = datetime.now(UTC).timestamp()
         where = shown_url(url)  # errors are logged and shown on the run page
         try:
-            async with self.session().post(url, json=body) as resp:
+            # A redirect is not followed: aiohttp (as browsers) turns a POST answered 301,
+            # 302 or 303 into a GET without the body, whose 200 would mark the alert
+            # delivered though no sink ever saw it.
+            async with self.session().post(url, json=body, allow_redirects=False) as resp:
                 if 200 <= resp.status < 300:
                     await resp.read()
                     return
+                if 300 <= resp.status < 400:
+                    status = f"{resp.status} {resp.reason or ''}".strip()
+                    to = _shown_location(url, resp.headers.get("Location"))
+                    raise DeliveryRejected(
+                        f"{what} at {where} answered {status}, redirecting to {to}: alerts do "
+                        "not follow redirects (the POST would arrive as a GET without the "
+                        "alert); point the flag at the final URL (`curl -sI` on the URL shows "
+                        "its Location)"
+                    )
                 text = (await resp.text(errors="replace"))[:_MAX_BODY_IN_ERROR]
                 if resp.status == 429 or resp.status >= 500:
                     raise DeliveryRetry(

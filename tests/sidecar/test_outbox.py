@@ -391,6 +391,53 @@ async def test_400_is_not_retried_and_is_logged_with_the_answer(
     assert registry.get_sample_value(sc.M_SIDECAR_ALERTS, failed) == 1
 
 
+async def test_a_redirect_is_refused_as_a_4xx_is_never_marked_delivered(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A webhook answering 302 (a renamed path): followed, the POST became a body-less GET
+    whose 200 marked the alert delivered. It is a refusal, counted as one."""
+    seen: list[tuple[str, str]] = []
+
+    async def handle(request: web.Request) -> web.Response:
+        seen.append((request.method, request.path))
+        if request.path == "/hook":
+            return web.Response(status=302, headers={"Location": "/moved"})
+        return web.Response(status=200, text="landing page")
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    registry = CollectorRegistry()
+    box = Outbox(
+        db_for(tmp_path / "db"),
+        [WebhookSink(f"http://127.0.0.1:{port}/hook")],
+        metrics=AlertMetrics.create(registry),
+        sleep=no_sleep,
+    )
+    box.add([fire("r1")])
+    try:
+        with caplog.at_level(logging.ERROR, logger="sidecar.alerts"):
+            await box.start()
+            try:
+                assert await box.wait_idle()
+            finally:
+                await box.stop()
+    finally:
+        await runner.cleanup()
+    assert seen == [("POST", "/hook")]  # not retried, not followed
+    (row,) = box.rows()
+    assert row.state == FAILED and row.last_error is not None
+    assert "answered 302 Found, redirecting to" in row.last_error
+    (rejected,) = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert rejected.getMessage() == "sidecar.alert.rejected"
+    assert "final URL" in rejected.__dict__["error"]
+    failed = {"alertname": sc.ALERT_COMPENSATION_STARTED, "sink": "webhook", "outcome": "failed"}
+    assert registry.get_sample_value(sc.M_SIDECAR_ALERTS, failed) == 1
+
+
 async def test_a_sink_down_for_a_while_gets_every_alert_exactly_once(tmp_path: Path) -> None:
     receiver = Receiver()  # not listening yet
     sink = WebhookSink(receiver.url, timeout=2.0)

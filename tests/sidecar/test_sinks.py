@@ -260,3 +260,67 @@ def test_a_long_run_ids_pagerduty_key_fits_and_stays_distinct() -> None:
     assert a == pagerduty_dedup_key(long_a) and a.startswith("saga-otel/SagaCompensationStarted/")
     (fire,) = evaluate(None, {**VIEW, "run_id": "r" * 256}, now=10.5)
     assert len(PagerDutySink("k").payload(fire)["dedup_key"]) == 255
+
+
+class Redirects:
+    """Answers a POST under /hook with ``status`` pointing at /moved (or, under /https, at
+    the same URL over https), and anything at /moved with 200: a sink that followed the
+    redirect would see it accepted."""
+
+    def __init__(self, status: int) -> None:
+        self.status = status
+        self.seen: list[tuple[str, str]] = []
+        self.runner: web.AppRunner | None = None
+        self.port = free_port()
+
+    async def handle(self, request: web.Request) -> web.Response:
+        self.seen.append((request.method, request.path))
+        if request.path.startswith("/moved"):
+            return web.Response(status=200, text="landing page")
+        https = request.path.startswith("/https")
+        location = str(request.url.with_scheme("https")) if https else "/moved"
+        return web.Response(status=self.status, headers={"Location": location})
+
+    async def __aenter__(self) -> Redirects:
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self.handle)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        assert self.runner is not None
+        await self.runner.cleanup()
+
+
+def sink_of(kind: str, url: str) -> AlertmanagerSink | PagerDutySink | WebhookSink:
+    if kind == "alertmanager":
+        return AlertmanagerSink(url)
+    if kind == "pagerduty":
+        return PagerDutySink("rk", url=url)
+    return WebhookSink(url)
+
+
+@pytest.mark.parametrize("kind", ["webhook", "alertmanager", "pagerduty"])
+@pytest.mark.parametrize("status", [301, 302, 303, 307, 308])
+async def test_a_redirect_is_refused_naming_where_it_points_never_followed(
+    kind: str, status: int
+) -> None:
+    # Followed, a 301/302/303 turns the POST into a GET without the alert, and the
+    # landing page's 200 marked the alert delivered.
+    async with Redirects(status) as server:
+        for path, to in [("/hook", "another path"), ("/https/hook", "the same path")]:
+            sink = sink_of(kind, f"http://127.0.0.1:{server.port}{path}/XSECRETX")
+            try:
+                with pytest.raises(DeliveryRejected) as info:
+                    await sink.send(fire_and_resolve()[0])
+            finally:
+                await sink.close()
+            message = str(info.value)
+            scheme = "https" if "https" in path else "http"
+            assert f"answered {status} " in message, message
+            assert f"redirecting to {scheme}://127.0.0.1:{server.port}/… ({to})" in message
+            assert "final URL" in message and "SECRET" not in message, message
+    assert [method for method, _ in server.seen] == ["POST", "POST"]
+    assert not [p for _, p in server.seen if p.startswith("/moved")]
