@@ -35,6 +35,10 @@ SINK_KINDS: Final = (KIND_ALERTMANAGER, KIND_PAGERDUTY, KIND_WEBHOOK, KIND_LOG)
 DEFAULT_PAGERDUTY_URL: Final = "https://events.pagerduty.com/v2/enqueue"
 DEFAULT_TIMEOUT: Final = 10.0
 _MAX_BODY_IN_ERROR: Final = 2000
+# Bytes of a sink's answer read, whatever its status: enough for an error's text; the
+# rest is dropped with the connection (an answer of 512 MiB, read whole, took the
+# sidecar to 1 GiB).
+_MAX_ANSWER_READ: Final = 8 * 1024
 _PD_SUMMARY_MAX: Final = 1024
 
 
@@ -153,7 +157,8 @@ class _Http:
             # delivered though no sink ever saw it.
             async with self.session().post(url, json=body, allow_redirects=False) as resp:
                 if 200 <= resp.status < 300:
-                    await resp.read()
+                    # Read (a short answer lets the connection be reused), but bounded.
+                    await _head(resp, _MAX_ANSWER_READ)
                     return
                 if 300 <= resp.status < 400:
                     status = f"{resp.status} {resp.reason or ''}".strip()
@@ -164,7 +169,7 @@ class _Http:
                         "alert); point the flag at the final URL (`curl -sI` on the URL shows "
                         "its Location)"
                     )
-                text = (await resp.text(errors="replace"))[:_MAX_BODY_IN_ERROR]
+                text = _decoded(resp, await _head(resp, _MAX_ANSWER_READ))[:_MAX_BODY_IN_ERROR]
                 if resp.status == 429 or resp.status >= 500:
                     raise DeliveryRetry(
                         f"{what} at {where} answered {resp.status}: {text}",
@@ -185,6 +190,27 @@ class _Http:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+
+async def _head(resp: aiohttp.ClientResponse, limit: int) -> bytes:
+    """At most ``limit`` bytes of ``resp``'s body: leaving the body unread, the response's
+    release closes the connection rather than drain it."""
+    parts: list[bytes] = []
+    got = 0
+    while got < limit:
+        chunk = await resp.content.read(limit - got)
+        if not chunk:
+            break
+        parts.append(chunk)
+        got += len(chunk)
+    return b"".join(parts)
+
+
+def _decoded(resp: aiohttp.ClientResponse, body: bytes) -> str:
+    try:
+        return body.decode(resp.charset or "utf-8", errors="replace")
+    except LookupError:  # a charset Python does not know
+        return body.decode("utf-8", errors="replace")
 
 
 def _redacted(redactor: Redactor, event: AlertEvent, payload: Any) -> Any:

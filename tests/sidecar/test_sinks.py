@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import socket
@@ -324,3 +325,70 @@ async def test_a_redirect_is_refused_naming_where_it_points_never_followed(
             assert "final URL" in message and "SECRET" not in message, message
     assert [method for method, _ in server.seen] == ["POST", "POST"]
     assert not [p for _, p in server.seen if p.startswith("/moved")]
+
+
+class Streams:
+    """Answers every POST with ``status`` and a body of ``size`` bytes, written in chunks
+    until done or the client closes the connection; ``written`` is what it got out."""
+
+    def __init__(self, status: int, size: int) -> None:
+        self.status, self.size = status, size
+        self.written = 0
+        self.ended = asyncio.Event()
+        self.runner: web.AppRunner | None = None
+        self.port = free_port()
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        await request.read()
+        chunk = b"x" * (256 * 1024)
+        resp = web.StreamResponse(status=self.status)
+        resp.content_length = self.size
+        try:
+            await resp.prepare(request)
+            while self.written < self.size:
+                await resp.write(chunk)
+                self.written += len(chunk)
+            await resp.write_eof()
+        except ConnectionError:
+            pass  # the client closed it: what the sink must do with an answer this long
+        finally:
+            self.ended.set()
+        return resp
+
+    async def __aenter__(self) -> Streams:
+        app = web.Application()
+        app.router.add_post("/{tail:.*}", self.handle)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        assert self.runner is not None
+        await self.runner.cleanup()
+
+
+@pytest.mark.parametrize("status", [200, 500, 400])
+async def test_a_sinks_answer_is_read_only_so_far_however_long(status: int) -> None:
+    # An answer of 512 MiB, read whole, took the sidecar to 1 GiB. A sink reads at most
+    # a few KiB of it (an error's text) and closes the connection on the rest.
+    size = 64 * 1024 * 1024
+    async with Streams(status, size) as server:
+        sink = WebhookSink(f"http://127.0.0.1:{server.port}/hook", timeout=60.0)
+        try:
+            if status == 200:
+                await sink.send(fire_and_resolve()[0])
+            else:
+                kind = DeliveryRetry if status == 500 else DeliveryRejected
+                with pytest.raises(kind) as info:
+                    await sink.send(fire_and_resolve()[0])
+                assert f"answered {status}" in str(info.value) or f"with {status}" in str(
+                    info.value
+                )
+                assert len(str(info.value)) < 4000 and "xxxx" in str(info.value)
+            await asyncio.wait_for(server.ended.wait(), 30)
+        finally:
+            await sink.close()
+    # The connection was closed with the answer unread: the server got out what the
+    # kernel's socket buffers took (a few MiB), never the whole answer.
+    assert server.written < size, server.written
