@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import sys
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -40,6 +41,16 @@ _MAX_BODY_IN_ERROR: Final = 2000
 # sidecar to 1 GiB).
 _MAX_ANSWER_READ: Final = 8 * 1024
 _PD_SUMMARY_MAX: Final = 1024
+# Bounds of a body, in bytes of its JSON. PagerDuty refuses an event over 512 KB with 400
+# (not retried: the page is lost; Alertmanager's own PagerDuty integration uses 512,000);
+# a webhook receiver commonly takes at most 1 MiB (nginx's client_max_body_size, aiohttp's
+# client_max_size) and answers 413 past it. Alertmanager sets no bound of its own.
+PAGERDUTY_BODY_MAX: Final = 500_000
+WEBHOOK_BODY_MAX: Final = 1_000_000
+# Characters of one text in a PagerDuty event's details (or a webhook body over its bound)
+# before it is cut: a failure message quoting an HTML page, repeated in the description,
+# the card and the unwind reason, made an event of megabytes.
+TEXT_MAX: Final = 8 * 1024
 
 
 class DeliveryError(SidecarError):
@@ -218,6 +229,63 @@ def _redacted(redactor: Redactor, event: AlertEvent, payload: Any) -> Any:
     return redactor.redact(payload, secrets)
 
 
+def _json_size(value: Any) -> int:
+    # As aiohttp's json= sends it (json.dumps, ASCII-escaped: characters are bytes).
+    return len(json.dumps(value))
+
+
+def cut_texts(value: Any, run_url: str, limit: int = TEXT_MAX) -> Any:
+    """``value`` with every string longer than ``limit`` characters cut to that many and
+    ending with a marker saying so and where the whole is (the run's page); dict keys,
+    numbers and the structure stay as they are."""
+    if isinstance(value, str):
+        if len(value) <= limit:
+            return value
+        where = run_url or "the run's page"
+        return f"{value[:limit]}… [cut: {len(value) - limit:,} more characters; see {where}]"
+    if isinstance(value, dict):
+        return {k: cut_texts(v, run_url, limit) for k, v in value.items()}
+    if isinstance(value, list):
+        return [cut_texts(v, run_url, limit) for v in value]
+    return value
+
+
+_NEVER_LEFT_OUT: Final = frozenset({"run_url", "runbook_url"})
+
+
+def fit_body(
+    body: dict[str, Any], parts: list[dict[str, Any]], limit: int, run_url: str, why: str
+) -> dict[str, Any]:
+    """``body`` (changed in place, and returned) in at most ``limit`` bytes of JSON: while
+    it is over, the largest field of ``parts`` (dicts inside ``body``; a field inside a
+    nested dict counts on its own, a list as one) is replaced by a note naming
+    ``run_url``. The URLs stay; what is outside ``parts`` stays."""
+    size = _json_size(body)
+    if size <= limit:
+        return body
+    fields: list[tuple[int, dict[str, Any], str]] = []
+
+    def collect(container: dict[str, Any]) -> None:
+        for key, value in container.items():
+            if isinstance(value, dict) and value:
+                collect(value)
+            elif key not in _NEVER_LEFT_OUT:
+                fields.append((_json_size(value), container, key))
+
+    for part in parts:
+        collect(part)
+    # Replacing one value changes the JSON by the difference of the two values' sizes.
+    for field_size, container, key in sorted(fields, key=lambda f: f[0], reverse=True):
+        if size <= limit:
+            break
+        note = f"[left out: {field_size:,} bytes, {why}; see {run_url or 'the run page'}]"
+        if _json_size(note) >= field_size:
+            break  # the rest are smaller than a note
+        container[key] = note
+        size += _json_size(note) - field_size
+    return body
+
+
 class _HttpSink:
     """What the HTTP sinks share: one client, a name for metrics and logs, and close()."""
 
@@ -304,6 +372,7 @@ class PagerDutySink(_HttpSink):
     _http: _Http = field(init=False)
 
     def payload(self, event: AlertEvent) -> dict[str, Any]:
+        run_url = event.annotations.get("run_url", "")
         body: dict[str, Any] = {
             "routing_key": self.routing_key,
             "dedup_key": pagerduty_dedup_key(event.dedup_key),
@@ -320,17 +389,28 @@ class PagerDutySink(_HttpSink):
                 "class": event.alertname,
                 "custom_details": {
                     "labels": dict(event.labels),
-                    "annotations": dict(event.annotations),
+                    # Once each: the details hold the card and the stack (the annotations'
+                    # JSON texts of them) and the run's and runbook's URLs.
+                    "annotations": {
+                        k: v for k, v in event.annotations.items() if k not in event.details
+                    },
                     **dict(event.details),
                 },
             },
             "links": [
-                {"href": event.annotations.get("run_url", ""), "text": "saga run"},
+                {"href": run_url, "text": "saga run"},
                 {"href": event.annotations.get("runbook_url", ""), "text": "runbook"},
             ],
         }
         # Only the content is redacted: the envelope's routing/dedup keys must stay intact.
-        return {**body, **_redacted(self.redactor, event, content)}
+        # Cut after redaction: a secret cut in two would no longer be found to mask.
+        content = _redacted(self.redactor, event, content)
+        payload = content["payload"]
+        for key in ("source", "component", "group", "custom_details"):
+            payload[key] = cut_texts(payload[key], run_url)
+        why = "past what PagerDuty takes in one event"
+        out = {**body, **content}
+        return fit_body(out, [payload["custom_details"]], PAGERDUTY_BODY_MAX, run_url, why)
 
     async def send(self, event: AlertEvent) -> None:
         await self._http.post(self.url, self.payload(event), "PagerDuty")
@@ -346,7 +426,15 @@ class WebhookSink(_HttpSink):
     _http: _Http = field(init=False)
 
     def payload(self, event: AlertEvent) -> dict[str, Any]:
-        return event_document(event, self.redactor)
+        doc = event_document(event, self.redactor)
+        if _json_size(doc) <= WEBHOOK_BODY_MAX:
+            return doc  # as it is: a receiver may read every field
+        run_url = event.annotations.get("run_url", "")
+        parts = ("labels", "annotations", "details")
+        for key in parts:
+            doc[key] = cut_texts(doc[key], run_url)
+        why = f"past the {WEBHOOK_BODY_MAX:,} bytes a webhook body is kept to"
+        return fit_body(doc, [doc[key] for key in parts], WEBHOOK_BODY_MAX, run_url, why)
 
     async def send(self, event: AlertEvent) -> None:
         await self._http.post(self.url, self.payload(event), "webhook")

@@ -11,15 +11,25 @@ from typing import Any
 
 import pytest
 from aiohttp import web
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+from sidecar_testkit import CREDIT, RunScript
 
+from saga_otel import semconv as sc
+from sidecar import RunState
 from sidecar._alerting import Action, AlertEvent, evaluate
+from sidecar._otlp import extract
+from sidecar._redact import Redactor
 from sidecar._sinks import (
+    PAGERDUTY_BODY_MAX,
+    TEXT_MAX,
+    WEBHOOK_BODY_MAX,
     AlertmanagerSink,
     DeliveryRejected,
     DeliveryRetry,
     LogSink,
     PagerDutySink,
     WebhookSink,
+    event_document,
     pagerduty_dedup_key,
     parse_retry_after,
     shown_sink,
@@ -392,3 +402,150 @@ async def test_a_sinks_answer_is_read_only_so_far_however_long(status: int) -> N
     # The connection was closed with the answer unread: the server got out what the
     # kernel's socket buffers took (a few MiB), never the whole answer.
     assert server.written < size, server.written
+
+
+class PagerDutyFake(Receiver):
+    """PagerDuty's Events API v2 as to size: an event over 512 KB is refused with 400."""
+
+    LIMIT = 512_000
+
+    async def handle(self, request: web.Request) -> web.Response:
+        body = await request.read()
+        self.bodies.append(json.loads(body))
+        if len(body) > self.LIMIT:
+            errors = {"status": "invalid event", "errors": ["Payload too large"]}
+            return web.json_response(errors, status=400)
+        return web.json_response({"status": "success"}, status=202)
+
+
+@pytest.fixture
+async def pagerduty() -> AsyncIterator[PagerDutyFake]:
+    rec = PagerDutyFake()
+    await rec.start()
+    yield rec
+    await rec.stop()
+
+
+def fired(script: RunScript) -> list[AlertEvent]:
+    """The alerts a run's spans fire, through the sidecar's own fold and rules."""
+    decoded = extract(encode_spans(list(script.spans())))
+    state = RunState()
+    state.apply(list(decoded.spans), 1_700_000_100.0)
+    view = state.view(script.run_id)
+    assert view is not None
+    return [e for e in evaluate(None, view, now=1_700_000_100.0) if e.firing]
+
+
+def texts(value: Any) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in texts(v)]
+    if isinstance(value, list):
+        return [t for v in value for t in texts(v)]
+    return []
+
+
+async def test_a_long_failure_message_still_pages_through_pagerduty(
+    pagerduty: PagerDutyFake,
+) -> None:
+    # A tool's error quoting an HTML page, 120 KB: it was in the event about 8 times
+    # (description, the card as JSON and as text, the stack twice, the unwind reason),
+    # an event of 1.3 MB that PagerDuty refuses with 400, never retried: no page.
+    big = "HTTPError: 500: <html>" + "x" * 120_000 + "</html>"
+    r = RunScript()
+    r.do(0, "issue_credit", "compensable", comp=CREDIT)
+    r.do(1, "notify_billing", "compensable", ok=False, error=big)
+    stack = [{"step": "issue_credit", "index": 0, "tool": CREDIT[0], "args": CREDIT[1]}]
+    r.unwind(big, "notify_billing", stack)
+    r.compensate(0, "issue_credit", CREDIT[0], CREDIT[1], ok=False, error=big)
+    r.end(sc.STATUS_COMPENSATION_FAILED, "notify_billing")
+    events = fired(r)
+    assert {e.alertname for e in events} >= {sc.ALERT_COMPENSATION_FAILED}
+    sink = PagerDutySink("R" * 32, url=f"http://127.0.0.1:{pagerduty.port}/v2/enqueue")
+    try:
+        for event in events:
+            await sink.send(event)  # raised DeliveryRejected: 400, Payload too large
+    finally:
+        await sink.close()
+    for event, body in zip(events, pagerduty.bodies, strict=True):
+        assert len(json.dumps(body)) <= PAGERDUTY_BODY_MAX
+        run_url = event.annotations["run_url"]
+        # What PagerDuty routes, dedups and shows first is as it was.
+        assert body["routing_key"] == "R" * 32 and body["event_action"] == "trigger"
+        assert body["dedup_key"] == pagerduty_dedup_key(event.dedup_key)
+        assert body["payload"]["summary"] == event.annotations["description"][:1024]
+        assert body["payload"]["severity"] == event.severity
+        assert [link["href"] for link in body["links"]] == [
+            run_url,
+            event.annotations["runbook_url"],
+        ]
+        details = body["payload"]["custom_details"]
+        assert details["run_url"] == run_url and details["stack"] == event.details["stack"]
+        # The card and the stack once, structured: not again as JSON text.
+        assert set(details["annotations"]) == set(event.annotations) - {
+            "escalation_card",
+            "stack",
+            "run_url",
+            "runbook_url",
+        }
+        cut = [t for t in texts(details) if len(t) > TEXT_MAX]
+        assert cut and all(t.endswith(f"more characters; see {run_url}]") for t in cut)
+        assert all(len(t) < TEXT_MAX + 200 + len(run_url) for t in cut)
+        assert details["unwind_reason"].startswith(big[:TEXT_MAX])
+
+
+def long_run_view(steps: int) -> dict[str, Any]:
+    """Unwinding after ``steps`` compensable steps, each owing an undo of ~480 bytes."""
+    stack = [
+        {
+            "step": f"step_{i}",
+            "index": i,
+            "tool": "undo_step",
+            "args": {"order_id": f"ord_{i:06d}", "note": "n" * 350},
+            "description": f"undo step {i}",
+        }
+        for i in reversed(range(steps))
+    ]
+    return {**VIEW, "stack": stack}
+
+
+async def test_a_long_runs_stack_still_pages_through_pagerduty(
+    pagerduty: PagerDutyFake,
+) -> None:
+    # 1,500 steps owing an undo: the stack alone is 700 KB. The page goes out with the
+    # stack left out (a note says where it is); the rest of the details stay.
+    (event,) = evaluate(None, long_run_view(1500), now=10.5)
+    sink = PagerDutySink("rk", url=f"http://127.0.0.1:{pagerduty.port}/v2/enqueue")
+    try:
+        await sink.send(event)
+    finally:
+        await sink.close()
+    (body,) = pagerduty.bodies
+    assert len(json.dumps(body)) <= PAGERDUTY_BODY_MAX
+    details = body["payload"]["custom_details"]
+    run_url = event.annotations["run_url"]
+    assert details["stack"].startswith("[left out: ") and run_url in details["stack"]
+    assert details["run_url"] == run_url and details["unwind_reason"] == VIEW["unwind_reason"]
+    assert details["annotations"]["description"] == event.annotations["description"]
+    assert body["payload"]["summary"] == event.annotations["description"]
+
+
+def test_a_webhook_body_is_as_it_was_unless_past_its_bound() -> None:
+    small = evaluate(None, long_run_view(3), now=10.5)[0]
+    sink = WebhookSink("http://127.0.0.1:9/hook")
+    assert sink.payload(small) == event_document(small, Redactor())
+    # Past 1 MB, which receivers commonly refuse with 413 (a refusal: never retried).
+    (big,) = evaluate(None, long_run_view(3000), now=10.5)
+    assert len(json.dumps(event_document(big, Redactor()))) > 2 * WEBHOOK_BODY_MAX
+    doc = sink.payload(big)
+    assert len(json.dumps(doc)) <= WEBHOOK_BODY_MAX
+    run_url = big.annotations["run_url"]
+    assert doc["details"]["stack"].startswith("[left out: ") and run_url in doc["details"]["stack"]
+    assert doc["annotations"]["run_url"] == doc["details"]["run_url"] == run_url
+    assert {k: doc[k] for k in ("dedup_key", "labels", "status", "run_id")} == {
+        "dedup_key": big.dedup_key,
+        "labels": dict(big.labels),
+        "status": "firing",
+        "run_id": big.run_id,
+    }
