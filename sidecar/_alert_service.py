@@ -24,7 +24,7 @@ from ._errors import SidecarError
 from ._log import get_logger
 from ._outbox import AlertMetrics, Outbox, describe_routing
 from ._settings import http_url
-from ._sinks import Sink
+from ._sinks import Sink, shown_sink
 from ._storage import DbTarget
 
 if TYPE_CHECKING:
@@ -165,6 +165,8 @@ def install_alerting(
     sidecar.redactor = service.redactor
     # The pages name the address alerts link to; the HTTP ports answer to its name.
     sidecar.public_url = settings.public_url
+    # Which sinks are on, in the start line: a sink left out by its flags shows by absence.
+    sidecar.alert_sinks = [shown_sink(s.name) for s in service.outbox.sinks]
     # The rules read only a run's facts: equal facts before and after fire nothing.
     sidecar.add_listener(service.listener, facts_only=True)
 

@@ -72,6 +72,21 @@ class AlertSettings:
                     else "e.g. http://127.0.0.1:9093/path"
                 )
                 raise ConfigError(f"{flag} {url!r} names no host (or a bad port): write {example}")
+        # Either would leave PagerDuty off without a word: an empty key is what an unset
+        # variable makes of `--pagerduty-routing-key=$PD_KEY` in a unit file.
+        key = self.pagerduty_routing_key
+        if key is not None and not key.strip():
+            raise ConfigError(
+                "--pagerduty-routing-key is empty (an unset variable, such as $PD_KEY in a "
+                "unit file?), so PagerDuty would be off: give the integration key of the "
+                "service's Events API v2 integration, or leave the flag out"
+            )
+        if not key and self.pagerduty_url != DEFAULT_PAGERDUTY_URL:
+            raise ConfigError(
+                f"--pagerduty-url {self.pagerduty_url!r} is given without "
+                "--pagerduty-routing-key, so PagerDuty would be off: give the key too "
+                "(or SAGA_SIDECAR_PAGERDUTY_ROUTING_KEY), or leave --pagerduty-url out"
+            )
         if self.alertmanager_resend <= 0 or self.timeout <= 0:
             raise ConfigError(
                 f"alertmanager_resend={self.alertmanager_resend} and timeout={self.timeout} "

@@ -177,6 +177,9 @@ class Sidecar:
         self.redactor = Redactor()
         # --public-url (install_alerting sets it): the pages' links and the Host check.
         self.public_url: str | None = None
+        # The alert sinks as their names are shown (kind and URL without its path, never a
+        # key): install_alerting sets them, ``sidecar.started`` lists them.
+        self.alert_sinks: list[str] | None = None
         # (fn, facts_only): see add_listener.
         self._listeners: list[tuple[Listener, bool]] = []
         self._background: list[BackgroundFactory] = []
@@ -319,6 +322,7 @@ class Sidecar:
             "sidecar.started",
             **{k: v for k, v in self.listening().items() if k != "event"},
             max_connections=cap,
+            **({} if self.alert_sinks is None else {"alert_sinks": self.alert_sinks}),
         )
 
     def _connection_cap(self) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import logging
 import socket
 import sqlite3
 import subprocess
@@ -533,3 +534,28 @@ def _hold_the_intake_lock(sidecar: Sidecar, held: threading.Event, seconds: floa
         conn.execute("COMMIT")
     finally:
         conn.close()
+
+
+async def test_the_start_line_lists_the_sinks_that_are_on_without_their_secrets(
+    tmp_path: Path, clock: FakeClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A sink its flags left off (an empty routing key, once) showed nowhere: the start
+    line names each sink that is on, as the outbox shows it, no path, no key."""
+    caplog.set_level(logging.INFO, logger="sidecar")
+    settings = AlertSettings(
+        webhook_urls=("https://hooks.example/services/T0/XSECRETX",),
+        alertmanager_urls=("http://127.0.0.1:9093",),
+        pagerduty_routing_key="RKEYSECRET0123456789abcdef012345",
+    )
+    sidecar = Sidecar(settings_for(tmp_path), clock=clock)
+    install_alerting(sidecar, settings)
+    async with sidecar:
+        pass
+    (started,) = [r.__dict__ for r in caplog.records if r.getMessage() == "sidecar.started"]
+    assert started["alert_sinks"] == [
+        "alertmanager:http://127.0.0.1:9093",
+        "pagerduty:https://events.pagerduty.com/…",
+        "webhook:https://hooks.example/…",
+        "log",
+    ]
+    assert "SECRET" not in repr(started)

@@ -164,3 +164,35 @@ def test_cli_refuses_a_sink_url_with_a_bad_port_in_one_line(tmp_path: Path) -> N
     assert result.exit_code != 0
     assert f"--webhook '{hook}' names no host (or a bad port)" in result.output
     assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"pagerduty_routing_key": ""}, r"^--pagerduty-routing-key is empty \(an unset variable"),
+        ({"pagerduty_routing_key": " "}, r"^--pagerduty-routing-key is empty"),
+        (
+            {"pagerduty_url": "http://127.0.0.1:9/v2/enqueue"},
+            r"^--pagerduty-url 'http://127.0.0.1:9/v2/enqueue' is given without "
+            r"--pagerduty-routing-key, so PagerDuty would be off: give the key too",
+        ),
+    ],
+)
+def test_a_pagerduty_sink_half_configured_is_refused_at_start(
+    kwargs: dict[str, object], message: str
+) -> None:
+    """An empty key (`--pagerduty-routing-key=$PD_KEY`, the variable unset) or a URL with
+    no key turned PagerDuty off without a word: critical pages went nowhere."""
+    from sidecar._alert_settings import AlertSettings
+
+    with pytest.raises(ConfigError, match=message):
+        AlertSettings(**kwargs)  # type: ignore[arg-type]
+    assert AlertSettings(**{**kwargs, "pagerduty_routing_key": "k"})  # type: ignore[arg-type]
+
+
+def test_cli_refuses_an_empty_pagerduty_routing_key_in_one_line(tmp_path: Path) -> None:
+    args = ["serve", "--db", str(tmp_path / "s.db"), "--pagerduty-routing-key="]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code != 0
+    assert "--pagerduty-routing-key is empty" in result.output
+    assert "Traceback" not in result.output
