@@ -92,6 +92,12 @@ class AlertSettings:
                 f"alertmanager_resend={self.alertmanager_resend} and timeout={self.timeout} "
                 "must be positive seconds"
             )
+        if not self.backoff_max >= self.backoff_initial:
+            raise ConfigError(
+                f"--alert-retry-max {self.backoff_max:g}s is shorter than the first retry's "
+                f"wait ({self.backoff_initial:g}s): give at least {self.backoff_initial:g}s, "
+                "e.g. --alert-retry-max 15s (the default)"
+            )
         # Fail at startup, not at the first alert.
         self.routing()
         self.redactor()

@@ -196,3 +196,17 @@ def test_cli_refuses_an_empty_pagerduty_routing_key_in_one_line(tmp_path: Path) 
     assert result.exit_code != 0
     assert "--pagerduty-routing-key is empty" in result.output
     assert "Traceback" not in result.output
+
+
+def test_cli_refuses_an_alert_retry_max_below_the_first_retry_naming_the_flag(
+    tmp_path: Path,
+) -> None:
+    # It said `Backoff(initial=0.5, ..., maximum=0.2, ...): need initial > 0, ...`.
+    args = ["serve", "--db", str(tmp_path / "s.db"), "--alert-retry-max", "0.2s"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code != 0
+    assert (
+        "--alert-retry-max 0.2s is shorter than the first retry's wait (0.5s): give at "
+        "least 0.5s" in result.output
+    )
+    assert "Backoff(" not in result.output and "Traceback" not in result.output
