@@ -42,7 +42,7 @@ from ._alerting import Action, AlertEvent, episode_of
 from ._backends import alert_rows, open_alert_store
 from ._errors import ConfigError, StoreError
 from ._log import get_logger
-from ._outbox_sql import DELIVERED, FAILED, HELD, PENDING
+from ._outbox_sql import DELIVERED, FAILED, HELD, PENDING, REHOMED
 from ._sinks import (
     DEFAULT_TIMEOUT,
     SINK_KINDS,
@@ -343,12 +343,14 @@ class Outbox:
             ]
             # No sink takes it: keep it held rather than drop it (see NO_SINK).
             return routed or [(NO_SINK, event)]
-        # Resolve: only where the fire went, repeating the fire's labels and start.
+        # Resolve: only where the fire went, repeating the fire's labels and start; or
+        # where it waits for a sink: held (NO_SINK), or pending for a sink this process
+        # does not configure (a corrected URL: the resolve moves with it, see rehome).
         live = {s.name for s in self.sinks}
         return [
             (sink, event.resolving_with(AlertEvent.from_dict(json.loads(text))))
             for sink, text, state in tx.fires(event.dedup_key)
-            if sink in live or (sink == NO_SINK and state == HELD)
+            if sink in live or state in (PENDING, HELD)
         ]
 
     def _insert(self, tx: AlertTx, sink_name: str, event: AlertEvent, now: float) -> bool:
@@ -367,23 +369,54 @@ class Outbox:
             )
         )
 
-    def release_held(self) -> int:
-        """Hand held alerts (see NO_SINK) to the sinks that now route them; rows added."""
+    def rehome(self) -> int:
+        """Hand the alerts waiting for no configured sink to the sinks that route them now,
+        in the order they were written (a resolve after its fire); rows added.
+
+        Held alerts (NO_SINK), and those pending for a sink this start does not configure:
+        rows are keyed by the sink's full name, so a corrected URL or a removed sink left
+        them waiting for a worker that never starts (and in the depth gauge for good).
+        Each goes where :meth:`add` would send it now (a fire no configured sink routes
+        is held; a resolve follows its fire, and with no fire on a configured sink there
+        is nothing to resolve there); the old row is retired as REHOMED, saying where it
+        went. Replicas starting at once write the same rows: the unique key keeps one.
+        """
+        names = [s.name for s in self.sinks]
+        stranded = self._store.stranded(names, NO_SINK)
+        if not stranded:
+            return 0
         added = 0
         now = self._clock()
-        held = self._store.held(NO_SINK, HELD)
-        if not held or not self.sinks:
-            return 0
+        moved: dict[str, list[list[str]]] = {}  # an unconfigured sink: where each row went
         with self._store.transaction() as tx:
-            for row_id, text in held:
-                targets = [t for t in self._targets(tx, _load(text)) if t[0] != NO_SINK]
-                if not targets:
-                    continue
+            for row_id, sink, text in stranded:
+                event = _load(text)
+                # Not its own sink again (a held row whose alert still goes nowhere).
+                targets = [t for t in self._targets(tx, event) if t[0] != sink]
+                if sink == NO_SINK and not targets:
+                    continue  # it stays held
                 for sink_name, row_event in targets:
-                    added += self._insert(tx, sink_name, row_event, now)
-                tx.set_state(row_id, DELIVERED, now)
-        if added:
-            self._update_depth()
+                    if self._insert(tx, sink_name, row_event, now):
+                        added += 1
+                    elif sink_name == NO_SINK:  # held before, then handed to a sink now gone
+                        tx.hold_again(event.dedup_key, event.action.value, NO_SINK)
+                went = [name for name, _ in targets]
+                tx.retire(row_id, REHOMED, _rehomed_note(sink, went), now)
+                if sink != NO_SINK:
+                    moved.setdefault(sink, []).append(went)
+        for sink, rows in moved.items():
+            log.warning(
+                "sidecar.outbox.rehomed",
+                sink=shown_sink(sink),
+                alerts=len(rows),
+                to=sorted({shown_sink(n) for went in rows for n in went if n != NO_SINK}),
+                held=sum(went == [NO_SINK] for went in rows),
+                nothing_to_resolve=sum(not went for went in rows),
+                meaning="this sink is no longer configured (a corrected URL, a removed "
+                "sink): the alerts that waited for it go to the sinks configured now that "
+                "route them, or are held for a later start's; its rows are marked rehomed",
+            )
+        self._update_depth()
         return added
 
     # --- reading ------------------------------------------------------------------
@@ -412,7 +445,7 @@ class Outbox:
             return
         self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
-        await self.call(self.release_held)
+        await self.call(self.rehome)
         for sink in self.sinks:
             self._wake[sink.name] = asyncio.Event()
             self._tasks.append(
@@ -686,6 +719,16 @@ def _episode(tx: AlertTx, event: AlertEvent) -> AlertEvent:
     if event.action is Action.FIRE and last and Action.RESOLVE.value in actions[last]:
         return replace(event, episode=last + 1)
     return replace(event, episode=last) if last > 1 else event
+
+
+def _rehomed_note(sink: str, went: list[str]) -> str:
+    """A rehomed row's last error, for the run page (sink names as shown to people)."""
+    why = "held for no sink" if sink == NO_SINK else "its sink is no longer configured"
+    if not went:
+        return f"rehomed: {why}, and its fire reached none configured now: nothing to resolve"
+    if went == [NO_SINK]:
+        return f"rehomed: {why}, and none configured now routes it: held for a later start's"
+    return f"rehomed: {why}; handed to {', '.join(sorted(shown_sink(n) for n in went))}"
 
 
 def _nothing() -> None:

@@ -8,16 +8,19 @@ inherits these methods. Claims and writes stay with each store: they differ
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, ClassVar, Final, Protocol
 
 from ._storage import OutboxRecord
 
 # A row's delivery state: waiting for its sink (pending), kept for a sink no configured
-# one is (held), or done: delivered, or refused by the sink for good (failed).
+# one is (held), or done: delivered, refused by the sink for good (failed), or handed to
+# the sinks of a later start that no longer configures its own (rehomed, Outbox.rehome).
 PENDING: Final = "pending"
 DELIVERED: Final = "delivered"
 FAILED: Final = "failed"
 HELD: Final = "held"
+REHOMED: Final = "rehomed"
 
 ROW = "SELECT id, dedup_key, action, sink, state, attempts, last_error, event FROM alert_outbox"
 # Outbox depth: served by the index on state (schema 4), so it costs what is pending,
@@ -50,6 +53,22 @@ PRUNE_RUN_ALERTS = (
     f"WHERE o.run_id = ? AND (o.state IN ('{PENDING}', '{HELD}') OR (o.action = 'fire' AND "
     "o.resolved_at IS NULL)))"
 )
+# A waiting row (pending or held) ended without a send, its rows written for other sinks
+# (Outbox.rehome): the state and why (as its last error, for the run page). A fire no
+# longer fires on its sink (FIRING, and pruning: the run's alerts go once the new rows
+# are done). Only while it still waits: a replica may have ended it first. Arguments:
+# state, note, time, id.
+RETIRE = (
+    "UPDATE alert_outbox SET state = ?, last_error = ?, resolved_at = CASE WHEN action = "
+    "'fire' THEN COALESCE(resolved_at, ?) ELSE resolved_at END WHERE id = ? AND state IN "
+    f"('{PENDING}', '{HELD}')"
+)
+# A row kept for no sink (held) again: it was handed to sinks before, and the start that
+# rehomes their rows configures none that routes it. Arguments: dedup key, action, sink.
+HOLD_AGAIN = (
+    f"UPDATE alert_outbox SET state = '{HELD}', last_error = NULL WHERE dedup_key = ? "
+    "AND action = ? AND sink = ?"
+)
 
 
 # Schema step 4 of both stores (their _STEPS), in each one's words for adding a column:
@@ -81,14 +100,19 @@ def sql(store: _Driver, text: str) -> str:
 class OutboxReads:
     """The read half of :class:`sidecar._storage.AlertStore`, shared by both stores."""
 
-    def held(self: _Reads, no_sink: str, held: str) -> list[tuple[int, str]]:
+    def stranded(self: _Reads, sinks: Sequence[str], no_sink: str) -> list[tuple[int, str, str]]:
+        """(id, sink, event JSON) of the rows waiting for no sink of ``sinks``, oldest
+        first: held ones (``no_sink``) and pending ones of a sink not among them."""
+        others = (*sinks, no_sink)
         rows = self._all(
             sql(
-                self, "SELECT id, event FROM alert_outbox WHERE sink = ? AND state = ? ORDER BY id"
+                self,
+                "SELECT id, sink, event FROM alert_outbox WHERE (sink = ? AND state = ?) OR "
+                f"(state = ? AND sink NOT IN ({', '.join('?' * len(others))})) ORDER BY id",
             ),
-            (no_sink, held),
+            (no_sink, HELD, PENDING, *others),
         )
-        return [(int(a), str(b)) for a, b in rows]
+        return [(int(a), str(b), str(c)) for a, b, c in rows]
 
     def open_alerts(self: _Reads) -> list[tuple[str, str]]:
         rows = self._all(

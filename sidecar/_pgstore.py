@@ -28,11 +28,13 @@ from ._leases import Lease, LeaseRefusal, Owner
 from ._log import get_logger
 from ._outbox_sql import (
     DELIVERED,
+    HOLD_AGAIN,
     OUTBOX_V4,
     PENDING,
     PRUNE_RUN_ALERTS,
     RESEND_DUE,
     RESOLVE_FIRE,
+    RETIRE,
     OutboxReads,
     sql,
 )
@@ -941,11 +943,11 @@ class _PgAlertTx:
         )
         return bool(cur.rowcount)
 
-    def set_state(self, row_id: int, state: str, at: float) -> None:
-        self._conn.execute(
-            "UPDATE alert_outbox SET state = %s, delivered_at = %s WHERE id = %s",
-            (state, at, row_id),
-        )
+    def retire(self, row_id: int, state: str, note: str, at: float) -> None:
+        self._conn.execute(sql(self, RETIRE), (state, note, at, row_id))
+
+    def hold_again(self, dedup_key: str, action: str, sink: str) -> None:
+        self._conn.execute(sql(self, HOLD_AGAIN), (dedup_key, action, sink))
 
     def resolve_fire(self, dedup_key: str, sink: str, at: float) -> None:
         self._conn.execute(sql(self, RESOLVE_FIRE), (at, dedup_key, sink))

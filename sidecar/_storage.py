@@ -423,7 +423,14 @@ class AlertTx(Protocol):
         """(dedup_key, action) of every row of one alert of one run (its episodes)."""
         ...
 
-    def set_state(self, row_id: int, state: str, at: float) -> None: ...
+    def retire(self, row_id: int, state: str, note: str, at: float) -> None:
+        """End a row still waiting (pending or held) unsent: ``state``, ``note`` as its last
+        error; a fire no longer fires on its sink (see _outbox_sql.RETIRE)."""
+        ...
+
+    def hold_again(self, dedup_key: str, action: str, sink: str) -> None:
+        """Make the row (``dedup_key``, ``action``, ``sink``) held again (the no-sink row)."""
+        ...
 
     def resolve_fire(self, dedup_key: str, sink: str, at: float) -> None:
         """Mark the fire row of (``dedup_key``, ``sink``) resolved: no longer firing."""
@@ -447,7 +454,10 @@ class AlertStore(Protocol):
         """A write transaction (rolled back on an exception, StoreError on a database one)."""
         ...
 
-    def held(self, no_sink: str, held: str) -> list[tuple[int, str]]: ...
+    def stranded(self, sinks: Sequence[str], no_sink: str) -> list[tuple[int, str, str]]:
+        """(id, sink, event JSON) of the rows waiting for none of ``sinks``, oldest first:
+        held (sink ``no_sink``), or pending for a sink not among them."""
+        ...
 
     def open_alerts(self) -> list[tuple[str, str]]:
         """(run_id, alertname) of fires without a resolve."""

@@ -25,10 +25,12 @@ from ._leases import Lease, LeaseRefusal, Override, Owner
 from ._log import get_logger
 from ._outbox_sql import (
     DELIVERED,
+    HOLD_AGAIN,
     OUTBOX_V4,
     PRUNE_RUN_ALERTS,
     RESEND_DUE,
     RESOLVE_FIRE,
+    RETIRE,
     ROW,
     OutboxReads,
 )
@@ -791,10 +793,11 @@ class _SqliteAlertTx:
         )
         return bool(cur.rowcount)
 
-    def set_state(self, row_id: int, state: str, at: float) -> None:
-        self._db.execute(
-            "UPDATE alert_outbox SET state = ?, delivered_at = ? WHERE id = ?", (state, at, row_id)
-        )
+    def retire(self, row_id: int, state: str, note: str, at: float) -> None:
+        self._db.execute(RETIRE, (state, note, at, row_id))
+
+    def hold_again(self, dedup_key: str, action: str, sink: str) -> None:
+        self._db.execute(HOLD_AGAIN, (dedup_key, action, sink))
 
     def resolve_fire(self, dedup_key: str, sink: str, at: float) -> None:
         self._db.execute(RESOLVE_FIRE, (at, dedup_key, sink))

@@ -292,6 +292,51 @@ async def test_an_unwind_acknowledged_just_before_a_crash_still_pages(
     assert len(hook.got) == 1
 
 
+async def test_alerts_that_waited_for_a_mistyped_url_reach_the_corrected_one(
+    tmp_path: Path, clock: FakeClock, hook: Hook
+) -> None:
+    """Runbook SagaSidecarOutboxBacklog: "fix the sink (URL, ...). The outbox is durable
+    and drains on its own once the sink accepts." Started with a mistyped webhook URL
+    (nothing listens there), a run pages and another pages and resolves; restarted with
+    the URL corrected, every one of those alerts reaches it and the backlog clears."""
+    typo = f"http://127.0.0.1:{free_port()}/hook"
+    failed, resolved = compensation_failed_run(), compensated_run(t0=clock.now - 6.0)
+    first = Sidecar(settings_for(tmp_path), clock=clock)
+    outbox = install_alerting(first, AlertSettings(webhook_urls=(typo,), log_sink=False)).outbox
+    async with first:
+        await export_http(first, failed.spans())
+        await export_http(first, resolved.spans())  # paged and resolved during the outage
+        for _ in range(3000):
+            await outbox.flush()
+            if await outbox.call(outbox.depth) == 4:
+                break
+            await asyncio.sleep(0.005)
+        else:
+            raise AssertionError(f"not every alert written: {outbox.rows()}")
+    second = Sidecar(settings_for(tmp_path), clock=clock)
+    outbox = install_alerting(second, alert_settings(hook)).outbox
+    async with second:
+        for _ in range(3000):
+            if len(hook.got) >= 4 and await outbox.call(outbox.depth) == 0:
+                break
+            await asyncio.sleep(0.005)
+        else:
+            raise AssertionError(f"got {hook.seen()}, depth {outbox.depth()}")
+        metrics = await api(second, "GET", "/metrics")
+    assert "saga_sidecar_outbox_depth 0.0" in metrics
+    got = [(g["alertname"], g["run_id"], g["status"]) for g in hook.got]
+    started, failing = sc.ALERT_COMPENSATION_STARTED, sc.ALERT_COMPENSATION_FAILED
+    assert sorted(got) == sorted(
+        [
+            (started, failed.run_id, "firing"),
+            (failing, failed.run_id, "firing"),
+            (started, resolved.run_id, "firing"),
+            (started, resolved.run_id, "resolved"),
+        ]
+    )
+    assert [s for _, r, s in got if r == resolved.run_id] == ["firing", "resolved"]
+
+
 async def test_saga_sidecar_serve_wires_the_alert_flags(tmp_path: Path, hook: Hook) -> None:
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 

@@ -27,7 +27,9 @@ from sidecar._errors import ConfigError, StoreError
 from sidecar._outbox import (
     DELIVERED,
     FAILED,
+    HELD,
     PENDING,
+    REHOMED,
     AlertMetrics,
     Backoff,
     Outbox,
@@ -496,6 +498,111 @@ async def test_pending_rows_survive_a_restart(tmp_path: Path, receiver: Receiver
     assert third.depth() == 0
 
 
+async def test_alerts_waiting_for_a_corrected_url_go_to_it_and_the_backlog_clears(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Runbook SagaSidecarOutboxBacklog: fix the sink's URL, and the outbox drains. Rows
+    are keyed by the sink's full name, so the alerts written for the mistyped URL waited
+    for a worker no start runs, and counted in the depth gauge for good. A start hands
+    them to the configured sinks that route them, each run's fire before its resolve;
+    the old rows are retired (not delivered), saying where they went, and logged."""
+    db = db_for(tmp_path / "db")
+    typo = FakeSink(name="webhook:https://hooks.example:8443/T0/XSECRETX")
+    first = Outbox(db, [typo])
+    first.add([fire("r1"), fire("r2"), resolve("r2")])  # r2 paged and resolved meanwhile
+    first.close()
+    fixed = FakeSink(name="webhook:https://hooks.example/T0/XSECRETX")
+    registry = CollectorRegistry()
+    box = Outbox(db, [fixed], metrics=AlertMetrics.create(registry))
+    # The start's re-evaluation resolves r1 before the workers start: the resolve goes
+    # where its fire waits, and moves with it.
+    assert box.add([resolve("r1")]) == 1
+    with caplog.at_level(logging.INFO, logger="sidecar.alerts"):
+        await box.start()
+        try:
+            assert await box.wait_idle()
+        finally:
+            await box.stop()
+    got = [(e.run_id, e.action) for e in fixed.got]
+    assert sorted(got) == sorted(
+        (r, a) for r in ("r1", "r2") for a in (Action.FIRE, Action.RESOLVE)
+    )
+    for r in ("r1", "r2"):
+        assert [a for run, a in got if run == r] == [Action.FIRE, Action.RESOLVE]
+    assert box.depth() == 0
+    assert registry.get_sample_value(sc.M_SIDECAR_OUTBOX_DEPTH) == 0
+    old = [r for r in box.rows() if r.sink == typo.name]
+    assert len(old) == 4 and {r.state for r in old} == {REHOMED}
+    assert {r.last_error for r in old} == {
+        "rehomed: its sink is no longer configured; handed to webhook:https://hooks.example/…"
+    }
+    (line,) = [r for r in caplog.records if r.getMessage() == "sidecar.outbox.rehomed"]
+    assert line.__dict__["sink"] == "webhook:https://hooks.example:8443/…"
+    assert line.__dict__["alerts"] == 4 and line.__dict__["held"] == 0
+    assert line.__dict__["to"] == ["webhook:https://hooks.example/…"]
+    assert "SECRET" not in repr(line.__dict__)
+    # A later start has nothing left to move or send.
+    again = Outbox(db, [fixed])
+    await again.start()
+    await again.stop()
+    assert len(fixed.got) == 4 and again.depth() == 0
+
+
+async def test_alerts_of_a_removed_sink_that_no_sink_routes_now_are_held_not_dropped(
+    tmp_path: Path,
+) -> None:
+    """As an alert with no sink: a fire of a removed sink that no configured sink routes
+    is held (even one held once before and handed to that sink), and goes to a later
+    start's sink; a resolve whose fire reached none of the configured sinks has nothing
+    to resolve there."""
+    db = db_for(tmp_path / "db")
+    old = FakeSink(name="webhook:http://old")
+    first = Outbox(db, [old])
+    first.add([fire("r2")])
+    await first.start()
+    assert await first.wait_idle()  # r2's fire reached the old sink
+    await first.stop()
+    first.add([fire("r1"), resolve("r2")])  # then it went down for good
+    first.close()
+    pd = FakeSink(kind="pagerduty", name="pagerduty:http://pd")
+    second = Outbox(db, [pd], Routing.parse(["critical=pagerduty"]))  # warnings: nowhere
+    await second.start()
+    await second.stop()
+    assert pd.got == [] and second.depth() == 0
+    rows = {(r.event.run_id, r.action, r.sink): (r.state, r.last_error) for r in second.rows()}
+    assert rows[("r1", "fire", "(none)")] == (HELD, None)
+    assert rows[("r1", "fire", old.name)] == (
+        REHOMED,
+        "rehomed: its sink is no longer configured, and none configured now routes it: "
+        "held for a later start's",
+    )
+    assert rows[("r2", "resolve", old.name)] == (
+        REHOMED,
+        "rehomed: its sink is no longer configured, and its fire reached none configured "
+        "now: nothing to resolve",
+    )
+    # Handed to a sink that is gone by the next start: held again, then delivered.
+    gone = FakeSink(name="webhook:http://gone")
+    gone.fail = 10**6
+    third = Outbox(db, [gone], sleep=no_sleep)
+    await third.start()
+    await wait_for(lambda: third.rows(gone.name) and third.rows(gone.name)[0].attempts >= 1)
+    await third.stop()
+    fourth = Outbox(db, [])
+    await fourth.start()
+    await fourth.stop()
+    assert [r.state for r in fourth.rows("(none)")] == [HELD]
+    last = FakeSink(name="webhook:http://last")
+    fifth = Outbox(db, [last])
+    await fifth.start()
+    try:
+        assert await fifth.wait_idle()
+    finally:
+        await fifth.stop()
+    assert [(e.run_id, e.action) for e in last.got] == [("r1", Action.FIRE)]
+    assert [r.state for r in fifth.rows("(none)")] == [REHOMED]
+
+
 async def test_metrics_depth_and_delay_from_the_events_own_time(tmp_path: Path) -> None:
     registry = CollectorRegistry()
     sink = FakeSink()
@@ -714,6 +821,32 @@ async def test_pruning_a_run_takes_its_done_alerts_along_and_keeps_what_is_left_
         ("waiting", "fire", PENDING),
         ("waiting", "resolve", PENDING),
     }
+
+
+async def test_a_run_whose_held_alert_was_handed_on_is_pruned_once_it_is_done(
+    tmp_path: Path,
+) -> None:
+    """A held alert handed to a later start's sink: the held row no longer fires, so once
+    the alert resolved there retention takes the run's rows (the held fire, marked
+    delivered and never resolved, kept them for good)."""
+    db = db_for(tmp_path / "db")
+    Outbox(db, []).add([fire("r1")])  # no sink: held
+    sink = FakeSink()
+    box = Outbox(db, [sink])
+    await box.start()
+    try:
+        assert await box.wait_idle()
+        box.add([resolve("r1")])
+        assert await box.wait_idle()
+    finally:
+        await box.stop()
+    assert [(e.run_id, e.action) for e in sink.got] == [("r1", Action.FIRE), ("r1", Action.RESOLVE)]
+    store = open_store(box.target)
+    try:
+        store.delete_runs(["r1"])
+    finally:
+        store.close()
+    assert box.rows() == []
 
 
 async def test_an_alerts_outbox_work_does_not_grow_with_the_rows_it_holds(

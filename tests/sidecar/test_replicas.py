@@ -218,6 +218,43 @@ async def test_each_replicas_outbox_depth_counts_what_the_others_delivered(
             box.close()
 
 
+async def test_replicas_starting_at_once_hand_a_removed_sinks_alerts_on_once(
+    tmp_path: Path,
+) -> None:
+    """Both replicas restart with a corrected sink URL at once: each moves the alerts
+    that waited for the old one (the same rows; the unique key keeps one of each), and
+    the sink gets each alert once, each run's fire before its resolve."""
+    where = db_for(tmp_path / "sidecar.db")
+
+    class Typo(SharedSink):
+        name = "webhook:http://receivr"
+
+    run_ids = [f"r{i}" for i in range(40)]
+    events = _events(run_ids)
+    writer = Outbox(where, [Typo([], "w")])
+    try:
+        assert writer.add(events) == len(events)
+    finally:
+        writer.close()
+    got: list[tuple[str, AlertEvent]] = []
+    a = Outbox(where, [SharedSink(got, "a")])
+    b = Outbox(where, [SharedSink(got, "b")])
+    try:
+        await asyncio.gather(a.start(), b.start())
+        await _until(lambda: len(got) >= len(events), "every alert delivered")
+        assert await a.wait_idle() and await b.wait_idle()
+        await asyncio.sleep(0.05)  # nothing more arrives
+        assert a.depth() == 0
+    finally:
+        for box in (a, b):
+            await box.stop()
+            box.close()
+    keys = [(e.dedup_key, e.action.value) for _, e in got]
+    assert sorted(keys) == sorted((e.dedup_key, e.action.value) for e in events)
+    for r in run_ids:
+        assert [e.action for _, e in got if e.run_id == r] == [Action.FIRE, Action.RESOLVE]
+
+
 def _alerting_replicas(
     settings: Settings, clock: FakeClock, got: list[tuple[str, AlertEvent]]
 ) -> tuple[Sidecar, Sidecar]:
