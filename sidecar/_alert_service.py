@@ -11,10 +11,10 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 from prometheus_client import CollectorRegistry
 
@@ -31,6 +31,9 @@ if TYPE_CHECKING:
     from ._server import Sidecar
 
 log = get_logger("sidecar.alerts")
+
+# Runs whose views AlertService.remask reads at once (the put-away ones from the store).
+REMASK_RUNS: Final = 100
 
 
 class AlertService:
@@ -111,6 +114,37 @@ class AlertService:
         """:meth:`on_change` in the shape ``Sidecar.add_listener`` takes."""
         self.on_change(before, after, now)
 
+    async def remask(self, views_of: Callable[[list[str]], Awaitable[Mapping[str, View]]]) -> int:
+        """Mask again, as :meth:`on_change` does, every alert still to be sent; rows changed.
+
+        A row holds the masking in force when it was written, and the sinks send what the
+        rows hold (their own pass sees the event only, not the compensations that
+        succeeded, whose arguments a card may quote): alerts written before a
+        ``--redact-key`` or ``--redact-pattern`` was added would leave with the secret. At
+        start, before the re-evaluation (whose masked events the rows' keys ignore), with
+        each run's whole view from ``views_of`` (a batch of run ids at a time). Without
+        a redactor, nothing to do."""
+        if not self.redactor.active:
+            return 0
+        outbox = self.outbox
+        rows: dict[str, list[int]] = {}  # ids only: the events are read a batch at a time
+        for row_id, run_id in await outbox.call(outbox.to_leave):
+            rows.setdefault(run_id, []).append(row_id)
+        runs = sorted(rows)
+        changed = 0
+        for start in range(0, len(runs), REMASK_RUNS):
+            batch = runs[start : start + REMASK_RUNS]
+            views = await views_of(batch)
+            ids = [row_id for run_id in batch for row_id in rows[run_id]]
+            masked = []
+            for row_id, event in await outbox.call(outbox.events, ids):
+                (again,) = self._masked([event], views.get(event.run_id))
+                if again.to_dict() != event.to_dict():
+                    masked.append((row_id, again))
+            if masked:
+                changed += await outbox.call(outbox.rewrite, masked)
+        return changed
+
     def reevaluate(self, views: Iterable[View], now: float) -> int:
         """Raise what stored views hold open, resolve what they no longer do; rows inserted."""
         fired = self.outbox.open_alerts()
@@ -173,6 +207,9 @@ def install_alerting(
     async def deliver() -> None:
         # Runs after the sidecar rebuilt its state from the store: raise what a crash
         # between an acknowledged span and its alert left unsaid, then deliver.
+        masked = await service.remask(sidecar.views)
+        if masked:
+            log.info("sidecar.alerts.masked_again", deliveries=masked)
         views = [v for v in map(sidecar.state.view, list(sidecar.state.run_ids())) if v]
         added = await service.outbox.call(service.reevaluate, views, sidecar.clock())
         if added:

@@ -419,6 +419,25 @@ class Outbox:
         self._update_depth()
         return added
 
+    def to_leave(self) -> list[tuple[int, str]]:
+        """(row id, run id) of every row whose event may still be sent: those waiting, and
+        the fires still firing on the sinks configured (re-sent to an Alertmanager; their
+        resolves repeat their labels)."""
+        return self._store.to_leave([s.name for s in self.sinks])
+
+    def events(self, ids: Sequence[int]) -> list[tuple[int, AlertEvent]]:
+        """(row id, event) of the rows ``ids``, oldest first."""
+        return [(row_id, _load(text)) for row_id, text in self._store.events(ids)]
+
+    def rewrite(self, events: Iterable[tuple[int, AlertEvent]]) -> int:
+        """Replace the events of rows (masked again: AlertService.remask); rows rewritten."""
+        changed = 0
+        with self._store.transaction() as tx:
+            for row_id, event in events:
+                tx.set_event(row_id, json.dumps(event.to_dict(), sort_keys=True))
+                changed += 1
+        return changed
+
     # --- reading ------------------------------------------------------------------
 
     def open_alerts(self) -> dict[str, list[str]]:

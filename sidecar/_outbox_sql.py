@@ -69,6 +69,17 @@ HOLD_AGAIN = (
     f"UPDATE alert_outbox SET state = '{HELD}', last_error = NULL WHERE dedup_key = ? "
     "AND action = ? AND sink = ?"
 )
+# An alert's text masked again (AlertService.remask): arguments the event JSON, the id.
+SET_EVENT = "UPDATE alert_outbox SET event = ? WHERE id = ?"
+# The rows whose event may still be sent, by id and run (AlertService.remask): those
+# waiting (the state index; arguments pending, held), and a sink's fires still firing,
+# re-sent to an Alertmanager and repeated by their resolves (the partial index
+# alert_outbox_firing; arguments the sink, delivered).
+WAITING = "SELECT id, run_id FROM alert_outbox WHERE state IN (?, ?)"
+FIRING_RUNS = "SELECT id, run_id FROM alert_outbox WHERE sink = ? AND " + (
+    _STILL_FIRING.format(state="?")
+)
+_IDS_PER_READ: Final = 500  # one IN list: under SQLite's bound on host parameters
 
 
 # Schema step 4 of both stores (their _STEPS), in each one's words for adding a column:
@@ -113,6 +124,25 @@ class OutboxReads:
             (no_sink, HELD, PENDING, *others),
         )
         return [(int(a), str(b), str(c)) for a, b, c in rows]
+
+    def to_leave(self: _Reads, sinks: Sequence[str]) -> list[tuple[int, str]]:
+        """(id, run id) of the rows whose event may still be sent: waiting (pending, held),
+        or fires still firing on one of ``sinks``."""
+        rows = self._all(sql(self, WAITING), (PENDING, HELD))
+        for sink in sinks:
+            rows += self._all(sql(self, FIRING_RUNS), (sink, DELIVERED))
+        return [(int(a), str(b)) for a, b in rows]
+
+    def events(self: _Reads, ids: Sequence[int]) -> list[tuple[int, str]]:
+        """(id, event JSON) of the rows ``ids`` (those still there), oldest first."""
+        rows: list[tuple[Any, ...]] = []
+        for start in range(0, len(ids), _IDS_PER_READ):
+            chunk = ids[start : start + _IDS_PER_READ]
+            query = (
+                f"SELECT id, event FROM alert_outbox WHERE id IN ({', '.join('?' * len(chunk))})"
+            )
+            rows += self._all(sql(self, query), tuple(chunk))
+        return sorted((int(a), str(b)) for a, b in rows)
 
     def open_alerts(self: _Reads) -> list[tuple[str, str]]:
         rows = self._all(

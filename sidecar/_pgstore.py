@@ -35,6 +35,7 @@ from ._outbox_sql import (
     RESEND_DUE,
     RESOLVE_FIRE,
     RETIRE,
+    SET_EVENT,
     OutboxReads,
     sql,
 )
@@ -948,6 +949,9 @@ class _PgAlertTx:
 
     def hold_again(self, dedup_key: str, action: str, sink: str) -> None:
         self._conn.execute(sql(self, HOLD_AGAIN), (dedup_key, action, sink))
+
+    def set_event(self, row_id: int, event: str) -> None:
+        self._conn.execute(sql(self, SET_EVENT), (event, row_id))
 
     def resolve_fire(self, dedup_key: str, sink: str, at: float) -> None:
         self._conn.execute(sql(self, RESOLVE_FIRE), (at, dedup_key, sink))

@@ -578,6 +578,18 @@ class Sidecar:
             return self.state
         return await self._scratch([run_id])
 
+    async def views(self, run_ids: list[str]) -> dict[str, RunView]:
+        """The views of ``run_ids`` that are known: ours, or for runs put away, folded from
+        the store into one scratch state (answers only, as :meth:`lookup`). Raises
+        StoreError. Callers bound ``run_ids``: the put-away ones are read at once."""
+        state, store = self.state, self.store
+        found = {r: v for r in run_ids if (v := state.view(r)) is not None}
+        away = [r for r in run_ids if r not in found]
+        if away and store is not None:
+            scratch = await self._scratch(away)
+            found.update((r, v) for r in away if (v := scratch.view(r)) is not None)
+        return found
+
     async def _scratch(self, run_ids: list[str]) -> RunState:
         assert self.store is not None
         loaded = await self._call(self.store.load_runs, run_ids)

@@ -432,6 +432,10 @@ class AlertTx(Protocol):
         """Make the row (``dedup_key``, ``action``, ``sink``) held again (the no-sink row)."""
         ...
 
+    def set_event(self, row_id: int, event: str) -> None:
+        """Replace a row's event JSON (masked again, see AlertService.remask)."""
+        ...
+
     def resolve_fire(self, dedup_key: str, sink: str, at: float) -> None:
         """Mark the fire row of (``dedup_key``, ``sink``) resolved: no longer firing."""
         ...
@@ -457,6 +461,15 @@ class AlertStore(Protocol):
     def stranded(self, sinks: Sequence[str], no_sink: str) -> list[tuple[int, str, str]]:
         """(id, sink, event JSON) of the rows waiting for none of ``sinks``, oldest first:
         held (sink ``no_sink``), or pending for a sink not among them."""
+        ...
+
+    def to_leave(self, sinks: Sequence[str]) -> list[tuple[int, str]]:
+        """(id, run id) of the rows whose event may still be sent: waiting (pending, held),
+        or fires still firing on one of ``sinks``."""
+        ...
+
+    def events(self, ids: Sequence[int]) -> list[tuple[int, str]]:
+        """(id, event JSON) of the rows ``ids`` (those still there), oldest first."""
         ...
 
     def open_alerts(self) -> list[tuple[str, str]]:

@@ -32,6 +32,7 @@ from ._outbox_sql import (
     RESOLVE_FIRE,
     RETIRE,
     ROW,
+    SET_EVENT,
     OutboxReads,
 )
 from ._putaway_filter import PutAwayFilter
@@ -798,6 +799,9 @@ class _SqliteAlertTx:
 
     def hold_again(self, dedup_key: str, action: str, sink: str) -> None:
         self._db.execute(HOLD_AGAIN, (dedup_key, action, sink))
+
+    def set_event(self, row_id: int, event: str) -> None:
+        self._db.execute(SET_EVENT, (event, row_id))
 
     def resolve_fire(self, dedup_key: str, sink: str, at: float) -> None:
         self._db.execute(RESOLVE_FIRE, (at, dedup_key, sink))

@@ -8,6 +8,7 @@ alert log line.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -19,10 +20,13 @@ import httpx
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.trace.export import SpanExportResult
 from receivers import RawReceiver
-from sidecar_testkit import BOTH_BACKENDS, RunScript
+from sidecar_testkit import BOTH_BACKENDS, FakeClock, RunScript, export_http, settings_for
 
 from saga_otel import semconv as sc
-from saga_otel.testing import SidecarProcess, start_sidecar
+from saga_otel.testing import AlertReceiver, SidecarProcess, start_sidecar
+from sidecar import Sidecar
+from sidecar._alert_service import install_alerting
+from sidecar._alert_settings import AlertSettings
 
 pytestmark = BOTH_BACKENDS
 
@@ -58,6 +62,22 @@ def failed_unwind() -> RunScript:
         },
     )
     return r.end(sc.STATUS_COMPENSATION_FAILED, "notify")
+
+
+def compensated_unwind() -> RunScript:
+    """Undone in full, its failure quoting the key: a settled run, put away from memory.
+    Sent in one request, its SagaCompensationStarted fires and resolves late, the stack
+    already empty: the alert holds the key's value, not its argument."""
+    r = RunScript(saga="provision")
+    r.do(0, "create_key", "compensable", comp=REVOKE)
+    r.do(1, "notify", "compensable", ok=False, error=f"ValueError: bad key {SECRET}")
+    stack = [
+        {"step": "create_key", "index": 0, "tool": REVOKE[0], "args": REVOKE[1],
+         "description": REVOKE[2]},
+    ]  # fmt: skip
+    r.unwind(f"ValueError: bad key {SECRET}", "notify", stack)
+    r.compensate(0, "create_key", REVOKE[0], REVOKE[1])
+    return r.end(sc.STATUS_COMPENSATED, "notify")
 
 
 def stuck() -> RunScript:
@@ -182,3 +202,107 @@ def test_a_secret_leaves_through_no_sink_log_api_or_cli(tmp_path: Path) -> None:
     log = Path(side.log).read_text()
     assert "saga.alert" in log and sc.ALERT_COMPENSATION_FAILED in log
     assert json.dumps(SECRET) not in log
+
+
+async def test_alerts_waiting_when_redaction_is_added_leave_masked(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    """Alerts written while the sink was down, before ``--redact-key`` was set: restarted
+    with it, the waiting alerts leave masked. A row holds the masking in force when it
+    was written (the start's re-evaluation masks its events anew, and the row's key
+    keeps the old one), and a sink's own pass sees only the alert, not the compensations
+    that succeeded, whose arguments the card and the description quote. The runs' whole
+    views mask them again at start, a run put away from memory's too."""
+    receiver = AlertReceiver(start=False)  # down while the alerts are written
+    runs = [failed_unwind(), compensated_unwind()]
+    first = Sidecar(settings_for(tmp_path), clock=clock)
+    service = install_alerting(first, AlertSettings(webhook_urls=(receiver.url,), log_sink=False))
+    outbox = service.outbox
+    async with first:
+        for run in runs:
+            await export_http(first, run.spans())
+        for _ in range(3000):
+            await outbox.flush()
+            if await outbox.call(outbox.depth) == 4:
+                break
+            await asyncio.sleep(0.005)
+        else:
+            raise AssertionError(f"not every alert written: {outbox.rows()}")
+        assert await first.evict_async() == [runs[1].run_id]  # settled: put away
+    receiver.start()
+    second = Sidecar(settings_for(tmp_path), clock=clock)
+    settings = AlertSettings(
+        webhook_urls=(receiver.url,),
+        log_sink=False,
+        redact_keys=("api_key",),
+        redact_patterns=("(?i)token",),
+    )
+    outbox = install_alerting(second, settings).outbox
+    try:
+        async with second:
+            assert runs[1].run_id not in second.state
+            for _ in range(3000):
+                if len(receiver.alerts) >= 4 and await outbox.call(outbox.depth) == 0:
+                    break
+                await asyncio.sleep(0.005)
+            else:
+                raise AssertionError(f"not every alert delivered: {receiver.alerts}")
+    finally:
+        receiver.stop()
+    got = {(a["alertname"], a["run_id"], a["status"]) for a in receiver.alerts}
+    assert got == {
+        (sc.ALERT_COMPENSATION_STARTED, runs[0].run_id, "firing"),
+        (sc.ALERT_COMPENSATION_FAILED, runs[0].run_id, "firing"),
+        (sc.ALERT_COMPENSATION_STARTED, runs[1].run_id, "firing"),
+        (sc.ALERT_COMPENSATION_STARTED, runs[1].run_id, "resolved"),
+    }
+    sent = json.dumps(receiver.alerts)
+    for secret in (SECRET, OTHER):
+        assert secret not in sent, secret
+    assert "***" in sent
+
+
+async def test_a_resolve_after_redaction_was_added_repeats_its_fire_masked(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    """A fire delivered before ``--redact-key`` was set still fires: its resolve repeats its
+    labels and annotations (the card quoting the key of a revoke that succeeded, which
+    the alert's own stack no longer holds), and an Alertmanager is sent it again. The
+    start masks the fires still firing too."""
+    receiver = AlertReceiver()
+    run = failed_unwind()
+    first = Sidecar(settings_for(tmp_path), clock=clock)
+    install_alerting(first, AlertSettings(webhook_urls=(receiver.url,), log_sink=False))
+    try:
+        async with first:
+            await export_http(first, run.spans())
+            for _ in range(3000):
+                if receiver.find(sc.ALERT_COMPENSATION_FAILED, run.run_id):
+                    break
+                await asyncio.sleep(0.005)
+            else:
+                raise AssertionError(f"no alert delivered: {receiver.alerts}")
+        before = len(receiver.alerts)
+        second = Sidecar(settings_for(tmp_path), clock=clock)
+        settings = AlertSettings(
+            webhook_urls=(receiver.url,), log_sink=False, redact_keys=("api_key",)
+        )
+        service = install_alerting(second, settings)
+        async with second:
+            await asyncio.wait_for(service.reevaluated.wait(), 15)
+            await second.resolve(run.run_id, "revoked by hand", by="dana")
+            for _ in range(3000):
+                if receiver.find(sc.ALERT_COMPENSATION_FAILED, run.run_id, "resolved"):
+                    break
+                await asyncio.sleep(0.005)
+            else:
+                raise AssertionError(f"no resolve delivered: {receiver.alerts}")
+    finally:
+        receiver.stop()
+    after = receiver.alerts[before:]
+    assert (sc.ALERT_COMPENSATION_FAILED, "resolved") in {
+        (a["alertname"], a["status"]) for a in after
+    }
+    sent = json.dumps(after)
+    assert SECRET not in sent
+    assert "***" in sent
