@@ -120,6 +120,42 @@ class TickGate:
         return True
 
 
+# The orphan rule measures silence on the sidecar's clock: now minus the moment a span or
+# heartbeat was received. A step of that clock (NTP stepping it, a VM resumed) is no
+# silence: forward, every live agent would look dead at once; back, a dead one would look
+# alive until the clock caught up. Each reading of the clock is compared with a steady
+# clock that is never stepped (time.monotonic); when they part by more than this between
+# two readings, the receipt times the state keeps move by the step before the reading is
+# used (RunState.clock_stepped), so every silence is what it was. Below it a step is lost
+# in the windows' own margins (three heartbeat intervals, the presence grace's 0.5 s).
+#
+# Why move the kept times, not keep them on the steady clock: they are wall times to
+# everything else (stored, shown, compared with other replicas' rows, with leases and
+# resolutions), and a step is rare: one event to the pure state, not a second time base
+# through every rule.
+STEP_SLACK_S = 1.0
+
+
+class ClockSteps:
+    """How far the sidecar's clock was stepped (pure: the driver passes each reading of it
+    and of a steady clock, ``read(wall, steady)``): the step since the previous reading,
+    signed, 0.0 within ``STEP_SLACK_S``. Each reading is the next one's reference, so a
+    clock slewed (moved gradually, as NTP does below its step threshold) is never taken
+    for a step, however long it slews."""
+
+    __slots__ = ("_last",)
+
+    def __init__(self) -> None:
+        self._last: tuple[float, float] | None = None
+
+    def read(self, wall: float, steady: float) -> float:
+        last, self._last = self._last, (wall, steady)
+        if last is None:
+            return 0.0
+        step = (wall - last[0]) - (steady - last[1])
+        return step if abs(step) > STEP_SLACK_S else 0.0
+
+
 def judged_as_of(now: float, waiting_since: float, read_from: float) -> float:
     """The moment an orphan tick judges as of (sidecar clock): ``now``, or earlier while
     a request that arrived at ``waiting_since`` waits for its commit, or (replicas) the
@@ -153,7 +189,9 @@ class Sidecar:
     """The service. Use ``async with Sidecar(settings) as sidecar:`` in process, or the CLI.
 
     Ports of ``settings`` may be 0; after start the bound ones are
-    ``otlp_http_port``, ``otlp_grpc_port`` and ``api_port``.
+    ``otlp_http_port``, ``otlp_grpc_port`` and ``api_port``. ``clock`` is the wall
+    clock (seconds since the epoch); ``steady``, one that is never stepped, against
+    which a step of ``clock`` is told (see ``ClockSteps``).
     """
 
     def __init__(
@@ -161,10 +199,19 @@ class Sidecar:
         settings: Settings | None = None,
         *,
         clock: Callable[[], float] = time.time,
+        steady: Callable[[], float] | None = None,
         registry: CollectorRegistry | None = None,
     ) -> None:
         self.settings = settings if settings is not None else Settings()
         self.clock = clock
+        # The clock steps of ``clock`` are told against (ClockSteps): time.monotonic with
+        # the system's clock; with another (a test's), that clock itself, which then moves
+        # only as time passes, unless its steady partner is given too.
+        if steady is None:
+            steady = time.monotonic if clock is time.time else clock
+        self._steady = steady
+        self._steps = ClockSteps()
+        self._stepped = 0.0  # the sum of the steps told so far (seconds)
         self.metrics = SidecarMetrics(registry)
         self.state = RunState(self.settings.idle_timeout)
         self.store: Store | None = None
@@ -475,7 +522,7 @@ class Sidecar:
         """Fold the stored runs not put away back into the state (clocks restart now: we
         were deaf); finished ones found among them leave memory at the next evict_async()."""
         assert self.store is not None
-        now = self.clock()
+        now = self._now()
         store = self.store
         count = fold_stored(
             self.state, store.spans(), store.owners(), store.marks(), store.leases(), now
@@ -555,7 +602,7 @@ class Sidecar:
             [(r, o) for r, o in loaded.owners if r in fresh],
             [m for m in loaded.marks if m.run_id in fresh],
             [lease for lease in loaded.leases if lease.run_id in fresh],
-            self.clock(),
+            self._now(),
         )
         log.debug("sidecar.runs.reopened", runs=len(fresh))
 
@@ -594,7 +641,7 @@ class Sidecar:
         assert self.store is not None
         loaded = await self._call(self.store.load_runs, run_ids)
         scratch = RunState(self.settings.idle_timeout)
-        fold_stored(scratch, loaded.spans, loaded.owners, loaded.marks, loaded.leases, self.clock())
+        fold_stored(scratch, loaded.spans, loaded.owners, loaded.marks, loaded.leases, self._now())
         return scratch
 
     async def runs_page(
@@ -666,7 +713,7 @@ class Sidecar:
             self._spans_counter(transport, "unavailable").inc(len(decoded.spans))
             raise StoreError("the sidecar is not running: start it before sending spans")
         if not decoded.spans:  # nothing to screen or store: answered at once
-            return self._fold(decoded, transport, body, content_type, {}, self.clock(), set())
+            return self._fold(decoded, transport, body, content_type, {}, self._now(), set())
         loop = asyncio.get_running_loop()
         answer: asyncio.Future[Decoded] = loop.create_future()
         request = _Request(decoded, transport, body, content_type, answer)
@@ -676,7 +723,7 @@ class Sidecar:
             elif self._taking is None:
                 self._taking = asyncio.create_task(self._take_groups())
         unfolded = self._unfolded
-        unfolded[answer] = self.clock()
+        unfolded[answer] = self._now()
         try:
             stored = await answer
         except StoreError as exc:  # not stored: the exporter resends after our 503
@@ -710,7 +757,7 @@ class Sidecar:
         if group is None:
             return
         outcomes: list[_Taken | Exception] | Exception
-        now = self.clock()
+        now = self._now()
         try:
             store = self.store
             if store is None:
@@ -729,7 +776,7 @@ class Sidecar:
             outcomes = exc
         # Folded as of now, not as of the screening: a COMMIT that waited on a lock kept
         # the agents waiting for their answers too, and their silence meanwhile is ours.
-        settle(group, outcomes, functools.partial(self._fold_taken, self.clock(), None), _answer)
+        settle(group, outcomes, functools.partial(self._fold_taken, self._now(), None), _answer)
 
     async def _take_groups(self) -> None:
         """PostgreSQL's driver of the group commit: the groups, oldest first, each in one
@@ -782,7 +829,7 @@ class Sidecar:
             away = await self._call(store.put_away_of, unknown)
             if away:
                 self._restored(await self._call(_load_reopen, store, sorted(away)))
-        now = self.clock()
+        now = self._now()
         keys = list(
             dict.fromkeys(k for r in group for k in self._known_keys(r.decoded, every=True))
         )
@@ -830,7 +877,7 @@ class Sidecar:
         self._learn(
             {r: o for r, o in found.owners.items() if r not in opened}, found.leases.values()
         )
-        now = self.clock()
+        now = self._now()
         settle(group, outcomes, functools.partial(self._fold_taken, now, opened), _answer)
 
     def _decide_group(
@@ -1161,14 +1208,44 @@ class Sidecar:
             return
         self._presence.pop(instance, None)
         if not clean:
-            self.state.presence_lost(instance, self.clock())
+            self.state.presence_lost(instance, self._now())
 
     # --- orphans, resolution, retention ---------------------------------------------
+
+    def _now(self) -> float:
+        """The clock, read for the state: a step of it since the last reading (``ClockSteps``)
+        first moves every receipt time kept, so a time taken after a step is never moved
+        by it. Every reading in this module goes through here (the tick reads it each time
+        it wakes, so a step is told within a tick, judging or not)."""
+        now = self.clock()
+        step = self._steps.read(now, self._steady())
+        if step:
+            self._clock_stepped(step)
+        return now
+
+    def _clock_stepped(self, step: float) -> None:
+        """Move the receipt times by ``step``: the state's (``RunState.clock_stepped``) and
+        the arrivals of requests waiting for their commit and the start of the last sync
+        read (what the tick judges up to). Leases keep theirs: they are stored and shared
+        by every replica and judged on the wall clock by design."""
+        self._stepped += step
+        self.state.clock_stepped(step)
+        unfolded = self._unfolded
+        for answer in unfolded:
+            unfolded[answer] += step
+        self._read_from += step
+        log.warning(
+            "sidecar.clock.stepped",
+            step_s=round(step, 3),
+            fix="silences were kept as they were, not counted across the step; recovery "
+            "leases expire on the wall clock (a step forward ends them early): keep the "
+            "host's clock synchronised so that it is slewed, not stepped",
+        )
 
     def tick(self, as_of: float | None = None) -> list[Transition]:
         """Apply the orphan rule now, or ``as_of`` an earlier moment (replicas: the start
         of the last read of the others' heartbeats, the latest moment fully known)."""
-        now = self.clock() if as_of is None else min(as_of, self.clock())
+        now = self._now() if as_of is None else min(as_of, self._now())
         transitions = self.state.tick(now)
         if not transitions:
             return transitions
@@ -1221,6 +1298,7 @@ class Sidecar:
             asked = loop.time() + interval
             await asyncio.sleep(interval)
             woke = loop.time()
+            self._now()  # a step of the clock is told within a tick (ClockSteps)
             if self._db_thread is not None:
                 # Replicas on one database: fold in what the others stored, then let one
                 # of them (the holder of the leader lock) decide which runs are orphaned.
@@ -1240,7 +1318,7 @@ class Sidecar:
                 )
             if not judge or (self._db_thread is not None and not self.leading):
                 continue
-            now = self.clock()
+            now = self._now()
             waiting_since = self.oldest_waiting(now)
             read_from = now if self._db_thread is None else self._read_from
             waiting = now - waiting_since > gate.slack
@@ -1272,12 +1350,14 @@ class Sidecar:
         if store is None or store.inline:
             return 0
         async with self._intake:  # between two intakes: the state moves in commit order
-            read_from = self.clock()
+            read_from = self._now()
+            stepped = self._stepped
             changes = await self._call(store.changes, read_from)
             # The fold's own moment: a prune may have run while the read was in flight,
             # and what it forgot must be judged stale against now, not the read's start.
             # Other replicas' heartbeats count as heard now (RunState.heard).
-            now = self.clock()
+            now = self._now()
+            read_from += self._stepped - stepped  # a step told meanwhile moves it too
             # Late spans of runs put away here: fold them onto the whole run.
             await self._reopen(s.run_id for s in changes.spans)
             self._fold_changes(changes, now)
@@ -1342,7 +1422,7 @@ class Sidecar:
 
         Replicas each prune what they hold: deleting a run twice is the same as once.
         """
-        now = self.clock()
+        now = self._now()
         run_ids = self._prune_held(now)
         if self.store is not None:
             before = now - self.settings.retention
@@ -1354,7 +1434,7 @@ class Sidecar:
         and the loop free between batches (on SQLite the store runs on the loop: one
         transaction of 60,000 runs held it ~3 s, every request and tick waiting); the
         runs forgotten in memory, and how many put away were deleted."""
-        now = self.clock()
+        now = self._now()
         run_ids = self._prune_held(now)
         deleted = 0
         if self.store is not None:
@@ -1431,7 +1511,7 @@ class Sidecar:
         if run_id not in self.state:
             async with self._intake:
                 await self._reopen([run_id])
-        now = self.clock()
+        now = self._now()
         owner = self.state.liveness(run_id, now)
         if owner is None:
             return LeaseRefusal(
@@ -1475,7 +1555,7 @@ class Sidecar:
             return None
         if first and before["resolution"]:
             return before
-        now = self.clock()
+        now = self._now()
         if self.store is not None:
             await self._call(self.store.resolve, run_id, note, now, by)
         self.state.resolve(run_id, note, now, by)

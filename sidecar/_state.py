@@ -1340,6 +1340,28 @@ class RunState:
             watch.lost_at = now
             self._schedule(instance, watch)
 
+    def clock_stepped(self, step: float) -> None:
+        """The sidecar's clock was stepped by ``step`` seconds (NTP, a VM resumed) while no
+        time passed: every receipt time kept here moves with it, so each silence stays what
+        it was (a step forward orphans no live agent, a step back spares no dead one) and
+        later receipts, on the new clock, compare with them. Only receipt times move (the
+        instances' last delivery and lost connection, the runs' last activity and last
+        word from their owner, the queue of due moments): span times are the agents' own
+        clocks, and orphan marks, resolutions and leases are stored times, shared with the
+        other replicas (a mark is ended by its value)."""
+        for run in self._runs.values():
+            if run.last_seen:  # 0.0: never seen (a run known from its stored owner only)
+                run.last_seen += step
+            if run.owner_seen:
+                run.owner_seen += step
+        for watch in self._instances.values():
+            watch.at += step
+            if watch.lost_at is not None:
+                watch.lost_at += step
+            if not watch.dead:
+                watch.scheduled = watch.due()
+        self._compact_dues()  # every due moved: one entry per live watch, at its new due
+
     def restore_instance(self, instance: str, at: float, interval: float) -> None:
         instance = _intern(instance)
         watch = self._instances[instance] = _Watch(at, interval)

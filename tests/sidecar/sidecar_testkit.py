@@ -324,11 +324,23 @@ def rejoin(span: ReadableSpan, run: RunScript, *, token: int) -> ReadableSpan:
 
 
 class FakeClock:
+    """The sidecar's wall clock in a test: moving ``now`` is time passing. ``step(by)`` is
+    the host's clock being stepped (NTP, a VM resumed): the wall clock moves and no time
+    passes, which ``steady`` (give it to the Sidecar as ``steady=clock.steady``) tells."""
+
     def __init__(self, now: float = 1_700_000_100.0) -> None:
         self.now = now
+        self._stepped = 0.0
 
     def __call__(self) -> float:
         return self.now
+
+    def steady(self) -> float:
+        return self.now - self._stepped
+
+    def step(self, by: float) -> None:
+        self.now += by
+        self._stepped += by
 
 
 BOTH_BACKENDS = pytest.mark.parametrize("backend", ["sqlite", "postgresql"], indirect=True)

@@ -445,3 +445,109 @@ async def test_the_orphan_tick_never_judges_past_a_request_waiting_for_its_commi
                 break
             await asyncio.sleep(0.02)
         assert sidecar.state.status(run.run_id) == sc.STATE_ORPHANED
+
+
+# --- a step of the sidecar's clock (NTP, a VM resumed) is no silence ----------------------
+
+
+def test_a_step_of_the_clock_is_told_against_the_steady_clock() -> None:
+    """ClockSteps: the wall clock moving with the steady one is time passing; moving
+    apart by more than STEP_SLACK_S between two readings is a step, told once; a clock
+    slewed a little at every reading never adds up to one."""
+    from sidecar._server import STEP_SLACK_S, ClockSteps
+
+    steps = ClockSteps()
+    assert steps.read(wall=1000.0, steady=5.0) == 0.0  # the first reading: a reference
+    assert steps.read(wall=1030.0, steady=35.0) == 0.0  # 30 s passed
+    assert steps.read(wall=1150.25, steady=35.25) == 120.0  # stepped forward
+    assert steps.read(wall=1150.5, steady=35.5) == 0.0  # told once
+    assert steps.read(wall=-2449.5, steady=35.5) == -3600.0  # stepped back
+    wall, steady = -2449.5, 35.5
+    for _ in range(100):  # slewed 0.5 s a reading, 50 s in all: never a step
+        wall, steady = wall + 1.5, steady + 1.0
+        assert steps.read(wall, steady) == 0.0
+    assert steps.read(wall + STEP_SLACK_S * 0.9, steady) == 0.0
+
+
+async def _beating(sidecar: Sidecar, clock: FakeClock, instance: str) -> tuple[str, float]:
+    """An open run whose agent sent its spans, then five heartbeats a second apart (its
+    window is learned: 3 s); the run id and the agent's own clock at its last beat."""
+    run = open_run(instance=instance)
+    await export_http(sidecar, run.spans())
+    beat_at = clock.now  # the agent's clock: the sidecar's host is the one stepped
+    for _ in range(5):
+        clock.now += 1.0
+        beat_at += 1.0
+        await export_http(sidecar, heartbeat_spans(instance, [run.run_id], beat_at))
+    return run.run_id, beat_at
+
+
+async def _stays(sidecar: Sidecar, run_id: str, status: str) -> None:
+    for _ in range(10):  # ticks run meanwhile
+        await asyncio.sleep(0.02)
+        assert sidecar.state.status(run_id) == status
+
+
+async def _becomes(sidecar: Sidecar, run_id: str, status: str) -> None:
+    for _ in range(3000):  # a loaded machine's late ticks defer judging (TickGate)
+        if sidecar.state.status(run_id) == status:
+            return
+        await asyncio.sleep(0.01)
+    assert sidecar.state.status(run_id) == status
+
+
+async def test_a_step_forward_of_the_clock_orphans_no_live_agent(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    """The sidecar host's clock is stepped 120 s forward while its agent beats every
+    second: no time passed, so the agent is not silent (docs/semantic-conventions.md,
+    "Orphaned": never while alive); it beats on, and once it dies it is orphaned past its
+    window, as on a clock never stepped."""
+    settings = settings_for(tmp_path, tick_interval=0.02)
+    async with Sidecar(settings, clock=clock, steady=clock.steady) as sidecar:
+        run_id, beat_at = await _beating(sidecar, clock, "agent-1")
+        clock.step(120.0)
+        await _stays(sidecar, run_id, sc.STATE_RUNNING)
+        clock.now += 1.0
+        await export_http(sidecar, heartbeat_spans("agent-1", [run_id], beat_at + 1.0))
+        clock.now += 2.5  # then it dies: still inside its 3 s window
+        await _stays(sidecar, run_id, sc.STATE_RUNNING)
+        clock.now += 1.0
+        await _becomes(sidecar, run_id, sc.STATE_ORPHANED)
+
+
+async def test_a_step_back_of_the_clock_spares_no_dead_agent(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    """Stepped an hour back, then the agent dies: it is orphaned once silent past its
+    window (the contract's bound: within 30 s + 2 intervals), not an hour later when the
+    clock has caught up."""
+    settings = settings_for(tmp_path, tick_interval=0.02)
+    async with Sidecar(settings, clock=clock, steady=clock.steady) as sidecar:
+        run_id, _ = await _beating(sidecar, clock, "agent-1")
+        clock.step(-3600.0)
+        await _stays(sidecar, run_id, sc.STATE_RUNNING)  # heard a moment ago
+        clock.now += 2.5
+        await _stays(sidecar, run_id, sc.STATE_RUNNING)
+        clock.now += 1.0
+        await _becomes(sidecar, run_id, sc.STATE_ORPHANED)
+
+
+async def test_a_heartbeat_received_after_a_step_is_not_moved_by_it(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    """A step is told at the first reading of the clock after it, not at the next tick:
+    a heartbeat received between the step and the tick is on the new clock already, and
+    moving it by the step too would make its agent an hour silent (stepped back) at once."""
+    settings = settings_for(tmp_path, tick_interval=3600.0)  # ticks by hand only
+    async with Sidecar(settings, clock=clock, steady=clock.steady) as sidecar:
+        run_id, beat_at = await _beating(sidecar, clock, "agent-1")
+        assert sidecar.tick() == []  # a tick before the step
+        clock.step(-3600.0)
+        clock.now += 1.0
+        await export_http(sidecar, heartbeat_spans("agent-1", [run_id], beat_at + 1.0))
+        assert sidecar.tick() == []
+        clock.now += 2.5
+        assert sidecar.tick() == []
+        clock.now += 1.0
+        assert [t.after for t in sidecar.tick()] == [sc.STATE_ORPHANED]

@@ -573,6 +573,36 @@ def test_a_lost_connection_orphans_after_the_grace_unless_a_heartbeat_confirms_l
     assert t.after == sc.STATE_ORPHANED
 
 
+def test_a_step_of_the_clock_keeps_every_silence_as_it_was() -> None:
+    """RunState.clock_stepped: the sidecar's clock stepped 120 s forward or an hour back
+    while no time passed (NTP, a VM resumed). A heart-beating agent's window, the idle
+    rule of a run whose process never beats, and a lost connection's grace each end as
+    long after their last word as on a clock never stepped; a live agent stays alive."""
+    for step in (120.0, -3600.0):
+        state = RunState(idle_timeout=60)
+        beating = _watched_run(state)  # heard at T + 1, its window 3 s
+        quiet = open_run(instance="agent-q")  # never beats: the idle rule
+        state.apply(records(quiet.spans()), T + 1)
+        state.clock_stepped(step)
+        now = T + 1 + step
+        liveness = state.liveness(beating, now + 2.9)
+        assert liveness is not None and liveness.alive, step
+        assert state.tick(now + 2.9) == [], step
+        (t,) = state.tick(now + 3.1)
+        assert t.run_id == beating, step
+        assert state.tick(now + 59.9) == [], step
+        (t,) = state.tick(now + 60.1)
+        assert t.run_id == quiet.run_id, step
+
+        lost = RunState(idle_timeout=60)
+        run_id = _watched_run(lost)
+        lost.presence_lost("agent-p", T + 1.2)
+        lost.clock_stepped(step)
+        assert lost.tick(T + 1.6 + step) == [], step
+        (t,) = lost.tick(T + 1.75 + step)
+        assert (t.run_id, t.after) == (run_id, sc.STATE_ORPHANED), step
+
+
 def test_a_reconnect_cancels_a_lost_connection() -> None:
     state = RunState(idle_timeout=60)
     _watched_run(state)
@@ -603,11 +633,12 @@ def test_a_heartbeat_read_before_a_prune_does_not_bring_its_instance_back() -> N
 _INSTANCES = [f"agent-{i}" for i in range(4)]
 _WATCH_OPS = st.lists(
     st.tuples(
-        st.sampled_from(["beat", "lost", "opened", "restore", "heard", "forget", "tick"]),
+        st.sampled_from(["beat", "lost", "opened", "restore", "heard", "forget", "tick", "step"]),
         st.sampled_from(_INSTANCES),
         st.sampled_from([0.5, 1.0, 2.0]),  # a heartbeat interval
         st.integers(min_value=1, max_value=3),  # heartbeats in one delivery
         st.floats(min_value=0.0, max_value=2.5),  # seconds the clock moves first
+        st.sampled_from([120.0, -3600.0, 1.5]),  # a step of the clock (NTP, a VM resumed)
     ),
     max_size=40,
 )
@@ -619,11 +650,16 @@ def test_a_tick_finds_the_same_dead_processes_as_a_scan_of_every_watch(ops: Any)
     """``tick`` pops watches from a queue of due moments instead of scanning every
     instance; whatever happens to the watches in between (deliveries at other cadences,
     lost and reopened connections, restores, other replicas' heartbeats, forgetting),
-    each tick marks dead exactly the live watches a scan finds past due."""
+    each tick marks dead exactly the live watches a scan finds past due. So do steps of
+    the clock (``clock_stepped``): the queue moves with the watches."""
     state = RunState(idle_timeout=3600.0)
     now = T
-    for op, instance, interval, count, dt in ops:
+    for op, instance, interval, count, dt, step in ops:
         now += round(dt, 2)
+        if op == "step":
+            now += step
+            state.clock_stepped(step)
+            continue
         if op == "beat":
             times = [now - interval * k for k in range(count)][::-1]
             spans = beats([], times, instance=instance)
