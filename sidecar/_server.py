@@ -126,8 +126,9 @@ class TickGate:
 # alive until the clock caught up. Each reading of the clock is compared with a steady
 # clock that is never stepped (time.monotonic); when they part by more than this between
 # two readings, the receipt times the state keeps move by the step before the reading is
-# used (RunState.clock_stepped), so every silence is what it was. Below it a step is lost
-# in the windows' own margins (three heartbeat intervals, the presence grace's 0.5 s).
+# used (RunState.clock_stepped), so every silence is what it was. Below it a step is less
+# than one heartbeat interval at saga_otel's default (1 s), against windows of three; and a
+# reading delayed between the two clocks (a GC pause) is not taken for one.
 #
 # Why move the kept times, not keep them on the steady clock: they are wall times to
 # everything else (stored, shown, compared with other replicas' rows, with leases and
