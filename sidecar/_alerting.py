@@ -18,6 +18,7 @@ import json
 import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any, Final, Literal
 
@@ -77,8 +78,9 @@ class AlertEvent:
     """One alert firing or resolving for one run.
 
     ``at`` is when the thing the event reports happened (unwind start, run end,
-    resolution), which the delay histogram measures from; ``starts_at`` is when
-    the alert began (equal to ``at`` for a fire). ``details`` holds structured
+    resolution), which the delay histogram measures from, never later than the
+    sidecar's now when the event was built (an agent's clock may run ahead);
+    ``starts_at`` is when the alert began (equal to ``at`` for a fire). ``details`` holds structured
     context (stack, card) for sinks that take JSON, never sent unredacted.
     """
 
@@ -322,6 +324,18 @@ def resolve_stale(
 
 def _num(value: object) -> float | None:
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+# How far ahead of the sidecar an agent's clock may put an event before the alert says
+# so: less is the usual spread of synchronized clocks plus the send, not worth a note.
+CLOCK_AHEAD_NOTE_S: Final = 1.0
+
+
+def _iso(ts: float) -> str:
+    try:
+        return datetime.fromtimestamp(ts, UTC).isoformat().replace("+00:00", "Z")
+    except (OverflowError, ValueError, OSError):  # past year 9999: the number says it
+        return f"{ts:.3f}"
 
 
 def _event_time(action: Action, alertname: str, view: View, now: float) -> float:
@@ -588,7 +602,22 @@ def build_event(
     }
     if action is Action.RESOLVE:
         annotations["resolution"] = description
-    at = _event_time(action, alertname, view, now)
+    reported = _event_time(action, alertname, view, now)
+    # The view's times are the agent's clock, which may run ahead of ours: an alert never
+    # starts or ends later than now (Alertmanager refuses a start past its own now plus
+    # resolve_timeout, and an end in the future keeps a resolved alert firing).
+    at = min(reported, now)
+    ahead = reported - now
+    details: dict[str, Any] = {}
+    if ahead > CLOCK_AHEAD_NOTE_S:
+        note = (
+            f"the agent's clock put this {ahead:.1f} s in the sidecar's future "
+            f"({_iso(reported)}): the alert carries the sidecar's time; check the agent "
+            "host's clock (NTP)"
+        )
+        annotations["agent_clock_ahead"] = note
+        annotations["agent_clock_ahead_by_s"] = f"{ahead:.3f}"
+        details["reported_at"] = reported
     return AlertEvent(
         action=action,
         alertname=alertname,
@@ -609,5 +638,6 @@ def build_event(
             "escalation_card": card,
             "run_url": run_url,
             "runbook_url": config.runbook_url(alertname),
+            **details,
         },
     )

@@ -182,6 +182,29 @@ def test_compensation_started_resolves_when_compensated() -> None:
     assert events[0].at == 107.0
 
 
+def test_an_agent_clock_ahead_never_puts_an_alert_in_the_sidecars_future() -> None:
+    """An agent whose clock runs an hour fast: its span times are in the sidecar's future.
+    Alertmanager refuses a start past its now + resolve_timeout (the page was marked failed
+    and lost), and an end in the future keeps a resolved alert firing: the events carry the
+    sidecar's now, the agent's time in a note."""
+    ahead = {**UNWINDING, "unwind_started_at": 3705.0, "updated_at": 3705.0}
+    (fire,) = evaluate(view(), view(**ahead), now=105.2)
+    assert fire.at == fire.starts_at == 105.2
+    assert fire.annotations["agent_clock_ahead_by_s"] == "3599.800"
+    note = fire.annotations["agent_clock_ahead"]
+    assert "3599.8 s in the sidecar's future (1970-01-01T01:01:45Z)" in note
+    assert fire.details["reported_at"] == 3705.0
+    done = view(**{**ahead, "status": "compensated", "ended_at": 3707.0, "stack": []})
+    (resolve,) = evaluate(view(**ahead), done, now=107.5)
+    assert resolve.action is Action.RESOLVE and resolve.at == 107.5
+    assert resolve.resolving_with(fire).starts_at == 105.2
+    # Behind, or within the usual spread of synchronized clocks: the agent's times, no note.
+    (fire,) = evaluate(view(), view(**{**UNWINDING, "unwind_started_at": 105.9}), now=105.2)
+    assert fire.at == 105.2 and "agent_clock_ahead" not in fire.annotations
+    (fire,) = evaluate(view(), view(**UNWINDING), now=105.2)
+    assert fire.at == 105.0 and "reported_at" not in fire.details
+
+
 @pytest.mark.parametrize("status", ["completed", "compensated", "recovered"])
 def test_every_alert_clears_when_nothing_is_left_to_do(status: str) -> None:
     steps = [step(0, "issue_credit", tool="reverse_credit", failed=True)]

@@ -181,3 +181,54 @@ async def test_compensation_started_reaches_alertmanager_and_resolves(
     finally:
         await service.stop()
         service.close()
+
+
+async def test_an_alert_from_an_agent_whose_clock_runs_ahead_reaches_alertmanager(
+    tmp_path: Path, alertmanager: str
+) -> None:
+    """An agent an hour fast: its times are past Alertmanager's now + resolve_timeout, and
+    Alertmanager refused the alert (400), which the outbox marked failed: the page was lost.
+    It starts at the sidecar's now instead."""
+    await wait_ready(alertmanager)
+    service = AlertService(
+        tmp_path / "sidecar.db",
+        AlertSettings(alertmanager_urls=(alertmanager,), log_sink=False),
+    )
+    await service.start()
+    try:
+        now = time.time()
+        ahead = now + 3600.0
+        failed = view(
+            "compensation_failed",
+            run_id="e2e-ahead",
+            unwind_started_at=ahead,
+            updated_at=ahead,
+            ended_at=ahead,
+        )
+        events = service.on_change(None, failed, now)
+        assert sc.ALERT_COMPENSATION_FAILED in [e.alertname for e in events]
+        found: list[dict[str, Any]] = []
+        async with aiohttp.ClientSession() as session:
+
+            async def alerts() -> list[dict[str, Any]]:
+                async with session.get(f"{alertmanager}/api/v2/alerts") as resp:
+                    assert resp.status == 200
+                    got: list[dict[str, Any]] = await resp.json()
+                    return got
+
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 30.0
+            while not found:
+                assert loop.time() < deadline, "the alert never reached Alertmanager"
+                found = [
+                    a
+                    for a in await alerts()
+                    if a["labels"].get("run_id") == "e2e-ahead"
+                    and a["labels"]["alertname"] == sc.ALERT_COMPENSATION_FAILED
+                ]
+                await asyncio.sleep(0.05)
+        assert found[0]["status"]["state"] == "active"
+        assert "in the sidecar's future" in found[0]["annotations"]["agent_clock_ahead"]
+    finally:
+        await service.stop()
+        service.close()
