@@ -218,6 +218,7 @@ class Outbox:
         metrics: AlertMetrics | None = None,
         backoff: Backoff | None = None,
         clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         rng: random.Random | None = None,
         send_timeout: float = DEFAULT_TIMEOUT,
@@ -233,6 +234,10 @@ class Outbox:
         self.metrics = metrics
         self.backoff = backoff or Backoff()
         self._clock = clock
+        self._monotonic = monotonic
+        # Per sink: each firing row's stored send time as last read, and since when (this
+        # process's monotonic clock) it has read that one (see _resend_plan).
+        self._read_sent: dict[str, dict[int, tuple[float, float]]] = {}
         self._sleep = sleep
         self._rng = rng or random.Random()
         self._send_limit = send_timeout  # the HTTP sinks' own; a backstop for any other
@@ -692,10 +697,38 @@ class Outbox:
         return self._store.firing(sink, DELIVERED)
 
     def _resend_due_in(self, sink: str, interval: float) -> float | None:
-        firing = self._firing(sink)
-        if not firing:
+        plan = self._resend_plan(sink, self._firing(sink), interval)
+        if not plan:
             return None
-        return max(0.0, min(sent for _, sent, _ in firing) + interval - self._clock())
+        return max(0.0, min(due_in for _, _, due_in, _ in plan))
+
+    def _resend_plan(
+        self, sink: str, firing: list[tuple[int, float, str]], interval: float
+    ) -> list[tuple[int, str, float, float]]:
+        """(row id, event, seconds until its re-send is due, the claim's bound) per firing
+        row; due when <= 0, claimed while not re-sent since the bound (``resending``).
+
+        Due an interval after its stored send time (wall clock, shared by replicas), or
+        once this process has read that same stored time for an interval (monotonic): a
+        time in the future, our clock stepped back or written by a replica whose clock is
+        ahead, would otherwise hold the re-sends off (and Alertmanager would end the alert
+        after its resolve_timeout) until the clock caught up. A re-send stores a new time,
+        read as new, so replicas still re-send each alert once an interval.
+        """
+        now, mono = self._clock(), self._monotonic()
+        seen = self._read_sent.get(sink, {})
+        kept: dict[int, tuple[float, float]] = {}
+        plan = []
+        for row_id, sent, text in firing:
+            first = seen.get(row_id)
+            since = first[1] if first is not None and first[0] == sent else mono
+            kept[row_id] = (sent, since)
+            by_wall, by_reading = sent + interval - now, since + interval - mono
+            # Claimed while its stored time is still the one read, when only that says due.
+            bound = now - interval if by_wall <= 0 else sent
+            plan.append((row_id, text, min(by_wall, by_reading), bound))
+        self._read_sent[sink] = kept  # the rows still firing: bounded as they are
+        return plan
 
     async def _resend(self, sink: Sink, interval: float) -> None:
         """Re-send still-firing alerts: an Alertmanager that restarted gets them back.
@@ -704,12 +737,12 @@ class Outbox:
         list was read before, and meanwhile another replica may have delivered its
         resolve (a fire re-sent after it pages again) or re-sent it. Its resolve waits
         while the claim lives."""
-        now = self._clock()
         hold = self._send_limit + SEND_MARGIN_S
-        for row_id, sent, text in await self.call(self._firing, sink.name):
-            if sent + interval > now:
+        firing = await self.call(self._firing, sink.name)
+        for row_id, text, due_in, bound in self._resend_plan(sink.name, firing, interval):
+            if due_in > 0:
                 continue
-            if not await self.call(self._store.resending, row_id, now - interval, hold):
+            if not await self.call(self._store.resending, row_id, bound, hold):
                 continue
             try:
                 await self._send(sink, _load(text))
@@ -717,7 +750,10 @@ class Outbox:
                 error = f"{type(exc).__name__}: {exc}"
                 log.warning("sidecar.alert.resend_failed", sink=shown_sink(sink.name), error=error)
                 # Try again next interval; the first delivery already succeeded.
-            await self.call(self._store.touch_sent, row_id, self._clock())
+            sent = self._clock()
+            await self.call(self._store.touch_sent, row_id, sent)
+            # Read as sent now, even if the clock did not move since the last one.
+            self._read_sent.setdefault(sink.name, {})[row_id] = (sent, self._monotonic())
 
 
 # Alerts a run may raise again once resolved: an orphaned run whose agent was heard

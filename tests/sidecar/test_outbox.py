@@ -7,6 +7,7 @@ import logging
 import random
 import socket
 import sqlite3
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -639,6 +640,29 @@ async def test_firing_alerts_are_resent_to_alertmanager_until_resolved(tmp_path:
     finally:
         await box.stop()
     assert [r.state for r in box.rows()] == [DELIVERED, DELIVERED]
+
+
+async def test_firing_alerts_are_resent_after_the_clock_stepped_back(tmp_path: Path) -> None:
+    """The host's clock is stepped back an hour (NTP) while an alert fires: its stored send
+    time is then in the future. The re-sends stopped for the size of the step, and
+    Alertmanager ended the page (resolve_timeout) while the run still needed a person."""
+    offset = [0.0]
+
+    def clock() -> float:
+        return time.time() + offset[0]
+
+    sink = FakeSink("alertmanager", "am", resend=0.05)
+    box = Outbox(db_for(tmp_path / "db"), [sink], clock=clock)
+    box.add([fire("r1")])
+    await box.start()
+    try:
+        await wait_for(lambda: len(sink.got) >= 3)
+        offset[0] -= 3600.0
+        stepped = len(sink.got)
+        await wait_for(lambda: len(sink.got) >= stepped + 4)  # every interval, as before
+        assert {e.action for e in sink.got} == {Action.FIRE}
+    finally:
+        await box.stop()
 
 
 async def test_writing_wakes_the_worker_without_polling(tmp_path: Path, backend: str) -> None:

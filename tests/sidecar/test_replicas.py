@@ -1466,6 +1466,32 @@ async def test_a_resend_pass_at_one_replica_never_follows_a_resolve_from_another
         assert mine[-1] is Action.RESOLVE and mine.count(Action.RESOLVE) == 1, (run_id, mine)
 
 
+async def test_a_replica_resends_what_one_whose_clock_ran_ahead_sent(tmp_path: Path) -> None:
+    """Replica a's clock runs an hour ahead: the send times it stores are in b's future.
+    Once a is gone, b re-sends the firing alert every interval (it held off for the size of
+    the skew, and Alertmanager ended the page after its resolve_timeout)."""
+    url = db_for(tmp_path / "sidecar.db")
+    got: list[tuple[str, AlertEvent]] = []
+    ahead, behind = Alertmanager(got, "a", resend=0.1), Alertmanager(got, "b", resend=0.1)
+    for sink in (ahead, behind):
+        sink.release.set()  # no re-send held
+    a = Outbox(url, [ahead], clock=lambda: time.time() + 3600.0)
+    b = Outbox(url, [behind])
+    fires = [e for e in _events(["r1"]) if e.action is Action.FIRE]
+    try:
+        await a.start()
+        await a.call(a.add, fires)
+        await _until(lambda: len(got) >= 3, "a delivered the fire and re-sent it")
+        await a.stop()
+        await b.start()
+        await _until(lambda: [r for r, _ in got].count("b") >= 3, "b re-sends it")
+    finally:
+        for box in (a, b):
+            await box.stop()
+            box.close()
+    assert {e.action for _, e in got} == {Action.FIRE}
+
+
 async def test_delivery_goes_on_after_the_database_was_unreachable(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
