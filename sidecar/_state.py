@@ -1044,22 +1044,24 @@ class RunState:
     ) -> list[Transition]:
         """A heartbeat another replica stored at ``at`` and this one read at ``now``
         (``heard``): the watch moves on, what it learned of the instance's cadence stays.
-        It counts as heard when read: the other replica's COMMIT may have waited (a lock, a
-        slow disk) while the agent waited for its answer, and silence we caused is not the
-        agent's. A lost connection is still judged against ``at``, when the agent spoke."""
-        heard_at = max(at, now)
+        It counts as heard when read, never at ``at``: the other replica's COMMIT may have
+        waited (a lock, a slow disk) while the agent waited for its answer, and silence we
+        caused is not the agent's; and ``at`` is the other replica's clock, which may run
+        ahead of ours (a dead agent was kept alive for the size of the skew). A lost
+        connection is still judged against ``at``, when the agent spoke, but never later
+        than now."""
         watch = self._instances.get(instance)
         if watch is None:
-            watch = self._instances[instance] = _Watch(heard_at, interval)
+            watch = self._instances[instance] = _Watch(now, interval)
         else:
             watch.interval = interval
-            watch.beating(at, heard_at)
+            watch.beating(min(at, now), now)
         self._schedule(instance, watch)
         transitions = []
         for run_id in open_runs:
-            run = self._owner_heard(instance, run_id, heard_at)
+            run = self._owner_heard(instance, run_id, now)
             if run is not None and run.orphaned_at is not None and not run.recovering():
-                revived = self._unmarked(run, heard_at)  # as a heartbeat received here
+                revived = self._unmarked(run, now)  # as a heartbeat received here
                 if revived is not None:
                     transitions.append(revived)
         return transitions

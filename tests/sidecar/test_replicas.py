@@ -1059,6 +1059,29 @@ async def test_a_replica_whose_clock_is_behind_is_read_as_any_other(tmp_path: Pa
         assert mine is not None and mine.released, mine
 
 
+async def test_a_replica_whose_clock_is_ahead_is_read_as_any_other(tmp_path: Path) -> None:
+    """The follower's clock runs an hour ahead of the leader's: its heartbeats count as
+    heard when the leader reads them, not at the time the follower stored (the leader kept
+    a dead agent alive for the size of the skew), so the agent's death is paged within its
+    window."""
+    mine, ahead = FakeClock(), FakeClock()
+    ahead.now = mine.now + 3600.0
+    settings = settings_for(tmp_path, idle_timeout=5.0, tick_interval=3600.0)
+    async with Sidecar(settings, clock=mine) as leader, Sidecar(settings, clock=ahead) as b:
+        run = open_run(instance="agent-1", t0=mine.now)
+        await export_http(b, run.spans())
+        for _ in range(5):  # a live agent beating every second at the follower
+            mine.now += 1.0
+            ahead.now += 1.0
+            await export_http(b, heartbeat_spans("agent-1", [run.run_id], mine.now))
+            await leader.sync()
+            assert leader.tick() == [], "a live agent paged"
+        mine.now += 10.0  # it died: past its window
+        ahead.now += 10.0
+        await leader.sync()
+        assert [t.after for t in leader.tick()] == [sc.STATE_ORPHANED]
+
+
 def _lock_waits(url: str) -> int:
     """Sessions of the database at ``url`` waiting on a lock now."""
     with psycopg.connect(url) as conn:
