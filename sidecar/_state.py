@@ -995,7 +995,10 @@ class RunState:
         Learns the instance's delivery cadence: the receipt gap since its previous
         delivery is a sample when the agent beat without a break in between (this
         delivery's first beat follows the last one seen within 1.5 intervals, by the
-        spans' own times), so a pause with no open runs teaches nothing.
+        spans' own times), so a pause with no open runs teaches nothing. A first beat
+        before the last one seen is no such follow-up: the agent's clock was stepped back
+        (NTP), and the pause before it is as unknown as any other; the beats are then
+        measured from the new clock's.
         """
         last_span = max(beats, key=_span_end)
         interval = float(last_span.attributes.get(sc.SAGA_HEARTBEAT_INTERVAL_S, 1.0))
@@ -1004,14 +1007,14 @@ class RunState:
         if watch is None:
             watch = self._instances[instance] = _Watch(now, interval)
         elif now > watch.at:
-            continuous = watch.beat is not None and first - watch.beat <= 1.5 * interval
+            continuous = watch.beat is not None and 0 <= first - watch.beat <= 1.5 * interval
             if continuous:
                 watch.learn(now - watch.at)
             watch.beating(now)
         watch.interval = interval
         if last > first:  # beats that waited together: the batch spans this much
             watch.learn(last - first + interval)
-        watch.beat = last if watch.beat is None else max(watch.beat, last)
+        watch.beat = last  # the agent's clock, as it now runs
         self._schedule(instance, watch)
         named: dict[str, None] = {}
         for span in beats:
@@ -1579,7 +1582,7 @@ class _Watch:
     at: float  # receipt time (sidecar clock) of the last delivery with a heartbeat
     interval: float
     dead: bool = False
-    beat: float | None = None  # the latest heartbeat span's own time (agent clock)
+    beat: float | None = None  # the last delivery's latest heartbeat time (agent clock)
     # Recent delivery gaps shown: receipt gaps between continuous deliveries, and the
     # span-time spread of one delivery's heartbeats + 1 interval.
     gaps: tuple[float, ...] = ()

@@ -403,6 +403,40 @@ def test_an_agent_sending_at_once_keeps_the_three_interval_rule() -> None:
     assert t.after == sc.STATE_ORPHANED
 
 
+def test_an_agent_clock_stepped_back_while_idle_teaches_no_delivery_gap() -> None:
+    """An agent sending at once, idle a minute between runs, its clock stepped back an hour
+    meanwhile (NTP). Its next beat is before the last one seen, no follow-up of it: the idle
+    minute was learned as a delivery gap (a 32 s window, not 3 s)."""
+    state = RunState(idle_timeout=600)
+    first = completed_run(instance="agent-b", t0=T)
+    for i in range(1, 6):  # beating while it runs
+        state.apply(beats([first.run_id], [T + i]), T + i)
+    state.apply(records(first.spans()), T + 6)
+    back = -3600.0  # the agent's clock, from now on
+    second = open_run(instance="agent-b", t0=T + 66 + back)
+    state.apply(records(second.spans()), T + 66)
+    for i in range(67, 70):
+        state.apply(beats([second.run_id], [T + i + back]), T + i)
+    assert state.tick(T + 69 + 2.9) == []
+    (t,) = state.tick(T + 69 + 3.1)
+    assert (t.run_id, t.after) == (second.run_id, sc.STATE_ORPHANED)
+
+
+def test_beats_after_an_agent_clock_stepped_back_follow_the_new_clock() -> None:
+    """The agent's clock steps back an hour right after its first beat: the beats after it
+    are continuous by its new clock (they were measured from the old one's last, never
+    continuous, and the window stayed an SDK's default batching: 7 s, not 3)."""
+    state = RunState(idle_timeout=600)
+    run = open_run(instance="agent-b")
+    state.apply(records(run.spans()), T)
+    state.apply(beats([run.run_id], [T]), T)
+    for i in (1, 2, 3):
+        state.apply(beats([run.run_id], [T + i - 3600.0]), T + i)
+    assert state.tick(T + 3 + 2.9) == []
+    (t,) = state.tick(T + 3 + 3.1)
+    assert t.after == sc.STATE_ORPHANED
+
+
 def test_a_learned_gap_is_capped() -> None:
     state = RunState(idle_timeout=600)
     run = open_run(instance="agent-b")
