@@ -9,8 +9,9 @@ tests is accepted by the sidecar. The rules are docs/semantic-conventions.md.
 Two levels:
 
 * the **intake** rules (always): what a reader needs to fold a span correctly:
-  a known phase, attribute types, a run id, step index and attempt, a known step
-  class *when one is given*, a known run status, JSON where JSON is promised.
+  a known phase, attribute types, a valid run id
+  (:func:`saga_otel.semconv.run_id_problem`), step index and attempt, a known
+  step class *when one is given*, a known run status, JSON where JSON is promised.
 * ``complete=True`` adds what every span saga-otel emits carries besides:
   ``saga.contract.version``, ``saga.name``, each phase's attributes, the span
   name, and ``saga.stack`` as JSON.
@@ -148,13 +149,21 @@ def _json(text: str) -> tuple[bool, object]:
 
 
 def check(
-    attributes: Mapping[str, object], span_name: str | None = None, *, complete: bool = False
+    attributes: Mapping[str, object],
+    span_name: str | None = None,
+    *,
+    complete: bool = False,
+    run_id_rule: bool = True,
 ) -> list[Problem]:
     """Every way a span with these attributes breaks the contract; empty when it keeps it.
 
     Only spans that carry ``saga.phase`` are saga spans; give this no others.
     Type problems come first, in the attributes' order, and end the check (the
     later rules read typed values). ``span_name`` is checked with ``complete``.
+
+    ``run_id_rule=False`` checks only that the run id is there, not
+    :func:`saga_otel.semconv.run_id_problem`: for the sidecar's decoding, whose
+    intake applies that rule next, to refuse such spans as ``bad_run_id``.
     """
     phase = attributes.get(sc.SAGA_PHASE, MISSING)
     # A list is unhashable: check the type before the set lookup, or a hostile span 500s.
@@ -188,6 +197,8 @@ def check(
                 f"a saga {phase} span lacks it: every span of a run must carry it",
             )
         )
+    elif run_id_rule and (bad_id := sc.run_id_problem(get(sc.SAGA_RUN_ID))) is not None:
+        out.append(Problem(sc.SAGA_RUN_ID, get(sc.SAGA_RUN_ID), bad_id))
     if sc.SAGA_EXPORT_DROPPED in attributes:
         return out  # a marker for a refused span: identity only, whatever phase it names
     if phase in (sc.PHASE_DO, sc.PHASE_COMPENSATE):

@@ -124,3 +124,25 @@ def test_a_problem_reads_as_attribute_value_and_fix() -> None:
     problem = Problem(sc.SAGA_STEP_ATTEMPT, 0, "counts from 1")
     assert str(problem) == "saga.step.attempt=0: counts from 1"
     assert str(Problem(sc.SAGA_RUN_ID, MISSING, "add it")) == "saga.run.id=<missing>: add it"
+
+
+@pytest.mark.parametrize(
+    "bad", ["..", ".", "a\nb", "run\x07id", "bidi\u202e", "x" * (sc.RUN_ID_MAX_CHARS + 1)]
+)
+def test_a_run_id_the_sidecar_refuses_is_a_violation_with_the_rule_s_words(bad: str) -> None:
+    span = real_span(do_attrs(**{sc.SAGA_RUN_ID: bad}))
+    rule = sc.run_id_problem(bad)
+    assert rule is not None
+    assert check(dict(span.attributes or {})) == [Problem(sc.SAGA_RUN_ID, bad, rule)]
+    assert contract_violations([span]) == [
+        f"span {span.name!r}: {Problem(sc.SAGA_RUN_ID, bad, rule)}"
+    ]
+    # Decoding lets it through: the intake's screening refuses it next, as bad_run_id, with
+    # the same words (tests/sidecar/test_ownership.py).
+    assert intake(span) == (0, "")
+    assert check(dict(span.attributes or {}), run_id_rule=False) == []
+
+
+def test_the_longest_printable_run_id_is_kept() -> None:
+    span = real_span(do_attrs(**{sc.SAGA_RUN_ID: "日" * sc.RUN_ID_MAX_CHARS}))
+    assert contract_violations([span]) == []
