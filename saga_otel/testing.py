@@ -184,8 +184,9 @@ class FailureInjector:
     phase="compensate", times=2)`` makes its first two compensate attempts
     fail, after which retries carry it. ``rate`` fails that share of all other
     calls (in ``phases``), each transiently for ``transient_attempts``. A plan
-    that could never inject (another phase, a tool the wrapped registry lacks)
-    is refused with :class:`~saga_otel.ConfigurationError`, not kept silently.
+    that could never inject (another phase, a tool the wrapped registry lacks,
+    ``times`` below 1; a ``rate`` with no ``phases`` or ``transient_attempts``
+    below 1) is refused with :class:`~saga_otel.ConfigurationError`, not kept silently.
     """
 
     seed: int | None = None
@@ -209,6 +210,17 @@ class FailureInjector:
         if not 0.0 <= self.rate <= 1.0:
             raise ConfigurationError(
                 f"FailureInjector(rate={self.rate!r}) is not a share of calls: use 0.0 to 1.0"
+            )
+        if self.rate and not self.phases:
+            raise ConfigurationError(
+                f"FailureInjector(rate={self.rate!r}, phases=()) never injects: name the phases "
+                f"to fail in ({' and/or '.join(map(repr, _INJECTED_PHASES))}), or use rate=0.0"
+            )
+        if self.rate and self.transient_attempts < 1:
+            raise ConfigurationError(
+                f"FailureInjector(rate={self.rate!r}, transient_attempts="
+                f"{self.transient_attempts!r}) never injects: use transient_attempts >= 1 (the "
+                "attempts of a drawn call that fail), or rate=0.0"
             )
         self._rng = random.Random(self.seed)
 

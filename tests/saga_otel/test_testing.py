@@ -54,6 +54,21 @@ def test_a_failure_plan_that_would_never_inject_is_refused() -> None:
         FailureInjector(phases=("do", "undo"))
     with pytest.raises(ConfigurationError, match=r"rate=30\) is not a share of calls"):
         FailureInjector(rate=30)
+    # A random plan too: one that draws calls but fails none of their attempts, or no phase.
+    for attempts in (0, -1):
+        with pytest.raises(
+            ConfigurationError,
+            match=rf"\(rate=0.5, transient_attempts={attempts}\) never injects: use "
+            r"transient_attempts >= 1 .*, or rate=0.0",
+        ):
+            FailureInjector(seed=1, rate=0.5, transient_attempts=attempts)
+    with pytest.raises(
+        ConfigurationError,
+        match=r"\(rate=0.5, phases=\(\)\) never injects: name the phases to fail in "
+        r"\('do' and/or 'compensate'\), or use rate=0.0",
+    ):
+        FailureInjector(rate=0.5, phases=())
+    FailureInjector(phases=(), transient_attempts=0)  # no rate: no random plan to refuse
     # A tool name is checked when the registry is known: at wrap(), and at fail() after it.
     typo = FailureInjector().fail("reverse_credt", phase="compensate")
     with pytest.raises(
