@@ -106,6 +106,16 @@ class Captured:
     logger: Any
 
     def spans(self, phase: str | None = None, run_id: str | None = None) -> list[ReadableSpan]:
+        """The finished spans, of one saga ``phase`` and/or run when given.
+
+        Raises :class:`~saga_otel.ConfigurationError` for a phase no saga span has
+        (a misspelt one would find no span, whatever happened).
+        """
+        if phase is not None and phase not in sc.PHASES:
+            raise ConfigurationError(
+                f"Captured.spans(phase={phase!r}): no saga span has that phase; use one of "
+                f"{', '.join(sorted(sc.PHASES))}"
+            )
         out = []
         for s in self.exporter.get_finished_spans():
             attrs = s.attributes or {}

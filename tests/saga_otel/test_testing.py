@@ -137,3 +137,16 @@ def test_contract_violations_skips_your_own_spans_but_not_a_saga_span_without_it
         "run, unwind, validate"
         for name in ("saga.do issue_credit", "my.step")
     ]
+
+
+def test_captured_spans_refuses_a_phase_no_saga_span_has() -> None:
+    cap = capture()
+    assert refund(cap, registry()) is RunStatus.COMPENSATED
+    assert len(cap.spans("compensate")) == 1
+    with pytest.raises(
+        ConfigurationError,
+        match=r"Captured.spans\(phase='compensation'\): no saga span has that phase; use one "
+        r"of compensate, do, escalate, heartbeat, run, unwind, validate",
+    ):
+        cap.spans("compensation")
+    assert cap.spans("escalate") == []  # a real phase with no span: an empty list, as before
