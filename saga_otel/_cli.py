@@ -289,20 +289,32 @@ def _mcp_tools(args: argparse.Namespace) -> int:
         rows, refusal = asyncio.run(
             adapter.review_command(server, declare, unannotated=args.unannotated)
         )
-    except SagaError as exc:
-        _say(f"saga-otel: {exception_text(exc)}", err=True)
-        return 2
     except Exception as exc:  # the server did not start or speak MCP: one line, not a trace
-        _say(
-            f"saga-otel: cannot list the tools of {' '.join(server)!r}: {exception_text(exc)}",
-            err=True,
-        )
+        _say(f"saga-otel: {_mcp_failure(server, exc)}", err=True)
         return 2
     _say(adapter.review(rows))
     if refusal is not None:
         _say(f"saga-otel: {refusal}", err=True)
         return 1
     return 0
+
+
+def _mcp_failure(server: Sequence[str], exc: Exception) -> str:
+    """One line for a failed ``mcp-tools`` listing: the first error inside the MCP
+    client's task groups (whose own text, "unhandled errors in a TaskGroup", names
+    none), and for a server that started, what to do next."""
+    leaf: BaseException = exc
+    while isinstance(leaf, BaseExceptionGroup) and leaf.exceptions:
+        leaf = leaf.exceptions[0]
+    if isinstance(leaf, SagaError):  # ours (e.g. a tools/list that never ends): it says the fix
+        return " ".join(exception_text(leaf).split())
+    text = f"cannot list the tools of {' '.join(server)!r}: {describe_error(leaf)}"
+    if not isinstance(leaf, FileNotFoundError | PermissionError):  # it did start
+        text += (
+            "; the server exited or does not speak MCP on stdio: run the command alone to "
+            "see its error"
+        )
+    return " ".join(text.split())  # one line, whatever the error's text holds
 
 
 def main(argv: Sequence[str] | None = None) -> int:

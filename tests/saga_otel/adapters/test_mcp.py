@@ -332,6 +332,50 @@ def test_cli_refuses_a_declare_that_is_not_declarations(
     assert "cannot list the tools" in capsys.readouterr().err
 
 
+LOOPING_SERVER = """
+import anyio
+import mcp.types as mt
+from mcp.server import Server
+from mcp.server.stdio import stdio_server
+async def on_list_tools(_ctx, params):
+    return mt.ListToolsResult(tools=[mt.Tool(name="t", input_schema={"type": "object"})],
+                              next_cursor="again")
+server = Server("looping", on_list_tools=on_list_tools)
+async def main():
+    async with stdio_server() as (read, write):
+        await server.run(read, write, server.create_initialization_options())
+anyio.run(main)
+"""
+
+
+def test_cli_names_the_error_inside_the_mcp_client_s_task_group(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The MCP client raises from task groups: the line names the error in it, not the group."""
+    from saga_otel._cli import main
+
+    exits = [sys.executable, "-c", "import sys; sys.exit(3)"]
+    assert main(["mcp-tools", "--", *exits]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"saga-otel: cannot list the tools of {' '.join(exits)!r}: MCPError: ")
+    assert line.endswith(
+        "; the server exited or does not speak MCP on stdio: run the command alone to see its error"
+    )
+    assert "TaskGroup" not in line
+    # An error of ours raised inside the group is its own line, with its fix.
+    assert main(["mcp-tools", sys.executable, "-c", LOOPING_SERVER]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line == (
+        "saga-otel: the MCP server's tools/list does not end: cursor 'again' came back again "
+        "(2 tools so far); fix the server's pagination"
+    )
+    # A command that cannot start: the OS says why; no hint about a server that ran.
+    assert main(["mcp-tools", "/nonexistent/server"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.endswith("FileNotFoundError: [Errno 2] No such file or directory: "
+                         "'/nonexistent/server'")  # fmt: skip
+
+
 def paged_server(pages: Callable[[str | None], mt.ListToolsResult]) -> Server[Any]:
     """A low-level MCP server whose tools/list answers ``pages(cursor)``."""
 
