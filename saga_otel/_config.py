@@ -218,9 +218,16 @@ def _limit_variable(names: tuple[str, str]) -> tuple[str, str] | None:
     return None
 
 
+def _warn_limit(log: Logger, variable: str, value: object, message: str) -> None:
+    """Say which span limit the saga spans are given, or are exposed to, and why."""
+    with contextlib.suppress(Exception):  # a broken logging setup must not stop us
+        log.warning(sc.EV_CONFIGURE_WARNING, variable=variable, value=value, message=message)
+
+
 def _own_provider(log: Logger) -> TracerProvider:
     """The provider saga_otel makes when the process has none, honouring the ``OTEL_*``
-    variables but an attribute value length limit.
+    variables but an attribute value length limit and a count limit too low for saga
+    spans.
 
     A cut value breaks the contract (the sidecar rejects an undo whose JSON arguments
     were cut; a run id cut is another run), and a provider has one limit for all its
@@ -233,35 +240,33 @@ def _own_provider(log: Logger) -> TracerProvider:
     found = _length_limit_variable()
     if found is not None:
         name, value = found
-        with contextlib.suppress(Exception):  # a broken logging setup must not stop us
-            log.warning(
-                sc.EV_CONFIGURE_WARNING,
-                variable=name,
-                value=printable(value[:40]),
-                message=(
-                    f"{name}={value[:40]!r} is not applied to the tracer provider "
-                    "saga_otel creates: a saga span attribute value cut short is refused "
-                    "by the sidecar, so the undo it carries would never reach it. Spans "
-                    "of this provider keep their whole values; to limit your own spans, "
-                    "give them a provider of your own"
-                ),
-            )
+        _warn_limit(
+            log,
+            name,
+            printable(value[:40]),
+            (
+                f"{name}={value[:40]!r} is not applied to the tracer provider "
+                "saga_otel creates: a saga span attribute value cut short is refused "
+                "by the sidecar, so the undo it carries would never reach it. Spans "
+                "of this provider keep their whole values; to limit your own spans, "
+                "give them a provider of your own"
+            ),
+        )
     counted = _count_limit_variable()
     if counted is not None:
         name, value = counted
-        with contextlib.suppress(Exception):  # a broken logging setup must not stop us
-            log.warning(
-                sc.EV_CONFIGURE_WARNING,
-                variable=name,
-                value=printable(value[:40]),
-                message=(
-                    f"{name}={value[:40]!r} is not applied to the tracer provider "
-                    "saga_otel creates: past it the SDK drops span attributes, and a saga "
-                    "span without its own is refused by the sidecar. Spans of this "
-                    f"provider keep up to {_OWN_SPAN_ATTRIBUTES}; to limit your own spans, "
-                    "give them a provider of your own"
-                ),
-            )
+        _warn_limit(
+            log,
+            name,
+            printable(value[:40]),
+            (
+                f"{name}={value[:40]!r} is not applied to the tracer provider "
+                "saga_otel creates: past it the SDK drops span attributes, and a saga "
+                "span without its own is refused by the sidecar. Spans of this "
+                f"provider keep up to {_OWN_SPAN_ATTRIBUTES}; to limit your own spans, "
+                "give them a provider of your own"
+            ),
+        )
     limits = SpanLimits(
         max_attribute_length=SpanLimits.UNSET,
         max_span_attribute_length=SpanLimits.UNSET,
@@ -285,38 +290,36 @@ def _warn_if_cut(provider: TracerProvider, log: Logger) -> None:
     if isinstance(count, int) and count < _MIN_SPAN_ATTRIBUTES:
         found = _limit_variable(_ENV_COUNT_LIMITS)
         source = found[0] if found is not None and found[1] == str(count) else "its span_limits"
-        with contextlib.suppress(Exception):  # a broken logging setup must not stop us
-            log.warning(
-                sc.EV_CONFIGURE_WARNING,
-                variable=source,
-                value=count,
-                message=(
-                    f"the tracer provider keeps at most {count} attributes a span "
-                    f"({source}): a saga span has up to about 20, and one missing its own is "
-                    "rejected by the sidecar (saga_otel sends a marker span in its place, so "
-                    f"the run escalates, but the undo is lost). Raise {source} to at least "
-                    f"{_MIN_SPAN_ATTRIBUTES} for the provider that makes the saga spans"
-                ),
-            )
+        _warn_limit(
+            log,
+            source,
+            count,
+            (
+                f"the tracer provider keeps at most {count} attributes a span "
+                f"({source}): a saga span has up to about 20, and one missing its own is "
+                "rejected by the sidecar (saga_otel sends a marker span in its place, so "
+                f"the run escalates, but the undo is lost). Raise {source} to at least "
+                f"{_MIN_SPAN_ATTRIBUTES} for the provider that makes the saga spans"
+            ),
+        )
     limit = getattr(limits, "max_span_attribute_length", None)
     if not isinstance(limit, int):
         return
     found = _length_limit_variable()
     source = found[0] if found is not None and found[1] == str(limit) else "its span_limits"
-    with contextlib.suppress(Exception):  # a broken logging setup must not stop us
-        log.warning(
-            sc.EV_CONFIGURE_WARNING,
-            variable=source,
-            value=limit,
-            message=(
-                f"the tracer provider cuts span attribute values to {limit} characters "
-                f"({source}): a saga span whose undo arguments, stack or run id are cut "
-                "is rejected by the sidecar (saga_otel sends a marker span in its place, "
-                f"so the run escalates, but the undo is lost). Unset {source} for the "
-                "provider that makes the saga spans, or pass configure() a tracer_provider "
-                "without an attribute value length limit"
-            ),
-        )
+    _warn_limit(
+        log,
+        source,
+        limit,
+        (
+            f"the tracer provider cuts span attribute values to {limit} characters "
+            f"({source}): a saga span whose undo arguments, stack or run id are cut "
+            "is rejected by the sidecar (saga_otel sends a marker span in its place, "
+            f"so the run escalates, but the undo is lost). Unset {source} for the "
+            "provider that makes the saga spans, or pass configure() a tracer_provider "
+            "without an attribute value length limit"
+        ),
+    )
 
 
 def _rebrand(resource: Resource, parent_id: str) -> None:
