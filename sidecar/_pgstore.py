@@ -60,6 +60,7 @@ from ._storage import (
     NewAlert,
     OutboxRecord,
     PutAway,
+    Resolution,
     RunMark,
     RunQuery,
     Screening,
@@ -223,6 +224,20 @@ _INSTANCE_CHANGES = (
 _MARK_CHANGES = MARK_ROW.replace(" FROM ", ", cleared, changed FROM ") + " WHERE changed >= %s"
 _LEASE_CHANGES = LEASE_ROW.replace(" FROM ", ", changed FROM ") + " WHERE changed >= %s"
 SYNC_BATCH = 5000
+# A person's resolution; with _FIRST_ONLY, only where none stands: the first one stands
+# (docs/sidecar.md), and one made at or before the run's orphan mark, or the mark it was
+# revived from (``cleared``), lapsed (``_state._before_mark``, which every replica applies
+# to it), so it is no longer there to keep.
+_RESOLVE = (
+    "INSERT INTO run_marks(run_id, resolution_note, resolution_at, resolution_by) "
+    "VALUES (%s, %s, %s, %s) ON CONFLICT (run_id) DO UPDATE SET "
+    "resolution_note = excluded.resolution_note, resolution_at = excluded.resolution_at, "
+    "resolution_by = excluded.resolution_by, changed = excluded.changed{where} RETURNING 1"
+)
+_FIRST_ONLY = (
+    " WHERE run_marks.resolution_at IS NULL "
+    "OR run_marks.resolution_at <= COALESCE(run_marks.orphaned_at, run_marks.cleared)"
+)
 # An outbox row's claim lasts while its replica lives (its presence lock, below); this
 # is the backstop for a replica alive but stuck, whose connection still holds the lock.
 CLAIM_TTL_S = 120.0
@@ -704,17 +719,26 @@ class PgStore(_Pooled):
                     rows,
                 )
 
-    def resolve(self, run_id: str, note: str, at: float, by: str | None) -> None:
+    def resolve(self, run_id: str, wanted: Resolution, *, replace: bool = False) -> Resolution:
+        # One statement decides, on the row's newest version (ON CONFLICT reads and locks
+        # it, committed or waited for): two replicas resolving at once cannot both write.
         # The row's change number moves with it: the other replicas read it (changes()).
         with self._tx("store the resolution") as conn:
-            conn.execute(
-                "INSERT INTO run_marks(run_id, resolution_note, resolution_at, resolution_by) "
-                "VALUES (%s, %s, %s, %s) ON CONFLICT (run_id) DO UPDATE SET "
-                "resolution_note = excluded.resolution_note, "
-                "resolution_at = excluded.resolution_at, "
-                "resolution_by = excluded.resolution_by, changed = excluded.changed",
-                (run_id, note, at, by),
-            )
+            written = conn.execute(
+                _RESOLVE.format(where="" if replace else _FIRST_ONLY),
+                (run_id, wanted.note, wanted.at, wanted.by),
+            ).fetchone()
+            if written is not None:
+                return wanted
+            # Not written: a resolution stands, its row locked by the statement above
+            # until commit. Read in a statement of its own: the one above's snapshot may
+            # predate the commit that wrote it.
+            row = conn.execute(
+                "SELECT resolution_note, resolution_at, resolution_by FROM run_marks "
+                "WHERE run_id = %s",
+                (run_id,),
+            ).fetchone()
+            return Resolution(str(row[0]), float(row[1]), row[2])
 
     def delete_runs(self, run_ids: list[str]) -> None:
         if run_ids:

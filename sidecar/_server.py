@@ -71,6 +71,7 @@ from ._storage import (
     HeartbeatRow,
     IntakeRows,
     PutAway,
+    Resolution,
     RunQuery,
     Screening,
     SpanRow,
@@ -1542,27 +1543,37 @@ class Sidecar:
 
         ``by`` is the name the person gave (None: they gave none; nothing is made up).
         With ``first``, a run resolved already keeps its note and its ``by``: its view
-        comes back unchanged (resolutions of this sidecar are taken one at a time).
+        comes back with the resolution that stands. The store decides (``Store.resolve``),
+        not this sidecar's memory: another replica's resolution may not be read here yet.
         """
         async with self._resolving:
             return await self._resolve(run_id, note, first, by)
 
     async def _resolve(self, run_id: str, note: str, first: bool, by: str | None) -> RunView | None:
-        if run_id not in self.state:
-            async with self._intake:
+        # Under the intake lock: a sync reads the store and folds what it read in one
+        # turn, so what it read never lands after (and over) the answer below.
+        async with self._intake:
+            if run_id not in self.state:
                 await self._reopen([run_id])
-        before = self.state.view(run_id)
-        if before is None:
-            return None
-        if first and before["resolution"]:
-            return before
-        now = self._now()
-        if self.store is not None:
-            await self._call(self.store.resolve, run_id, note, now, by)
-        self.state.resolve(run_id, note, now, by)
-        after = self.state.view(run_id)
+            before = self.state.view(run_id)
+            if before is None:
+                return None
+            now = self._now()
+            wanted = Resolution(note, now, by)
+            if self.store is None:  # not started: memory is all there is
+                if not first or before["resolution"] is None:
+                    self.state.resolve(run_id, note, now, by)
+            else:
+                decide = functools.partial(self.store.resolve, replace=not first)
+                standing = await self._call(decide, run_id, wanted)
+                if standing == wanted:  # made here, after what this sidecar showed the person
+                    self.state.resolve(run_id, note, now, by)
+                else:  # another's, as the other replicas read it
+                    self.state.read_resolution(run_id, standing)
+            after = self.state.view(run_id)
         assert after is not None
-        self._notify(before, after, now)
+        if after["resolution"] != before["resolution"]:
+            self._notify(before, after, now)
         return after
 
 

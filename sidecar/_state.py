@@ -25,6 +25,7 @@ from saga_otel.records import EscalationCard, is_pivot
 from . import _jsontext as jsontext
 from ._leases import Lease, Liveness, Override, Owner, lease_view
 from ._otlp import SpanRecord
+from ._storage import Resolution
 from ._views import (
     END_STATUSES,
     AttemptView,
@@ -90,12 +91,6 @@ class Escalation(NamedTuple):
     span_id: int
     reason: str
     card_text: str | None
-
-
-class Resolution(NamedTuple):
-    note: str
-    at: float
-    by: str | None = None  # the name the person gave, if any
 
 
 class Revived(NamedTuple):
@@ -441,6 +436,14 @@ def _before_mark(resolved_at: float, orphaned_at: float | None) -> bool:
     mark stands. The rule for marks and resolutions read from the store, whichever a
     replica folds first; at the same moment, the run is paged again rather than hidden."""
     return orphaned_at is not None and resolved_at <= orphaned_at
+
+
+def _lapsed_by_mark(run: _Run, resolved_at: float) -> bool:
+    """``_before_mark`` against the run's orphan mark, or the one it was revived from."""
+    orphaned = run.orphaned_at
+    if orphaned is None and run.revived is not None:
+        orphaned = run.revived.orphaned_at
+    return _before_mark(resolved_at, orphaned)
 
 
 def _copier(cls: type[_Run]) -> Callable[[_Run], _Run]:
@@ -1414,14 +1417,26 @@ class RunState:
         before reading the resolution drops it, as ``_lapse`` would have had they come in
         that order)."""
         run = self._runs.get(run_id)
-        if run is None or run.resolution is not None:
-            return False
-        orphaned = run.orphaned_at
-        if orphaned is None and run.revived is not None:  # the mark it was revived from
-            orphaned = run.revived.orphaned_at
-        if _before_mark(at, orphaned):
+        if run is None or run.resolution is not None or _lapsed_by_mark(run, at):
             return False
         run.resolution = Resolution(note, at, by)
+        return True
+
+    def read_resolution(self, run_id: str, stored: Resolution | None) -> bool:
+        """Apply a run's resolution as a replica's read of the store found it (``None``:
+        the run has none): the mark row's newest version, read by change number and in
+        turn with this sidecar's own writes, so it takes the place of the one held here
+        whatever its time says (a replacement made through another replica, or none where
+        a lapse there cleared it). One made at or before the run's orphan mark lapsed
+        (``restore_resolution``'s rule): none stands. True when the run's changed."""
+        run = self._runs.get(run_id)
+        if run is None:
+            return False
+        if stored is not None and _lapsed_by_mark(run, stored.at):
+            stored = None
+        if run.resolution == stored:
+            return False
+        run.resolution = stored
         return True
 
     def resolve(self, run_id: str, note: str, now: float, by: str | None = None) -> bool:

@@ -144,6 +144,15 @@ class StoredSpan:
     data: bytes
 
 
+class Resolution(NamedTuple):
+    """A person's resolution of a run: what they did or decided, when (the clock of the
+    sidecar it was made through), and the name they gave (None: none given)."""
+
+    note: str
+    at: float
+    by: str | None = None
+
+
 @dataclass(frozen=True, slots=True)
 class RunMark:
     run_id: str
@@ -275,9 +284,14 @@ class Store(Protocol):
         agent, or a recoverer), each only while it is the run's mark: a later orphaning
         stands."""
 
-    def resolve(self, run_id: str, note: str, at: float, by: str | None) -> None:
-        """Store a person's resolution (``by``: the name they gave, or None), in place of
-        any the run had."""
+    def resolve(self, run_id: str, wanted: Resolution, *, replace: bool = False) -> Resolution:
+        """Store a person's resolution and answer the one that stands afterwards, decided
+        in the database in one statement (serialized per run across every process on it,
+        whatever each one's memory holds): ``wanted`` when the run has none, or only one
+        made at or before its orphan mark (it lapsed: ``_state._before_mark``), or with
+        ``replace``; else the one that stands, unchanged (the first resolution stands:
+        the caller compares the notes)."""
+        ...
 
     def clear_resolutions(self, run_ids: Iterable[str]) -> None:
         """Drop the resolutions of runs that came to need a person again."""

@@ -58,6 +58,7 @@ from ._storage import (
     NewAlert,
     OutboxRecord,
     PutAway,
+    Resolution,
     RunMark,
     RunQuery,
     Screening,
@@ -508,14 +509,29 @@ class SqliteStore:
             [(r,) for r in run_ids],
         )
 
-    def resolve(self, run_id: str, note: str, at: float, by: str | None) -> None:
-        self._marks(
-            "INSERT INTO run_marks(run_id, resolution_note, resolution_at, resolution_by) "
-            "VALUES (?, ?, ?, ?) ON CONFLICT(run_id) DO UPDATE SET "
-            "resolution_note=excluded.resolution_note, resolution_at=excluded.resolution_at, "
-            "resolution_by=excluded.resolution_by",
-            [(run_id, note, at, by)],
-        )
+    def resolve(self, run_id: str, wanted: Resolution, *, replace: bool = False) -> Resolution:
+        # As PostgreSQL's (one process here, but the same rule through the same interface):
+        # the write lock taken first, the first resolution stands unless replaced; one made
+        # at or before the run's orphan mark lapsed (SQLite keeps no cleared mark: its clears
+        # and lapses are written at once, in order).
+        where = "" if replace else (
+            " WHERE run_marks.resolution_at IS NULL "
+            "OR run_marks.resolution_at <= run_marks.orphaned_at"
+        )  # fmt: skip
+        with self._tx("store the resolution", "BEGIN IMMEDIATE") as db:
+            db.execute(
+                "INSERT INTO run_marks(run_id, resolution_note, resolution_at, resolution_by) "
+                "VALUES (?, ?, ?, ?) ON CONFLICT(run_id) DO UPDATE SET "
+                "resolution_note=excluded.resolution_note, resolution_at=excluded.resolution_at, "
+                "resolution_by=excluded.resolution_by" + where,
+                (run_id, wanted.note, wanted.at, wanted.by),
+            )
+            row = db.execute(
+                "SELECT resolution_note, resolution_at, resolution_by FROM run_marks "
+                "WHERE run_id = ?",
+                (run_id,),
+            ).fetchone()
+        return Resolution(str(row[0]), float(row[1]), row[2])
 
     def _marks(self, sql: str, rows: list[tuple[object, ...]]) -> None:
         if rows:

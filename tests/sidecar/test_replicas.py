@@ -37,6 +37,7 @@ from sidecar_testkit import (
     settings_for,
     stuck_run,
 )
+from support import sql_on
 
 from saga_otel import semconv as sc
 from sidecar import Settings, Sidecar
@@ -389,6 +390,67 @@ async def test_who_resolved_a_run_reaches_every_replica(tmp_path: Path) -> None:
             view = a.state.view(run_id)
             assert view is not None and view["resolution"] is not None
             assert view["resolution"]["by"] == by, run_id
+
+
+def _stored_resolution(tmp_path: Path, run_id: str) -> list[tuple[Any, ...]]:
+    with sql_on(db_for(tmp_path / "sidecar.db")) as run:
+        rows = run("SELECT run_id, resolution_note, resolution_at, resolution_by FROM run_marks")
+    return [tuple(row[1:]) for row in rows if row[0] == run_id]
+
+
+async def _resolve_at(replica: Sidecar, run_id: str, body: dict[str, object]) -> httpx.Response:
+    async with httpx.AsyncClient(timeout=10) as client:
+        return await client.post(
+            f"http://127.0.0.1:{replica.api_port}/runs/{run_id}/resolve", json=body
+        )
+
+
+async def _resolved_at_a_unread_at_b(a: Sidecar, b: Sidecar, clock: FakeClock) -> dict[str, Any]:
+    """A stuck run both replicas hold, resolved by alice through A; B has not read that
+    (its tick is an hour: its memory is stale, as for up to a tick between real ones)."""
+    await export_http(a, stuck_run(run_id="run-1").spans())
+    await b.sync()
+    first = await _resolve_at(a, "run-1", {"note": "reversed by hand", "by": "alice"})
+    assert first.status_code == 200, first.text
+    clock.now += 5.0
+    view = b.state.view("run-1")
+    assert view is not None and view["resolution"] is None
+    return dict(first.json()["resolution"])
+
+
+async def test_another_note_through_a_replica_that_has_not_read_the_first_is_refused(
+    tmp_path: Path,
+) -> None:
+    """The first resolution stands in the database, not in one replica's memory: bob's
+    note through B is a 409 naming alice's note and name, the database keeps hers, and B
+    shows hers from then on."""
+    clock = FakeClock()
+    settings = settings_for(tmp_path, tick_interval=3600.0)
+    async with Sidecar(settings, clock=clock) as a, Sidecar(settings, clock=clock) as b:
+        alice = await _resolved_at_a_unread_at_b(a, b, clock)
+        second = await _resolve_at(b, "run-1", {"note": "retried close_ticket", "by": "bob"})
+        assert second.status_code == 409, second.text
+        assert second.json()["resolution"] == alice
+        assert "'alice'" in second.json()["error"]
+        assert "'reversed by hand'" in second.json()["error"]
+        assert _stored_resolution(tmp_path, "run-1") == [("reversed by hand", alice["at"], "alice")]
+        view = b.state.view("run-1")
+        assert view is not None and view["resolution"] == alice
+
+
+async def test_the_same_note_through_a_replica_that_has_not_read_the_first_is_unchanged(
+    tmp_path: Path,
+) -> None:
+    """The same note again through B (a retry, or a second person agreeing) is a 200 with
+    the resolution as it stands: alice's time and name, not re-stamped as bob's."""
+    clock = FakeClock()
+    settings = settings_for(tmp_path, tick_interval=3600.0)
+    async with Sidecar(settings, clock=clock) as a, Sidecar(settings, clock=clock) as b:
+        alice = await _resolved_at_a_unread_at_b(a, b, clock)
+        same = await _resolve_at(b, "run-1", {"note": "reversed by hand", "by": "bob"})
+        assert same.status_code == 200, same.text
+        assert same.json()["resolution"] == alice
+        assert _stored_resolution(tmp_path, "run-1") == [("reversed by hand", alice["at"], "alice")]
 
 
 async def test_an_agent_back_with_heartbeats_at_the_follower_is_back_at_the_leader(

@@ -24,6 +24,7 @@ from saga_otel.records import Compensation
 from sidecar import RunState, SpanRecord
 from sidecar._otlp import extract
 from sidecar._state import _Watch
+from sidecar._storage import Resolution
 
 T = 1_700_000_100.0
 
@@ -542,6 +543,35 @@ def test_a_resolution_lapses_when_the_run_comes_to_need_a_person_again() -> None
     # A resolution given while the run needs a person holds while it stays so.
     assert state.resolve(orphan.run_id, "undone by hand", T + 61)
     assert state.tick(T + 120) == [] and state.view(orphan.run_id)["resolution"]  # type: ignore[index]
+
+
+def test_a_resolution_read_from_the_store_takes_the_place_of_the_one_held() -> None:
+    """Replicas: the mark row a sync reads is the row's newest version, so its resolution
+    replaces the one held (a replacement made through another replica), whatever the
+    clocks say; a row without one drops it (a lapse cleared there); one made at or before
+    the orphan mark lapsed and does not stand."""
+    state = RunState(idle_timeout=60)
+    stuck = stuck_run()
+    state.apply(records(stuck.spans()), T)
+    alice, bob = Resolution("reversed by hand", T + 5, "alice"), Resolution("retried", T + 1)
+    assert state.resolve(stuck.run_id, alice.note, alice.at, alice.by)
+    assert state.read_resolution(stuck.run_id, bob)  # its clock was behind: it still stands
+    view = state.view(stuck.run_id)
+    assert view is not None and view["resolution"] == {"note": "retried", "at": T + 1, "by": None}
+    assert not state.read_resolution(stuck.run_id, bob)  # read again: nothing changes
+    assert state.read_resolution(stuck.run_id, None)
+    assert state.view(stuck.run_id)["resolution"] is None  # type: ignore[index]
+    assert [r["run_id"] for r in state.summaries(needs_person=True)] == [stuck.run_id]
+    assert not state.read_resolution("no-such-run", alice)
+
+    orphan = open_run(instance="agent-b")
+    state.apply(records(orphan.spans()), T)
+    assert state.restore_orphaned(orphan.run_id, T + 10) is not None
+    assert not state.read_resolution(orphan.run_id, Resolution("restarted it", T + 10))
+    assert state.view(orphan.run_id)["resolution"] is None  # type: ignore[index]
+    assert state.read_resolution(orphan.run_id, Resolution("restarted it", T + 11))
+    assert state.read_resolution(orphan.run_id, Resolution("older", T + 9))  # lapsed: none
+    assert state.view(orphan.run_id)["resolution"] is None  # type: ignore[index]
 
 
 def test_a_span_of_the_run_also_brings_it_back_but_a_strangers_heartbeat_does_not() -> None:

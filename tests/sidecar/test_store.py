@@ -32,7 +32,7 @@ from support import sql_on
 from saga_otel import semconv as sc
 from sidecar import Sidecar
 from sidecar._backends import open_store
-from sidecar._storage import parse_db
+from sidecar._storage import Resolution, parse_db
 
 pytestmark = BOTH_BACKENDS
 
@@ -188,6 +188,43 @@ async def test_a_lost_write_of_a_lapse_is_logged_with_what_it_costs(
         assert sc_.state.status(run.run_id) == sc.STATUS_COMPENSATION_FAILED
     told = [vars(r).get("fix") or "" for r in caplog.records if r.levelno >= logging.ERROR]
     assert any("hidden again until re-resolved" in fix for fix in told), told
+
+
+def test_the_first_resolution_stands_in_the_store_whoever_writes_it(tmp_path: Path) -> None:
+    """The store decides which resolution stands, not a sidecar's memory (a replica's may
+    be a tick old): two stores on one database, each told of nothing. Another note is not
+    written and the standing one is answered; the same note keeps its time and name;
+    ``replace`` writes; one made at or before the run's orphan mark lapsed, so another
+    takes its place."""
+    where = settings_for(tmp_path).database
+    a, b = open_store(where), open_store(where)
+    t = 1_700_000_100.0
+    alice = Resolution("reversed by hand", t, "alice")
+    bob = Resolution("retried close_ticket", t + 5, "bob")
+
+    def stored(run_id: str) -> list[tuple[object, ...]]:
+        with sql_on(db_for(tmp_path / "sidecar.db")) as run:
+            rows = run(
+                "SELECT run_id, resolution_note, resolution_at, resolution_by FROM run_marks"
+            )
+        return [tuple(r[1:]) for r in rows if r[0] == run_id]
+
+    try:
+        assert a.resolve("run-1", alice) == alice
+        assert b.resolve("run-1", bob) == alice
+        assert b.resolve("run-1", Resolution(alice.note, t + 6, "bob")) == alice
+        assert stored("run-1") == [tuple(alice)]
+        assert b.resolve("run-1", bob, replace=True) == bob
+        assert a.resolve("run-1", alice) == bob
+        assert stored("run-1") == [tuple(bob)]
+
+        assert a.resolve("run-2", alice) == alice
+        b.mark_orphaned([("run-2", t + 1)])  # orphaned after alice resolved it: it lapsed
+        assert b.resolve("run-2", bob) == bob
+        assert a.resolve("run-2", alice) == bob  # bob's came after the mark: it stands
+    finally:
+        a.close()
+        b.close()
 
 
 def test_store_ignores_duplicate_spans(tmp_path: Path) -> None:
