@@ -709,13 +709,14 @@ class PgStore(_Pooled):
                     rows,
                 )
 
-    def clear_resolutions(self, run_ids: Iterable[str]) -> None:
-        rows = [(r,) for r in run_ids]
+    def clear_resolutions(self, lapsed: Iterable[tuple[str, float]]) -> None:
+        rows = list(lapsed)
         if rows:
             with self._tx("clear lapsed resolutions") as conn, conn.cursor() as cur:
                 cur.executemany(
                     "UPDATE run_marks SET resolution_note = NULL, resolution_at = NULL, "
-                    f"resolution_by = NULL, changed = {_CHANGED} WHERE run_id = %s",
+                    f"resolution_by = NULL, changed = {_CHANGED} "
+                    "WHERE run_id = %s AND resolution_at = %s",
                     rows,
                 )
 

@@ -1277,10 +1277,16 @@ class Sidecar:
     def _lapsed(self, transitions: Iterable[Transition]) -> None:
         """Forget, in the store too, the resolutions that lapsed (``_state._lapse``): a
         restart must not bring back a resolution that would hide the run again."""
-        lapsed = [t.run_id for t in transitions if t.lapsed]
+        # Each cleared only while it stands: a resolution made since, through another
+        # replica that folded the change first, is not this lapse's to clear.
+        lapsed = [(t.run_id, t.lapsed.at) for t in transitions if t.lapsed is not None]
         if not lapsed:
             return
-        log.warning("sidecar.runs.resolution_lapsed", count=len(lapsed), run_ids=lapsed[:5])
+        log.warning(
+            "sidecar.runs.resolution_lapsed",
+            count=len(lapsed),
+            run_ids=[r for r, _ in lapsed[:5]],
+        )
         if self.store is not None:
             self._write_later(
                 "clear lapsed resolutions", self.store.clear_resolutions, lapsed,
@@ -1406,10 +1412,14 @@ class Sidecar:
                 moved = state.read_unmarked(mark.run_id, mark.cleared, now)
             if moved is not None:
                 marked.append(moved)
+            # The row as it stands now: a replacement made through another replica takes
+            # the place of the note held here, and a lapse there clears it here too.
+            resolution = None
             if mark.resolution_at is not None:
-                state.restore_resolution(
-                    mark.run_id, mark.resolution_note or "", mark.resolution_at, mark.resolution_by
+                resolution = Resolution(
+                    mark.resolution_note or "", mark.resolution_at, mark.resolution_by
                 )
+            state.read_resolution(mark.run_id, resolution)
         self._learn({}, changes.leases)
         # The leader raised the alert of its mark after storing the mark (in another
         # transaction: it may have died in between); every replica that folds the mark

@@ -162,8 +162,9 @@ class Transition:
     before: RunStatus | None
     after: RunStatus
     at: float
-    # A person's resolution of the run lapsed with this change (see RunState._lapse).
-    lapsed: bool = False
+    # The person's resolution of the run that lapsed with this change (see _lapse): the
+    # store clears that one only.
+    lapsed: Resolution | None = None
     # The orphan mark (its orphaned_at) this change ended: the store clears that one.
     unmarked: float | None = None
 
@@ -418,16 +419,15 @@ def _unmark(run: _Run, at: float) -> float | None:
     return mark
 
 
-def _lapse(run: _Run) -> bool:
+def _lapse(run: _Run) -> Resolution | None:
     """A run that comes to need a person (stuck, compensation failed, orphaned) after a
     person resolved it needs one again: what they resolved was an earlier situation (a
     run resolved while it unwound, then its undo failed; an orphan resolved, its agent
     back, then dead). The resolution goes, so the run's alerts fire and it is in the
-    review queue. True when there was one."""
-    if run.resolution is None:
-        return False
+    review queue. The one that went, if there was one."""
+    lapsed = run.resolution
     run.resolution = None
-    return True
+    return lapsed
 
 
 def _before_mark(resolved_at: float, orphaned_at: float | None) -> bool:
@@ -975,7 +975,7 @@ class RunState:
             status = run.status
             before = before_status[run_id]
             if status != before:
-                lapsed = status in NEEDS_PERSON and _lapse(run)
+                lapsed = _lapse(run) if status in NEEDS_PERSON else None
                 # An orphaned run that ended keeps its mark in memory (its status is its
                 # end's); the store's goes all the same.
                 mark = None
@@ -1313,7 +1313,7 @@ class RunState:
         if run.status == before:
             return None
         resolution = run.resolution
-        lapsed = resolution is not None and _before_mark(resolution.at, at) and _lapse(run)
+        lapsed = _lapse(run) if resolution is not None and _before_mark(resolution.at, at) else None
         return Transition(run_id, before, run.status, at, lapsed)
 
     def read_orphaned(self, run_id: str, at: float) -> Transition | None:
@@ -1411,11 +1411,10 @@ class RunState:
         return self._beat(_intern(instance), at, interval, open_runs, now)
 
     def restore_resolution(self, run_id: str, note: str, at: float, by: str | None = None) -> bool:
-        """Apply a resolution read from the store (this sidecar's before a restart, or one
-        made through another replica) to a run that has none; False when the run is
-        unknown, resolved already, or orphaned after it (a replica that orphaned the run
-        before reading the resolution drops it, as ``_lapse`` would have had they come in
-        that order)."""
+        """Apply a resolution read from the store at a start (or a run read back) to a run
+        that has none; False when the run is unknown, resolved already, or orphaned after
+        it (a replica that orphaned the run before reading the resolution drops it, as
+        ``_lapse`` would have had they come in that order)."""
         run = self._runs.get(run_id)
         if run is None or run.resolution is not None or _lapsed_by_mark(run, at):
             return False

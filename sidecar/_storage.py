@@ -293,8 +293,10 @@ class Store(Protocol):
         the caller compares the notes)."""
         ...
 
-    def clear_resolutions(self, run_ids: Iterable[str]) -> None:
-        """Drop the resolutions of runs that came to need a person again."""
+    def clear_resolutions(self, lapsed: Iterable[tuple[str, float]]) -> None:
+        """Drop the resolutions (run id, its ``at``) that lapsed: their runs came to need a
+        person again. Each only while it is the run's resolution: one made since (another
+        replica's, after its own lapse) stands."""
 
     def delete_runs(self, run_ids: list[str]) -> None: ...
 

@@ -502,11 +502,11 @@ class SqliteStore:
             list(marks),
         )
 
-    def clear_resolutions(self, run_ids: Iterable[str]) -> None:
+    def clear_resolutions(self, lapsed: Iterable[tuple[str, float]]) -> None:
         self._marks(
             "UPDATE run_marks SET resolution_note = NULL, resolution_at = NULL, "
-            "resolution_by = NULL WHERE run_id = ?",
-            [(r,) for r in run_ids],
+            "resolution_by = NULL WHERE run_id = ? AND resolution_at = ?",
+            list(lapsed),
         )
 
     def resolve(self, run_id: str, wanted: Resolution, *, replace: bool = False) -> Resolution:

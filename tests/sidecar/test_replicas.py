@@ -453,6 +453,66 @@ async def test_the_same_note_through_a_replica_that_has_not_read_the_first_is_un
         assert _stored_resolution(tmp_path, "run-1") == [("reversed by hand", alice["at"], "alice")]
 
 
+async def test_a_replacement_through_one_replica_reaches_the_others(tmp_path: Path) -> None:
+    """bob replaces alice's note through B ("replace": true): A shows bob's note, time and
+    name after one sync, and answers the same note again with 200 and another with 409
+    naming bob, as B does: every replica reaches the same view."""
+    clock = FakeClock()
+    settings = settings_for(tmp_path, tick_interval=3600.0)
+    async with Sidecar(settings, clock=clock) as a, Sidecar(settings, clock=clock) as b:
+        alice = await _resolved_at_a_unread_at_b(a, b, clock)
+        await b.sync()
+        body = {"note": "retried close_ticket", "by": "bob", "replace": True}
+        replaced = await _resolve_at(b, "run-1", body)
+        assert replaced.status_code == 200, replaced.text
+        bob = replaced.json()["resolution"]
+        assert bob != alice and (bob["note"], bob["by"]) == ("retried close_ticket", "bob")
+        await a.sync()
+        view = a.state.view("run-1")
+        assert view is not None and view["resolution"] == bob
+        same = await _resolve_at(a, "run-1", {"note": "retried close_ticket"})
+        assert same.status_code == 200 and same.json()["resolution"] == bob
+        other = await _resolve_at(a, "run-1", {"note": "reversed by hand", "by": "alice"})
+        assert other.status_code == 409 and other.json()["resolution"] == bob
+        assert _stored_resolution(tmp_path, "run-1") == [("retried close_ticket", bob["at"], "bob")]
+
+
+async def test_a_resolution_another_replica_lapsed_goes_at_every_replica(
+    tmp_path: Path,
+) -> None:
+    """alice resolves a run through A while it unwinds; its undo fails at A, which lapses
+    the resolution and clears it. B reads the failed undo and alice's resolution in one
+    sync, before A's clear lands (in that order it has nothing to lapse): once it reads the
+    clear, the resolution goes at B too, and the run waits for a person at both."""
+    clock = FakeClock()
+    settings = settings_for(tmp_path, tick_interval=3600.0)
+    run = compensation_failed_run()
+    spans = run.spans()
+    cut = next(i for i, s in enumerate(spans) if s.attributes[sc.SAGA_PHASE] == sc.PHASE_UNWIND)
+    async with Sidecar(settings, clock=clock) as a, Sidecar(settings, clock=clock) as b:
+        await export_http(a, spans[: cut + 1])
+        await b.sync()
+        assert await a.resolve(run.run_id, "watching it", by="alice") is not None
+        assert a.store is not None
+        clear, landed = a.store.clear_resolutions, threading.Event()
+
+        def late_clear(lapsed: Any) -> None:  # on A's database thread
+            landed.wait(30)
+            clear(lapsed)
+
+        a.store.clear_resolutions = late_clear  # type: ignore[method-assign]
+        await export_http(a, spans[cut + 1 :])
+        await b.sync()  # the failed undo, then alice's resolution
+        landed.set()
+        await a.flush()
+        await b.sync()  # the clear
+        for replica in (a, b):
+            view = replica.state.view(run.run_id)
+            assert view is not None and view["status"] == sc.STATUS_COMPENSATION_FAILED
+            assert view["resolution"] is None, view["resolution"]
+            assert [s["run_id"] for s in replica.state.summaries(needs_person=True)] == [run.run_id]
+
+
 async def test_an_agent_back_with_heartbeats_at_the_follower_is_back_at_the_leader(
     tmp_path: Path,
 ) -> None:

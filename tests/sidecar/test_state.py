@@ -519,7 +519,7 @@ def test_a_resolution_lapses_when_the_run_comes_to_need_a_person_again() -> None
     assert state.resolve(failed.run_id, "watching it", T + 1)
     applied = state.apply(spans[cut + 1 :], T + 2, keep_before=True)
     (t,) = applied.transitions
-    assert (t.after, t.lapsed) == (sc.STATUS_COMPENSATION_FAILED, True)
+    assert (t.after, t.lapsed) == (sc.STATUS_COMPENSATION_FAILED, Resolution("watching it", T + 1))
     before, after = state.view_before(applied, failed.run_id), state.view(failed.run_id)
     assert after is not None and after["resolution"] is None
     fired = [e.alertname for e in evaluate(before, after, T + 2) if e.action is Action.FIRE]
@@ -532,12 +532,15 @@ def test_a_resolution_lapses_when_the_run_comes_to_need_a_person_again() -> None
     state.apply(beats([orphan.run_id], [T]), T)
     state.apply(beats([orphan.run_id], [T + 1]), T + 1)  # learned: sends at once
     (first,) = state.tick(T + 4.5)
-    assert (first.after, first.lapsed) == (sc.STATE_ORPHANED, False)
+    assert (first.after, first.lapsed) == (sc.STATE_ORPHANED, None)
     assert state.resolve(orphan.run_id, "restarted the agent", T + 5)
     state.apply(beats([orphan.run_id], [T + 5, T + 6, T + 7]), T + 7)  # back
     assert state.status(orphan.run_id) == sc.STATE_RUNNING
     (second,) = state.tick(T + 60)  # then dead
-    assert (second.after, second.lapsed) == (sc.STATE_ORPHANED, True)
+    assert (second.after, second.lapsed) == (
+        sc.STATE_ORPHANED,
+        Resolution("restarted the agent", T + 5),
+    )
     view = state.view(orphan.run_id)
     assert view is not None and view["resolution"] is None
     # A resolution given while the run needs a person holds while it stays so.

@@ -194,8 +194,8 @@ def test_the_first_resolution_stands_in_the_store_whoever_writes_it(tmp_path: Pa
     """The store decides which resolution stands, not a sidecar's memory (a replica's may
     be a tick old): two stores on one database, each told of nothing. Another note is not
     written and the standing one is answered; the same note keeps its time and name;
-    ``replace`` writes; one made at or before the run's orphan mark lapsed, so another
-    takes its place."""
+    ``replace`` writes; a lapse clears only the resolution that lapsed, not one made since;
+    one made at or before the run's orphan mark lapsed, so another takes its place."""
     where = settings_for(tmp_path).database
     a, b = open_store(where), open_store(where)
     t = 1_700_000_100.0
@@ -216,7 +216,11 @@ def test_the_first_resolution_stands_in_the_store_whoever_writes_it(tmp_path: Pa
         assert stored("run-1") == [tuple(alice)]
         assert b.resolve("run-1", bob, replace=True) == bob
         assert a.resolve("run-1", alice) == bob
+        a.clear_resolutions([("run-1", alice.at)])  # a lapse of alice's, late: bob's stands
         assert stored("run-1") == [tuple(bob)]
+        b.clear_resolutions([("run-1", bob.at)])
+        assert stored("run-1") == [(None, None, None)]
+        assert a.resolve("run-1", alice) == alice
 
         assert a.resolve("run-2", alice) == alice
         b.mark_orphaned([("run-2", t + 1)])  # orphaned after alice resolved it: it lapsed
