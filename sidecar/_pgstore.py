@@ -53,6 +53,7 @@ from ._storage import (
     AlertTx,
     Changes,
     DbTarget,
+    HeardRow,
     HeartbeatRow,
     HistoryRecord,
     InstanceRow,
@@ -103,7 +104,9 @@ CREATE INDEX IF NOT EXISTS alert_outbox_run ON alert_outbox (run_id);
 """
 # A row's change number: the id of the transaction that wrote it (64 bits, never
 # wrapping). A replica reads the rows changed since its last read by these, not by the
-# writers' clocks (changes()).
+# writers' clocks (changes()), and orders an orphan mark against the spans (their xmin,
+# _full_xid) and heartbeats of its run by them (RunState.read_orphaned; its own writes
+# by where they came in that order: _insert).
 _CHANGED = "pg_current_xact_id()::text::bigint"
 # One step per schema version, as in _store.py (same numbers, same meaning).
 _STEPS: dict[int, str] = {
@@ -270,11 +273,12 @@ _OURS = "split_part({o}.claimed_by, '@', 2) = %(store)s"
 def _changes(
     spans: list[StoredSpan],
     owners: list[Any],
-    instances: list[HeartbeatRow],
+    instances: list[HeardRow],
     marks: list[Any],
     leases: list[Any],
 ) -> Changes:
-    """Rows read with ``OWNER_ROW``, ``MARK_ROW`` and ``LEASE_ROW`` as ``Changes``."""
+    """Rows read with ``OWNER_ROW``, ``MARK_ROW`` (or ``_MARK_CHANGES``) and ``LEASE_ROW``
+    as ``Changes``."""
     return Changes(
         spans,
         owners_from_rows(owners),
@@ -282,6 +286,14 @@ def _changes(
         [RunMark(*m) for m in marks],
         [lease_from_row(row) for row in leases],
     )
+
+
+def _full_xid(xid: int, xmax: int) -> int:
+    """A row's ``xmin`` (the 32-bit id of the transaction that wrote it) as the 64-bit
+    change number ``pg_current_xact_id`` gave that transaction, from the 64-bit xmax of the
+    snapshot that saw the row: the transaction began below it, less than 2^31 ids back
+    (PostgreSQL's wraparound guard), and freezing keeps ``xmin`` as it was."""
+    return xmax - ((xmax - xid) & 0xFFFF_FFFF)
 
 
 def _statements(script: str) -> list[str]:
@@ -520,13 +532,15 @@ class PgStore(_Pooled):
     def changes(self, now: float) -> Changes:  # noqa: ARG002 (the interface's)
         with self._tx("read what other replicas stored") as conn:
             ((floor,),) = conn.execute(_XMIN).fetchall()  # before any read: see _XMIN
+            # xmin: the span's change number (as its run's marks carry theirs), so an orphan
+            # mark is ordered against the spans of its run by the database, not by clocks.
             rows = conn.execute(
-                f"SELECT seq, run_id, span_id, service, instance, data, {_XMAX} FROM spans "
-                "WHERE seq > %s OR seq = ANY(%s) ORDER BY seq LIMIT %s",
+                "SELECT seq, run_id, span_id, service, instance, data, xmin::text::bigint, "
+                f"{_XMAX} FROM spans WHERE seq > %s OR seq = ANY(%s) ORDER BY seq LIMIT %s",
                 (self._seq, list(self._gaps), SYNC_BATCH),
             ).fetchall()
             spans = []
-            for seq, run_id, span_id, service, instance, data, xmax in rows:
+            for seq, run_id, span_id, service, instance, data, xid, xmax in rows:
                 self._gaps.pop(seq, None)
                 if seq > self._seq:
                     for missing in range(self._seq + 1, seq):
@@ -535,7 +549,8 @@ class PgStore(_Pooled):
                 if seq in self._own:
                     self._own.discard(seq)
                     continue
-                spans.append(span_from_row((run_id, span_id, service, instance, data)))
+                changed = _full_xid(int(xid), int(xmax))
+                spans.append(StoredSpan(run_id, span_id, service, instance, bytes(data), changed))
             # Every number up to the last row read was looked up (a full batch stops there).
             read_to = rows[-1][0] if len(rows) == SYNC_BATCH else self._seq
             self._give_up_gaps(int(floor), read_to)
@@ -551,8 +566,10 @@ class PgStore(_Pooled):
             )
         self._versions = {k: n for k, n in self._versions.items() if n >= floor}
         self._floor = int(floor)
-        heard = [(str(a), float(b), float(c), str(d or "[]")) for a, b, c, d in instances]
-        return _changes(spans, owners, heard, marks, leases)
+        heard = [
+            (str(i), float(a), float(s), str(r or "[]"), int(n)) for i, a, s, r, n in instances
+        ]
+        return _changes(spans, owners, heard, marks, [row[:-1] for row in leases])
 
     def _give_up_gaps(self, floor: int, read_to: int) -> None:
         """Forget the gaps up to ``read_to`` whose holders had all ended as the read began
@@ -578,14 +595,14 @@ class PgStore(_Pooled):
         self._gaps = gaps
 
     def _unseen(self, table: str, rows: list[Any]) -> list[Any]:
-        """Rows (key first, change number last, left off) not read before."""
+        """Rows (key first, change number last) not read before."""
         versions = self._versions
         out = []
         for row in rows:
             key, number = (table, str(row[0])), int(row[-1])
             if versions.get(key) != number:
                 versions[key] = number
-                out.append(row[:-1])
+                out.append(row)
         return out
 
     def schema_version(self) -> int:
@@ -606,7 +623,7 @@ class PgStore(_Pooled):
         keys: Sequence[tuple[str, str]],
         openers: Sequence[tuple[str, Owner]],
         decide: Callable[[Screening], tuple[IntakeRows, T]],
-    ) -> T:
+    ) -> tuple[T, int]:
         """The runs' owner rows are the lock: a new run's is inserted first (a replica
         inserting the same one waits for our commit, then finds ours), then every row is
         locked FOR UPDATE in run id order (lease decisions take the same lock), so two
@@ -632,8 +649,7 @@ class PgStore(_Pooled):
             unused = opened - {row[0] for row in rows.spans}
             if unused:  # every span of the run was refused: it was never opened
                 cur.execute("DELETE FROM run_owners WHERE run_id = ANY(%s)", (sorted(unused),))
-            self._insert(cur, rows.spans, rows.heartbeats, rows.owners)
-            return result
+            return result, self._insert(cur, rows.spans, rows.heartbeats, rows.owners)
 
     def _insert(
         self,
@@ -641,7 +657,13 @@ class PgStore(_Pooled):
         spans: Sequence[SpanRow],
         heartbeats: Sequence[HeartbeatRow],
         owners: Sequence[tuple[str, Owner]],
-    ) -> None:
+    ) -> int:
+        """Store the rows; their change number, which the sidecar keeps with what it folds
+        of them (0: no span and no heartbeat stored). Not the transaction's id but the
+        first id not yet given out as its last write began (``_XMAX``): every transaction
+        that had its id by then came before it, an orphan mark's included, though a
+        COMMIT waiting on a lock may have taken its own id long before that mark's."""
+        change = 0
         # One statement per table (arrays through unnest): one round trip each, however
         # many requests a group commit brings. Parameters in binary (%b): no text
         # escaping of the span bytes, half the insert's time at 4k spans.
@@ -667,11 +689,12 @@ class PgStore(_Pooled):
                 "INSERT INTO spans(run_id, span_id, received_at, service, instance, data) "
                 "SELECT * FROM unnest(%b::text[], %b::text[], %b::float8[], %b::text[], "
                 "%b::text[], %b::bytea[]) WHERE pg_current_xact_id() IS NOT NULL "
-                "ON CONFLICT (run_id, span_id) DO NOTHING RETURNING seq",
+                f"ON CONFLICT (run_id, span_id) DO NOTHING RETURNING seq, {_XMAX}",
                 _columns(spans, 6),
             )
-            # Our own spans are in our state already: changes() skips them.
-            self._own.update(seq for (seq,) in cur.fetchall())
+            for seq, xmax in cur.fetchall():
+                self._own.add(seq)  # in our state already: changes() skips them
+                change = int(xmax)
         if heartbeats:
             # One row per instance, its last heartbeat (one statement may not update a
             # row twice): what a heartbeat at a time would leave.
@@ -682,11 +705,14 @@ class PgStore(_Pooled):
                 "ON CONFLICT (instance) DO UPDATE SET "
                 "last_heartbeat = excluded.last_heartbeat, interval_s = excluded.interval_s, "
                 "open_runs = excluded.open_runs, changed = excluded.changed "
-                "RETURNING instance, changed",
+                f"RETURNING instance, changed, {_XMAX}",
                 _columns(list(last.values()), 4),
             )
             # Ours are in our state already: changes() skips them (as our own spans).
-            self._versions.update((("instances", str(i)), int(n)) for i, n in cur.fetchall())
+            for instance, number, xmax in cur.fetchall():
+                self._versions["instances", str(instance)] = int(number)
+                change = int(xmax)
+        return change
 
     def mark_orphaned(self, marks: Iterable[tuple[str, float]]) -> None:
         rows = list(marks)

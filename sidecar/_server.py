@@ -846,7 +846,7 @@ class Sidecar:
             functools.partial(self._decide_group, group, now),
         )
         loop = asyncio.get_running_loop()
-        tx: asyncio.Future[tuple[list[_Taken | Exception], Screening]]
+        tx: asyncio.Future[tuple[tuple[list[_Taken | Exception], Screening], int]]
         if self._db_thread is None:  # a store opened without start(): at once, as _call
             tx = loop.create_future()
             try:
@@ -859,10 +859,10 @@ class Sidecar:
 
     async def _committed(
         self,
-        tx: asyncio.Future[tuple[list[_Taken | Exception], Screening]],
+        tx: asyncio.Future[tuple[tuple[list[_Taken | Exception], Screening], int]],
         group: list[_Request],
     ) -> Callable[[], None]:
-        outcomes, found = await tx
+        (outcomes, found), _change = await tx
         return functools.partial(self._fold_group, group, outcomes, found)
 
     def _fold_group(
@@ -1396,7 +1396,7 @@ class Sidecar:
                     self._notify(state.view_before(applied, run_id), after, now)
         # Heartbeats revive the orphaned runs they name, as when received here.
         revived: list[Transition] = []
-        for instance, at, interval, open_runs in changes.instances:
+        for instance, at, interval, open_runs, _change in changes.instances:
             try:
                 named = [str(r) for r in json.loads(open_runs)]
             except (ValueError, TypeError):

@@ -142,6 +142,9 @@ class StoredSpan:
     service: str
     instance: str
     data: bytes
+    # Replicas (Store.changes): the change number of the transaction that stored it, in
+    # the database's order of writes, not a clock (0: not read by change, as at a start).
+    changed: int = 0
 
 
 class Resolution(NamedTuple):
@@ -162,6 +165,9 @@ class RunMark:
     resolution_by: str | None  # who resolved it, as they named themselves (schema 7)
     # The orphan mark a clear ended (replicas: another one heard from the run).
     cleared: float | None = None
+    # Replicas (Store.changes): the change number of the row's last change (0: not read
+    # by change). A mark is ordered by it against the spans and heartbeats of its run.
+    changed: int = 0
 
 
 class Changes(NamedTuple):
@@ -169,7 +175,7 @@ class Changes(NamedTuple):
 
     spans: list[StoredSpan]
     owners: list[tuple[str, Owner]]
-    instances: list[HeartbeatRow]
+    instances: list[HeardRow]
     marks: list[RunMark]
     leases: list[Lease]
 
@@ -214,6 +220,8 @@ SpanRow = tuple[str, str, float, str, str, bytes]
 """(run_id, span_id, received_at, service, instance, protobuf bytes)."""
 HeartbeatRow = tuple[str, float, float, str]
 """(instance, heard at, interval seconds, the open runs it named as a JSON list)."""
+HeardRow = tuple[str, float, float, str, int]
+"""A ``HeartbeatRow`` another process stored, and its change number (``Store.changes``)."""
 InstanceRow = tuple[str, float, float]
 """(instance, last heartbeat, interval seconds)."""
 
@@ -263,7 +271,7 @@ class Store(Protocol):
         keys: Sequence[tuple[str, str]],
         openers: Sequence[tuple[str, Owner]],
         decide: Callable[[Screening], tuple[IntakeRows, T]],
-    ) -> T:
+    ) -> tuple[T, int]:
         """Screen and store one request in one transaction, serialized per run across every
         process on the database: a run's state moves one request at a time, as in one
         sidecar.
@@ -272,7 +280,10 @@ class Store(Protocol):
         would get (its first span's). Runs without an owner get one of those first; then
         the runs' owner rows are locked (in run id order) until commit, and ``decide``
         screens the spans against the owners, leases and stored spans read under those
-        locks and returns the rows to store (and a result handed back). Committed on
+        locks and returns the rows to store (and a result handed back, with the change
+        number of the spans and heartbeats it stored, on the scale :meth:`changes` reads
+        rows with: every transaction numbered below it had its number before they were
+        written; 0 for a store of one process, or when it stored none). Committed on
         return; raises StoreError otherwise.
         """
         ...
@@ -377,8 +388,10 @@ class Store(Protocol):
         """Spans (with their runs' owners), heartbeats, marks and leases committed since
         the last call (or since :meth:`spans`), by any process. A span may come twice
         (folding is idempotent); a heartbeat, mark or lease row comes once a version (a
-        heartbeat read twice would count as heard twice); none is missed. Empty for a
-        store of one process.
+        heartbeat read twice would count as heard twice); none is missed. Each with its
+        change number (the database's order of writes: the replicas order an orphan mark
+        against what they heard of its run by it, never by the writers' clocks). Empty for
+        a store of one process.
         """
         ...
 

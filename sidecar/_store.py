@@ -748,15 +748,16 @@ class SqliteStore:
         keys: Sequence[tuple[str, str]],
         openers: Sequence[tuple[str, Owner]],  # noqa: ARG002 (the interface's)
         decide: Callable[[Screening], tuple[IntakeRows, T]],
-    ) -> T:
+    ) -> tuple[T, int]:
         """One process per file, one call at a time: nothing comes between the read and
-        the write (the sidecar's inline intake screens against its memory instead)."""
+        the write (the sidecar's inline intake screens against its memory instead). No
+        change numbers: nothing is read back by them."""
         run_ids = sorted({r for r, _ in keys})
         owners = {r: o for r, o in self.owners() if r in run_ids} if run_ids else {}
         leases = {x.run_id: x for x in self.leases() if x.run_id in owners}
         rows, result = decide(Screening(owners, leases, self.stored_spans(keys)))
         self.write(rows.spans, rows.heartbeats, rows.owners)
-        return result
+        return result, 0
 
     def changes(self, now: float) -> Changes:  # noqa: ARG002 (the interface's)
         return NO_CHANGES  # one process per file: nothing changes behind its back
