@@ -778,7 +778,7 @@ class Sidecar:
             outcomes = exc
         # Folded as of now, not as of the screening: a COMMIT that waited on a lock kept
         # the agents waiting for their answers too, and their silence meanwhile is ours.
-        settle(group, outcomes, functools.partial(self._fold_taken, self._now(), None), _answer)
+        settle(group, outcomes, functools.partial(self._fold_taken, self._now(), None, 0), _answer)
 
     async def _take_groups(self) -> None:
         """PostgreSQL's driver of the group commit: the groups, oldest first, each in one
@@ -862,17 +862,19 @@ class Sidecar:
         tx: asyncio.Future[tuple[tuple[list[_Taken | Exception], Screening], int]],
         group: list[_Request],
     ) -> Callable[[], None]:
-        (outcomes, found), _change = await tx
-        return functools.partial(self._fold_group, group, outcomes, found)
+        (outcomes, found), change = await tx
+        return functools.partial(self._fold_group, group, outcomes, found, change)
 
     def _fold_group(
         self,
         group: list[_Request],
         outcomes: list[_Taken | Exception],
         found: Screening,
+        change: int,
     ) -> None:
         """Fold a committed PostgreSQL group's requests in order and answer each, as of
-        now (as SQLite's: a transaction that waited kept its agents waiting)."""
+        now (as SQLite's: a transaction that waited kept its agents waiting), with the
+        change number the transaction gave their rows (orphan marks are ordered by it)."""
         # The runs this group opened are new to the state (apply opens them with their
         # owner); the others' owners and leases may be news from other replicas.
         opened = {r: o for r, o in found.owners.items() if r in found.opened}
@@ -880,7 +882,8 @@ class Sidecar:
             {r: o for r, o in found.owners.items() if r not in opened}, found.leases.values()
         )
         now = self._now()
-        settle(group, outcomes, functools.partial(self._fold_taken, now, opened), _answer)
+        fold = functools.partial(self._fold_taken, now, opened, change)
+        settle(group, outcomes, fold, _answer)
 
     def _decide_group(
         self, group: list[_Request], now: float, found: Screening
@@ -911,15 +914,20 @@ class Sidecar:
         )
 
     def _fold_taken(
-        self, now: float, opened: dict[str, Owner] | None, request: _Request, taken: _Taken
+        self,
+        now: float,
+        opened: dict[str, Owner] | None,
+        change: int,
+        request: _Request,
+        taken: _Taken,
     ) -> Decoded:
         """Fold one committed member (``opened``: the runs its group opened, PostgreSQL;
-        else the ones it opened)."""
+        else the ones it opened; ``change``: its transaction's change number, or 0)."""
         decoded, owners, resent = taken
         try:
             return self._fold(
                 decoded, request.transport, request.body, request.content_type,
-                owners if opened is None else opened, now, resent,
+                owners if opened is None else opened, now, resent, change,
             )  # fmt: skip
         except Exception:  # a bug: the spans are committed, say so in the log
             log.exception("sidecar.fold.failed", spans=len(decoded.spans))
@@ -1009,11 +1017,14 @@ class Sidecar:
         owners: dict[str, Owner],
         now: float,
         resent: set[tuple[str, str]],
+        change: int = 0,
     ) -> Decoded:
         """Fold committed spans into the state, count them, tell the listeners, forward."""
         listeners = self._listeners
         every = any(not facts_only for _, facts_only in listeners)
-        applied = self.state.apply(decoded.spans, now, keep_before=bool(listeners), owners=owners)
+        applied = self.state.apply(
+            decoded.spans, now, keep_before=bool(listeners), owners=owners, change=change
+        )
         stream = self.metrics.stream
         counted = decoded.spans
         if resent:  # counted once: a resend is not a new span
@@ -1378,14 +1389,20 @@ class Sidecar:
         state = self.state
         owners = {r: o for r, o in changes.owners if state.owner(r) is None}
         records = []
+        changed: dict[str, int] = {}  # run -> the newest change number of its spans read
         for stored in changes.spans:
             try:
                 records.append(span_from_stored(stored.data, stored.service, stored.instance))
             except SidecarError as exc:
                 log.warning("sidecar.sync.span_skipped", span_id=stored.span_id, error=str(exc))
+                continue
+            if stored.changed > changed.get(stored.run_id, 0):
+                changed[stored.run_id] = stored.changed
         if records:
             listeners = self._listeners
-            applied = state.apply(records, now, keep_before=bool(listeners), owners=owners)
+            applied = state.apply(
+                records, now, keep_before=bool(listeners), owners=owners, change=changed
+            )
             # The writing replica may not have held the orphan mark its spans ended.
             self._unmarked(applied.transitions, told=False)
             # Alerts the writing replica raised are raised here too: the outbox keeps
@@ -1396,18 +1413,19 @@ class Sidecar:
                     self._notify(state.view_before(applied, run_id), after, now)
         # Heartbeats revive the orphaned runs they name, as when received here.
         revived: list[Transition] = []
-        for instance, at, interval, open_runs, _change in changes.instances:
+        retention = self.settings.retention
+        for instance, at, interval, open_runs, number in changes.instances:
             try:
                 named = [str(r) for r in json.loads(open_runs)]
             except (ValueError, TypeError):
                 named = []
-            revived += state.heard(instance, at, interval, named, now, self.settings.retention)
+            revived += state.heard(instance, at, interval, named, now, retention, number)
         self._unmarked(revived, told=False)
         marked: list[Transition] = []
         for mark in changes.marks:
             moved = None
-            if mark.orphaned_at is not None:
-                moved = state.read_orphaned(mark.run_id, mark.orphaned_at)
+            if mark.orphaned_at is not None:  # ordered by change number (read_orphaned)
+                moved = state.read_orphaned(mark.run_id, mark.orphaned_at, mark.changed)
             elif mark.cleared is not None:
                 moved = state.read_unmarked(mark.run_id, mark.cleared, now)
             if moved is not None:

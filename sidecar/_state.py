@@ -237,11 +237,13 @@ class _Run:
         "first_comp_start",
         "instance",
         "instances",
+        "last_change",
         "last_seen",
         "lease",
         "lowest_comp",
         "orig_key",
         "orphaned_at",
+        "outlived",
         "owned",
         "owner_seen",
         "pivot",
@@ -280,6 +282,12 @@ class _Run:
         self.orphaned_at: float | None = None
         # (orphaned_at, at): the owner was heard from again after the orphan mark.
         self.revived: Revived | None = None
+        # Replicas: the change number (the store's order of writes, never a clock) of the
+        # newest row of the run heard here, a span or its owner's heartbeat naming it (0:
+        # none known, as on SQLite), and the orphan mark this replica heard the run after
+        # (ended here, or read as stored before what it heard). See read_orphaned.
+        self.last_change = 0
+        self.outlived: float | None = None
         self.resolution: Resolution | None = None
         self.status: RunStatus = sc.STATE_RUNNING
         # Set from the stored owner: then no span may change trace, instance or service.
@@ -416,6 +424,7 @@ def _unmark(run: _Run, at: float) -> float | None:
     if not run.recovering():
         run.revived = Revived(mark, at)
     run.orphaned_at = None
+    run.outlived = mark  # read again from the store (its row re-stamped), it stays ended
     return mark
 
 
@@ -885,10 +894,16 @@ class RunState:
         *,
         keep_before: bool = False,
         owners: Mapping[str, Owner] | None = None,
+        change: int | Mapping[str, int] = 0,
     ) -> Applied:
         """Fold validated spans (see ``saga_otel.contract``) into the state.
 
         ``owners`` fixes the owner of runs this batch opens (the intake decided it).
+
+        ``change``: the change number the store gave these rows (replicas: the id of the
+        transaction that wrote them): one for a batch this process stored, or per run for
+        rows other replicas stored; 0 when there is none (SQLite). ``read_orphaned``
+        orders orphan marks against it.
 
         ``keep_before`` keeps cheap copies of the changed runs, so a caller builds
         the before views (:meth:`view_before`) only of the runs whose facts changed.
@@ -902,6 +917,8 @@ class RunState:
         fold = self._fold
         beats: dict[str, list[SpanRecord]] = {}
         heard: set[str] = set()  # runs whose owner spoke in this batch
+        per_run = change if isinstance(change, Mapping) else None
+        batch_change = 0 if isinstance(change, Mapping) else change
 
         def touch(run_id: str) -> _Run:
             found = runs.get(run_id)
@@ -938,7 +955,7 @@ class RunState:
                     run.owner_seen = now
         # After the runs' own spans: a heartbeat may name a run this batch opened.
         for instance, group in beats.items():
-            for run_id in self._heartbeats(instance, group, now):
+            for run_id in self._heartbeats(instance, group, now, batch_change):
                 if run_id not in touched:
                     touch(run_id)
                 heard.add(run_id)
@@ -964,6 +981,9 @@ class RunState:
                 run.status = run.derive()
             if now > run.last_seen:
                 run.last_seen = now
+            number = batch_change if per_run is None else per_run.get(run_id, 0)
+            if number > run.last_change:
+                run.last_change = number
             idle.pop(run_id, None)
             self._watched.pop(run_id, None)
             self._recovering.pop(run_id, None)
@@ -992,8 +1012,11 @@ class RunState:
             {k: snapshots[k] for k in changed} if keep_before else {},
         )
 
-    def _heartbeats(self, instance: str, beats: list[SpanRecord], now: float) -> list[str]:
-        """One delivery's heartbeats of one instance; the owned runs they name (in order).
+    def _heartbeats(
+        self, instance: str, beats: list[SpanRecord], now: float, change: int
+    ) -> list[str]:
+        """One delivery's heartbeats of one instance (stored with change number
+        ``change``); the owned runs they name (in order).
 
         Learns the instance's delivery cadence: the receipt gap since its previous
         delivery is a sample when the agent beat without a break in between (this
@@ -1022,14 +1045,14 @@ class RunState:
         named: dict[str, None] = {}
         for span in beats:
             for run_id in span.attributes.get(sc.SAGA_HEARTBEAT_OPEN_RUNS, ()):
-                run = self._owner_heard(instance, run_id, now)
+                run = self._owner_heard(instance, run_id, now, change)
                 if run is not None and run.orphaned_at is not None:
                     named[run_id] = None
         return list(named)
 
-    def _owner_heard(self, instance: str, run_id: str, at: float) -> _Run | None:
-        """A heartbeat of ``instance`` named ``run_id``, heard at ``at``: the run, if it
-        is kept alive by it (else None).
+    def _owner_heard(self, instance: str, run_id: str, at: float, change: int) -> _Run | None:
+        """A heartbeat of ``instance`` named ``run_id``, heard at ``at`` (stored with change
+        number ``change``): the run, if it is kept alive by it (else None).
 
         Only the owner's heartbeat keeps a run alive: a stranger naming it must not hold
         off its orphan watch (a recoverer is watched through its lease)."""
@@ -1038,6 +1061,8 @@ class RunState:
             return None
         run.last_seen = max(run.last_seen, at)
         run.owner_seen = max(run.owner_seen, at)
+        if change > run.last_change:
+            run.last_change = change
         if run.lease is not None:
             _heard_under_lease(run, at)
         if run_id in self._idle:  # still alive: to the young end of the queue
@@ -1046,10 +1071,17 @@ class RunState:
         return run
 
     def _beat(
-        self, instance: str, at: float, interval: float, open_runs: Iterable[str], now: float
+        self,
+        instance: str,
+        at: float,
+        interval: float,
+        open_runs: Iterable[str],
+        now: float,
+        change: int,
     ) -> list[Transition]:
-        """A heartbeat another replica stored at ``at`` and this one read at ``now``
-        (``heard``): the watch moves on, what it learned of the instance's cadence stays.
+        """A heartbeat another replica stored at ``at`` (with change number ``change``) and
+        this one read at ``now`` (``heard``): the watch moves on, what it learned of the
+        instance's cadence stays.
         It counts as heard when read, never at ``at``: the other replica's COMMIT may have
         waited (a lock, a slow disk) while the agent waited for its answer, and silence we
         caused is not the agent's; and ``at`` is the other replica's clock, which may run
@@ -1065,7 +1097,7 @@ class RunState:
         self._schedule(instance, watch)
         transitions = []
         for run_id in open_runs:
-            run = self._owner_heard(instance, run_id, now)
+            run = self._owner_heard(instance, run_id, now, change)
             if run is not None and run.orphaned_at is not None and not run.recovering():
                 revived = self._unmarked(run, now)  # as a heartbeat received here
                 if revived is not None:
@@ -1316,12 +1348,23 @@ class RunState:
         lapsed = _lapse(run) if resolution is not None and _before_mark(resolution.at, at) else None
         return Transition(run_id, before, run.status, at, lapsed)
 
-    def read_orphaned(self, run_id: str, at: float) -> Transition | None:
-        """An orphan mark another replica stored (``restore_orphaned``), unless this replica
-        heard from the run after it (its owner, or a recoverer): the leader judged before
-        it read that, and ends the mark once it does."""
+    def read_orphaned(self, run_id: str, at: float, change: int) -> Transition | None:
+        """An orphan mark another replica stored (``restore_orphaned``) in a row of change
+        number ``change``, unless this replica heard from the run after it: a span of the
+        run (its owner's or a recoverer's) or its owner's heartbeat naming it, stored with
+        a later change number (the leader judged before it read that, and ends the mark
+        once it does); nor when this very mark ended here already (its row comes again
+        when a resolution changes it).
+
+        Change numbers, not times: the mark holds the leader's clock and what this
+        replica heard its own, so a clock ahead of the leader's would drop every mark (a
+        dead run left running here) and one behind would take a mark its agent outlived.
+        """
         run = self._runs.get(run_id)
-        if run is None or run.last_seen > at:
+        if run is None or run.outlived == at:
+            return None
+        if run.last_change > change:
+            run.outlived = at  # read again, it is still older than what was heard here
             return None
         return self.restore_orphaned(run_id, at)
 
@@ -1401,14 +1444,16 @@ class RunState:
         open_runs: Iterable[str],
         now: float,
         retention: float,
+        change: int = 0,
     ) -> list[Transition]:
-        """A heartbeat another replica received at ``at``, read by this one at ``now`` (the
-        store hands each row over once; ignored when already past the retention: a sync
-        that read it before a prune forgot the instance must not bring it back). The
-        orphaned runs it names are revived, as by one received here."""
+        """A heartbeat another replica received at ``at`` and stored with change number
+        ``change``, read by this one at ``now`` (the store hands each row over once;
+        ignored when already past the retention: a sync that read it before a prune forgot
+        the instance must not bring it back). The orphaned runs it names are revived, as
+        by one received here."""
         if _stale(now, at, retention):
             return []
-        return self._beat(_intern(instance), at, interval, open_runs, now)
+        return self._beat(_intern(instance), at, interval, open_runs, now, change)
 
     def restore_resolution(self, run_id: str, note: str, at: float, by: str | None = None) -> bool:
         """Apply a resolution read from the store at a start (or a run read back) to a run

@@ -1204,6 +1204,121 @@ async def test_a_replica_whose_clock_is_ahead_is_read_as_any_other(tmp_path: Pat
         assert [t.after for t in leader.tick()] == [sc.STATE_ORPHANED]
 
 
+async def test_a_follower_whose_clock_is_ahead_takes_the_leaders_orphan_mark(
+    tmp_path: Path,
+) -> None:
+    """The follower's clock runs an hour ahead of the leader's and the agent spoke only
+    to it: the leader's mark (its time on the leader's clock) is still read as written
+    after everything the follower heard of the run (by change number), so the dead run
+    is orphaned and waits for a person at both replicas, not `running` at the follower."""
+    mine, ahead = FakeClock(), FakeClock()
+    ahead.now = mine.now + 3600.0
+    settings = settings_for(tmp_path, idle_timeout=5.0, tick_interval=3600.0)
+    async with Sidecar(settings, clock=mine) as leader, Sidecar(settings, clock=ahead) as b:
+        run = open_run(instance="agent-1", t0=mine.now)
+        await export_http(b, run.spans())
+        for _ in range(5):  # a live agent beating every second at the follower
+            mine.now += 1.0
+            ahead.now += 1.0
+            await export_http(b, heartbeat_spans("agent-1", [run.run_id], mine.now))
+            await leader.sync()
+        mine.now += 10.0  # it died: past its window
+        ahead.now += 10.0
+        await leader.sync()
+        assert [t.after for t in leader.tick()] == [sc.STATE_ORPHANED]
+        await leader.flush()
+        await b.sync()
+        for replica in (leader, b):
+            view = replica.state.view(run.run_id)
+            assert view is not None and view["status"] == sc.STATE_ORPHANED
+            assert [s["run_id"] for s in replica.state.summaries(needs_person=True)] == [run.run_id]
+
+
+async def test_a_follower_whose_clock_is_behind_keeps_a_run_it_heard_after_the_mark(
+    tmp_path: Path,
+) -> None:
+    """The follower's clock runs an hour behind the leader's. The leader orphans the run;
+    the agent then beats at the follower before it reads the mark: the mark was written
+    before that heartbeat (by change number, whatever the clocks say), so the follower
+    keeps the run running, also when the mark's row comes again with a resolution made
+    through the leader, which had not read the heartbeat yet. The leader then reads it,
+    ends the mark, and both replicas agree the run is running."""
+    mine, behind = FakeClock(), FakeClock()
+    behind.now = mine.now - 3600.0
+    settings = settings_for(tmp_path, idle_timeout=5.0, tick_interval=3600.0)
+    async with Sidecar(settings, clock=mine) as leader, Sidecar(settings, clock=behind) as b:
+        run = open_run(instance="agent-1", t0=mine.now)
+        await export_http(b, run.spans())
+        await leader.sync()
+        mine.now += 10.0  # silent past its window
+        behind.now += 10.0
+        assert [t.after for t in leader.tick()] == [sc.STATE_ORPHANED]
+        await leader.flush()
+        mine.now += 1.0  # it was only late
+        behind.now += 1.0
+        await export_http(b, heartbeat_spans("agent-1", [run.run_id], mine.now))
+        await b.sync()  # reads the mark, stored before the heartbeat it took
+        assert b.state.status(run.run_id) == sc.STATE_RUNNING
+        assert await leader.resolve(run.run_id, "restarting the agent") is not None
+        await b.sync()  # the mark's row again (its resolution changed), the same mark
+        assert b.state.status(run.run_id) == sc.STATE_RUNNING
+        await leader.sync()  # the heartbeat: the leader ends its mark
+        await leader.flush()
+        await b.sync()
+        for replica in (leader, b):
+            assert replica.state.status(run.run_id) == sc.STATE_RUNNING
+
+
+async def test_a_span_whose_commit_waited_past_the_mark_keeps_its_run_at_the_follower(
+    tmp_path: Path,
+) -> None:
+    """The agent's span reaches the follower (its clock an hour behind) within the run's
+    window, but its transaction (which opens another run first, so it already has its
+    transaction id) waits on the run's owner row, which another session holds, while the
+    leader, which cannot see it, orphans the run. Stored after the mark's transaction
+    began, the span keeps the run running at the follower when it reads the mark,
+    though its transaction id is the older; the leader, reading the span, ends its mark."""
+    mine, behind = FakeClock(), FakeClock()
+    behind.now = mine.now - 3600.0
+    settings = settings_for(tmp_path, idle_timeout=5.0, tick_interval=3600.0)
+    assert settings.db_url is not None
+    url = settings.db_url
+    async with Sidecar(settings, clock=mine) as leader, Sidecar(settings, clock=behind) as b:
+        run = open_run(instance="agent-1", t0=mine.now)
+        await export_http(b, run.spans())
+        await leader.sync()
+        held, release = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            with psycopg.connect(url) as conn:
+                conn.execute("SELECT 1 FROM run_owners WHERE run_id = %s FOR UPDATE", (run.run_id,))
+                held.set()
+                release.wait(10)
+
+        holder = asyncio.create_task(asyncio.to_thread(hold))
+        assert await asyncio.to_thread(held.wait, 10)
+        mine.now += 4.0  # within the window
+        behind.now += 4.0
+        run.do(2, "tag_ticket", "reversible", comp=("untag", {"t": 1}, "untag"))
+        opened = open_run(instance="agent-1", t0=mine.now).spans()[:1]
+        sent = asyncio.create_task(export_http(b, opened + run.spans()[-1:]))
+        await asyncio.sleep(0.3)  # screened up to the owner row's lock, waiting
+        mine.now += 6.0
+        behind.now += 6.0
+        assert [t.after for t in leader.tick()] == [sc.STATE_ORPHANED]
+        await leader.flush()
+        release.set()
+        await holder
+        await sent
+        await b.sync()  # reads the mark, begun before the span was stored
+        assert b.state.status(run.run_id) == sc.STATE_RUNNING
+        await leader.sync()
+        await leader.flush()
+        await b.sync()
+        for replica in (leader, b):
+            assert replica.state.status(run.run_id) == sc.STATE_RUNNING
+
+
 def _lock_waits(url: str) -> int:
     """Sessions of the database at ``url`` waiting on a lock now."""
     with psycopg.connect(url) as conn:

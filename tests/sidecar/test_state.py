@@ -504,6 +504,46 @@ def test_a_heartbeat_read_from_another_replica_revives_as_one_received_here() ->
         assert again.after == sc.STATE_ORPHANED
 
 
+def test_a_mark_read_from_the_store_is_ordered_by_change_number_not_by_clock() -> None:
+    """An orphan mark another replica stored stands unless a span or an owner's heartbeat
+    of the run heard here was stored after it (a larger change number): this replica's
+    clock, an hour ahead of the leader's or an hour behind, plays no part. A mark ended
+    here, or read as older than what was heard, stays so when its row comes again."""
+    mark, mark_change = T + 10.0, 9  # stored by the leader, its time on the leader's clock
+    a, b = open_run(instance="agent-1"), open_run(instance="agent-2")
+    for skew in (3600.0, -3600.0):
+        dead = RunState(idle_timeout=5)  # heard all before the mark, on a skewed clock
+        dead.apply(records(a.spans()), T + skew, change=5)
+        dead.apply(beats([a.run_id], [T + 1], instance="agent-1"), T + 1 + skew, change=6)
+        moved = dead.read_orphaned(a.run_id, mark, mark_change)
+        assert moved is not None and moved.after == sc.STATE_ORPHANED
+        late = RunState(idle_timeout=5)  # heard the agent after the mark
+        late.apply(records(a.spans()), T + skew, change=5)
+        late.apply(beats([a.run_id], [T + 11], instance="agent-1"), T + 11 + skew, change=12)
+        assert late.read_orphaned(a.run_id, mark, mark_change) is None
+        assert late.read_orphaned(a.run_id, mark, 15) is None  # its row changed again
+        later = late.read_orphaned(a.run_id, T + 30.0, 20)  # a later mark stands
+        assert later is not None and later.after == sc.STATE_ORPHANED
+    # Rows of several transactions read at once: each run by its own.
+    state = RunState(idle_timeout=5)
+    state.apply(records(a.spans()) + records(b.spans()), T, change={a.run_id: 5, b.run_id: 12})
+    assert state.read_orphaned(a.run_id, mark, mark_change) is not None
+    assert state.read_orphaned(b.run_id, mark, mark_change) is None
+    # Another replica's heartbeat naming the run, and a mark ended here by it.
+    state = RunState(idle_timeout=5)
+    state.apply(records(b.spans()), T, change=5)
+    assert state.heard("agent-2", T + 1, 1.0, [b.run_id], T + 1, 3600.0, change=12) == []
+    assert state.read_orphaned(b.run_id, mark, mark_change) is None
+    state = RunState(idle_timeout=5)
+    state.apply(records(b.spans()), T, change=5)
+    assert state.read_orphaned(b.run_id, mark, mark_change) is not None
+    # (a heartbeat whose commit waited: its number is below the mark's)
+    (revived,) = state.heard("agent-2", T + 12, 1.0, [b.run_id], T + 12, 3600.0, change=4)
+    assert (revived.after, revived.unmarked) == (sc.STATE_RUNNING, mark)
+    assert state.read_orphaned(b.run_id, mark, 15) is None  # the mark it ended, again
+    assert state.status(b.run_id) == sc.STATE_RUNNING
+
+
 def test_a_resolution_lapses_when_the_run_comes_to_need_a_person_again() -> None:
     """Resolved while it unwound, then its undo failed; resolved while orphaned, then its
     agent came back and died: each time the run needs a person anew, its alert fires and
