@@ -1587,15 +1587,16 @@ class Sidecar:
             if before is None:
                 return None
             now = self._now()
-            wanted = Resolution(note, now, by)
+            at = self.state.resolution_time(run_id, now)
+            wanted = Resolution(note, at, by)
             if self.store is None:  # not started: memory is all there is
                 if not first or before["resolution"] is None:
-                    self.state.resolve(run_id, note, now, by)
+                    self.state.resolve(run_id, note, at, by)
             else:
                 decide = functools.partial(self.store.resolve, replace=not first)
                 standing = await self._call(decide, run_id, wanted)
                 if standing == wanted:  # made here, after what this sidecar showed the person
-                    self.state.resolve(run_id, note, now, by)
+                    self.state.resolve(run_id, note, at, by)
                 else:  # another's, as the other replicas read it
                     self.state.read_resolution(run_id, standing)
             after = self.state.view(run_id)

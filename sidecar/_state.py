@@ -17,7 +17,7 @@ import heapq
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import NamedTuple, TypeVar
+from typing import Final, NamedTuple, TypeVar
 
 from saga_otel import semconv as sc
 from saga_otel.records import EscalationCard, is_pivot
@@ -447,12 +447,21 @@ def _before_mark(resolved_at: float, orphaned_at: float | None) -> bool:
     return orphaned_at is not None and resolved_at <= orphaned_at
 
 
+# How far after its orphan mark a resolution made at the mark's moment (or on a clock
+# behind the marking replica's) is stamped: RunState.resolution_time.
+RESOLVED_AFTER_MARK_S: Final = 0.001
+
+
+def _mark_of(run: _Run) -> float | None:
+    """The run's orphan mark, or the one it was revived from."""
+    if run.orphaned_at is None and run.revived is not None:
+        return run.revived.orphaned_at
+    return run.orphaned_at
+
+
 def _lapsed_by_mark(run: _Run, resolved_at: float) -> bool:
     """``_before_mark`` against the run's orphan mark, or the one it was revived from."""
-    orphaned = run.orphaned_at
-    if orphaned is None and run.revived is not None:
-        orphaned = run.revived.orphaned_at
-    return _before_mark(resolved_at, orphaned)
+    return _before_mark(resolved_at, _mark_of(run))
 
 
 def _copier(cls: type[_Run]) -> Callable[[_Run], _Run]:
@@ -1482,6 +1491,18 @@ class RunState:
             return False
         run.resolution = stored
         return True
+
+    def resolution_time(self, run_id: str, now: float) -> float:
+        """When a person's resolution made ``now`` is stamped: ``now``, or just after the
+        run's orphan mark when ``now`` is not past it (the same moment, or this replica's
+        clock behind the leader's that marked it). The person resolves the situation
+        they were shown, the mark included: stamped at or before it, every replica
+        (``read_resolution``) would take the resolution for one the mark lapsed."""
+        run = self._runs.get(run_id)
+        mark = None if run is None else _mark_of(run)
+        if mark is None or not _before_mark(now, mark):
+            return now
+        return mark + RESOLVED_AFTER_MARK_S
 
     def resolve(self, run_id: str, note: str, now: float, by: str | None = None) -> bool:
         """Record that a person settled the run (``by``: the name they gave, if any).

@@ -373,6 +373,39 @@ async def test_a_resolution_older_than_the_orphan_mark_lapses_on_every_replica(
             assert view is not None and view["resolution"] is not None
 
 
+async def test_a_resolution_of_an_orphan_stands_whatever_the_resolving_clock_says(
+    tmp_path: Path,
+) -> None:
+    """A person resolving an orphaned run resolves the mark they were shown. Stamped at
+    the mark's own moment (the same clock reading) or before it (a replica whose clock is
+    behind the leader's), every replica's read of the row took it for a resolution the
+    mark had lapsed and cleared it: the person's note vanished at the next sync, and the
+    run paged again. It is stamped just after the mark."""
+    clock, behind = FakeClock(), FakeClock()
+    settings = settings_for(tmp_path, idle_timeout=5.0, tick_interval=3600.0)
+    async with Sidecar(settings, clock=clock) as a, Sidecar(settings, clock=behind) as b:
+        runs = [open_run(instance=f"agent-{i}", run_id=f"run-{i}") for i in (1, 2)]
+        await export_http(a, [s for r in runs for s in r.spans()])
+        clock.now += 10.0  # the agents are gone
+        assert [t.after for t in a.tick()] == [sc.STATE_ORPHANED] * 2
+        await a.flush()
+        behind.now = clock.now - 60.0
+        await b.sync()
+        assert await a.resolve("run-1", "redeployed", by="alice") is not None  # same moment
+        assert await b.resolve("run-2", "reversed by hand", by="bob") is not None  # behind
+        for _ in range(2):
+            await a.flush()
+            await b.flush()
+            await a.sync()
+            await b.sync()
+        for replica in (a, b):
+            for run_id, by in (("run-1", "alice"), ("run-2", "bob")):
+                view = replica.state.view(run_id)
+                assert view is not None and view["resolution"] is not None, run_id
+                assert view["resolution"]["by"] == by
+            assert replica.state.summaries(needs_person=True) == []
+
+
 async def test_who_resolved_a_run_reaches_every_replica(tmp_path: Path) -> None:
     """A resolution made through one replica reaches the others with its by (the mark
     row's resolution_by, read by change number like the note), and one made without a
