@@ -99,15 +99,19 @@ def _sorted_json_fast(value: dict[str, Any]) -> str:
 _PLAIN = frozenset({str, int, bool, type(None)})
 
 
+def _json_text(plain: dict[str, Any]) -> str:
+    """``plain`` as JSON with sorted keys (how a Compensation stores its arguments)."""
+    try:
+        return _sorted_json_fast(plain)
+    except TypeError:  # keys of mixed types cannot be sorted before JSON makes them strings
+        return _sorted_json(_from_json(json.dumps(plain, allow_nan=False)))
+
+
 def args_json(value: Mapping[str, Any]) -> str | None:
     """``value`` as :meth:`Compensation.args_json` would store it (JSON with sorted keys),
     or None when it is not plain JSON: the one normal form to compare arguments in."""
     try:
-        plain = dict(value)
-        try:
-            return _sorted_json_fast(plain)
-        except TypeError:  # as below: keys of mixed types
-            return _sorted_json(_from_json(json.dumps(plain, allow_nan=False)))
+        return _json_text(dict(value))
     except Exception:  # not plain JSON, whatever the value raised on the way (a user Mapping)
         return None
 
@@ -121,10 +125,7 @@ def _json_object_and_text(value: Mapping[str, Any], what: str) -> tuple[dict[str
     """
     try:
         plain = dict(value)
-        try:
-            text = _sorted_json_fast(plain)
-        except TypeError:  # keys of mixed types cannot be sorted before JSON makes them strings
-            text = _sorted_json(_from_json(json.dumps(plain, allow_nan=False)))
+        text = _json_text(plain)
         for k, v in plain.items():
             if type(k) is not str or type(v) not in _PLAIN:
                 return dict(_from_json(text)), text
