@@ -438,8 +438,9 @@ class Instrumentation:
             # every run begun in one agent span the same id (one run in the sidecar, shared
             # idempotency keys). A root with a link keeps the agent's trace connected.
             parent = Context()
-            current = trace.get_current_span().get_span_context()
-            if current.is_valid:
+            # The current span is the user's: one whose context raises costs the link only.
+            current = self._guard("span", lambda: trace.get_current_span().get_span_context())
+            if current is not None and current.is_valid:
                 links = (Link(current),)
         else:
             remote = SpanContext(

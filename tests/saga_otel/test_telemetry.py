@@ -88,6 +88,30 @@ def _sidecar_state(spans: list[ReadableSpan]) -> RunState:
     return state
 
 
+async def test_a_current_span_whose_context_raises_costs_the_run_its_link_only(
+    cap: Captured, mode: Driver
+) -> None:
+    """The span current when a run begins is the user's: one whose context raises must
+    not keep the run from opening (telemetry never breaks the agent). The run is a
+    root without a link, and the error is counted."""
+    from opentelemetry import trace
+
+    class Broken(trace.NonRecordingSpan):
+        def get_span_context(self) -> trace.SpanContext:
+            raise RuntimeError("no context")
+
+    world = World()
+    saga = cap.saga("refund", tools=refund_tools(world))
+    with trace.use_span(Broken(trace.INVALID_SPAN_CONTEXT)):
+        run = mode.run(saga)
+        async with run:
+            await run.call("issue_credit", order_id=1, amount=100)
+    (span,) = cap.spans(phase="run")
+    assert span.parent is None and not span.links
+    assert run.report is not None and run.report.status is RunStatus.COMPLETED
+    assert cap.metric(sc.M_TELEMETRY_ERRORS, kind="span") >= 1
+
+
 async def test_runs_begun_in_one_agent_span_are_runs_of_their_own(
     cap: Captured, mode: Driver
 ) -> None:
