@@ -475,7 +475,7 @@ class Outbox:
             self._tasks.append(
                 asyncio.create_task(self._worker(sink), name=f"alert-outbox {sink.name}")
             )
-        if self.metrics is not None:
+        if self.metrics is not None and not self._store.inline:  # one process: add and _mark
             self._tasks.append(asyncio.create_task(self._refresh_depth(), name="outbox-depth"))
 
     async def run(self) -> None:
@@ -550,8 +550,9 @@ class Outbox:
 
     async def _refresh_depth(self) -> None:
         """Keep the depth gauge true to the rows every replica shares: counted again each
-        DEPTH_REFRESH_S, on both backends (on SQLite, one process, it only repeats what
-        add and _mark set). A timer, not the injected sleep, which is the backoff's."""
+        DEPTH_REFRESH_S, on a shared store (on SQLite one process writes every row, and
+        add and _mark set the gauge). A timer, not the injected sleep, which is the
+        backoff's."""
         while True:
             await asyncio.sleep(DEPTH_REFRESH_S)
             # The database down: the workers log it; the gauge keeps its last count
