@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import shlex
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -861,7 +862,8 @@ class RunState:
             irreversible=tuple(s["name"] for s in steps if s["ok"] and s["pivot"]),
             decide=(
                 "Undo these effects by hand (the sidecar holds no undo for them), then "
-                f"`saga-sidecar runs resolve {run.run_id!r} --note ...`",
+                # shlex, not repr: a person pastes this, and a run id may hold $( ) and quotes.
+                f"`saga-sidecar runs resolve {shlex.quote(run.run_id)} --note ...`",
             ),
         ).to_dict()
         override = run.lease.override if run.lease is not None else None

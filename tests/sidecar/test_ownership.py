@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -233,6 +234,32 @@ async def test_an_unstorable_undo_keeps_the_run_from_ending_compensated(sidecar:
     card = view["escalation"]["card"]
     assert view["escalation"]["reason"] == sc.ESCALATION_COMPENSATION_FAILED
     assert any("issue_credit" in t and "datetime" in t for t in card["not_undone"])
+
+
+async def test_the_decide_line_for_an_unstorable_undo_quotes_the_run_id_for_a_shell(
+    sidecar: Sidecar,
+) -> None:
+    # The run-id rule allows quotes, $ and parentheses; a person pastes this line.
+    odd = "r'$(echo INJECTED)"
+    run = RunScript(run_id=odd)
+    run.do(0, "issue_credit", "compensable")
+    attrs = {sc.SAGA_COMPENSATION_UNSTORABLE.replace(".", "_"): "args are not JSON: datetime"}
+    spans = [with_attrs(run.spans()[0], **attrs)]
+    run.do(1, "notify", "compensable", ok=False)
+    run.unwind("TimeoutError: x", "notify", [])
+    run.end(sc.STATUS_COMPENSATED, "notify")
+    await post(sidecar, spans + run.spans()[1:])
+    view = sidecar.state.view(odd)
+    assert view is not None and view["escalation"] is not None
+    (line,) = [d for d in view["escalation"]["card"]["decide"] if "runs resolve" in d]
+    command = re.search(r"`saga-sidecar runs resolve (.*) --note \.\.\.`", line)
+    assert command is not None, line
+    # What bash hands the command: the run id, unexpanded.
+    shell = await asyncio.create_subprocess_exec(
+        "bash", "-c", f"printf '%s' {command[1]}", stdout=asyncio.subprocess.PIPE
+    )  # fmt: skip
+    out, _ = await shell.communicate()
+    assert out.decode() == odd, (line, out)
 
 
 async def test_an_interrupted_write_keeps_the_run_from_ending_compensated(
