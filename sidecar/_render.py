@@ -36,12 +36,18 @@ def printable(text: str) -> str:
     return text.translate(_ESCAPES)
 
 
+# In a table, a list or a stack a newline the agent sent would draw a line of its own
+# that reads as the sidecar's (a fake "completed", a fake stack header): shown as \n.
+_ONE_LINE: Final[dict[int, str]] = {**_ESCAPES, 0x0A: "\\n"}
+
+
 def printable_doc(doc: _T) -> _T:
     """``doc`` (JSON: a run view, a summary, a stack) with every string, key or value,
-    made :func:`printable`. Run ids are printable by the contract: they stay as sent."""
+    made :func:`printable` and kept on one line (a newline shown as ``\\n``). Run ids
+    are printable by the contract: they stay as sent."""
     value: Any = doc
     if isinstance(value, str):
-        value = printable(value)
+        value = value.translate(_ONE_LINE)
     elif isinstance(value, dict):
         value = {printable_doc(k): printable_doc(v) for k, v in value.items()}
     elif isinstance(value, list):
@@ -254,7 +260,9 @@ def render_run(
             )
     escalation = view["escalation"]
     if escalation:
-        parts.append(Rule(f"ESCALATED: {escalation['reason']}", align="left", style="red"))
+        # Text, not a str: rich would read the agent's "[link=...]" or "[/]" as markup.
+        reason = Text(f"ESCALATED: {escalation['reason']}")
+        parts.append(Rule(reason, align="left", style="red"))
         card = escalation["card"]
         if isinstance(card, dict) and card:
             # The card as the agent's own escalation prints it: one text rule for both.

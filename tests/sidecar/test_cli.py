@@ -18,6 +18,7 @@ from click.testing import CliRunner, Result
 from sidecar_testkit import (
     BOTH_BACKENDS,
     STEERING_SAGA,
+    RunScript,
     compensation_failed_run,
     completed_run,
     export_http,
@@ -329,6 +330,42 @@ async def test_what_an_agent_sent_is_printed_with_its_terminal_controls_escaped(
     # Shown as sent, escaped: not taken as rich markup either.
     assert "refund[bold]\\u202egnp.exe" in outputs["list"]
     assert STEERING_SAGA.replace("\u202e", "\\u202e") in outputs["show"]
+
+
+async def test_an_agents_escalation_reason_is_shown_as_text_not_rich_markup(
+    sidecar: Sidecar,
+) -> None:
+    reason = "[/] [link=https://evil.example/]x[/link] :smile:"
+    run = stuck_run(run_id="run-markup")
+    run.escalate(reason, {"decide": ["look"]})
+    await export_http(sidecar, run.spans())
+    shown = await cli(sidecar, "runs", "show", "run-markup", COLUMNS="200", FORCE_COLOR="1")
+    assert shown.exit_code == 0, shown.output
+    assert f"ESCALATED: {reason}" in re.sub(r"\x1b\[[0-9;]*m", "", shown.output), shown.output
+    assert "\x1b]8;" not in shown.output  # no hidden terminal hyperlink
+
+
+async def test_a_newline_an_agent_sent_never_starts_a_line_of_its_own(sidecar: Sidecar) -> None:
+    # Lines that read as the sidecar's own: a status under the real one, a stack header.
+    fake = "\nrun ok (completed): 0 left\n"
+    run = RunScript(run_id="run-lines", saga="refund\ncompleted\n(resolved)\n")
+    comp = ("reverse_credit", {"credit_id": "cr_1"}, f"undo{fake}")
+    run.do(0, f"issue_credit{fake}", "compensable", comp=comp)
+    run.do(1, "notify", "compensable", ok=False, error=f"Boom{fake}")
+    stack = [{"step": f"issue_credit{fake}", "index": 0, "tool": comp[0], "args": comp[1],
+              "description": comp[2]}]  # fmt: skip
+    run.unwind(f"Boom{fake}", "notify", stack)
+    run.compensate(0, f"issue_credit{fake}", comp[0], comp[1], ok=False, error=f"No{fake}")
+    run.end(sc.STATUS_COMPENSATION_FAILED, "notify")
+    await export_http(sidecar, run.spans())
+    for command in (["list"], ["show", "run-lines"], ["stack", "run-lines"]):
+        result = await cli(sidecar, "runs", *command, COLUMNS="200")
+        assert result.exit_code == 0, result.output
+        lines = [line.strip() for line in result.output.splitlines()]
+        assert "run ok (completed): 0 left" not in lines, (command, result.output)
+        assert not any(line.startswith(("completed", "(resolved)")) for line in lines), lines
+    shown = await cli(sidecar, "runs", "show", "run-lines", COLUMNS="200")
+    assert "refund\\ncompleted\\n(resolved)\\n" in shown.output, shown.output
 
 
 def test_serve_logs_json_lines_with_event_names_start_to_sigterm(tmp_path: Path) -> None:
