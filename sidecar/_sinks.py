@@ -259,30 +259,60 @@ def fit_body(
     """``body`` (changed in place, and returned) in at most ``limit`` bytes of JSON: while
     it is over, the largest field of ``parts`` (dicts inside ``body``; a field inside a
     nested dict counts on its own, a list as one) is replaced by a note naming
-    ``run_url``. The URLs stay; what is outside ``parts`` stays."""
+    ``run_url``. Fields too small to shrink that way (a card of many short keys) go as
+    whole nested dicts, and last as whole parts. The URLs stay; what is outside
+    ``parts`` stays."""
     size = _json_size(body)
     if size <= limit:
         return body
-    fields: list[tuple[int, dict[str, Any], str]] = []
 
-    def collect(container: dict[str, Any]) -> None:
+    def note(field_size: int) -> str:
+        return f"[left out: {field_size:,} bytes, {why}; see {run_url or 'the run page'}]"
+
+    fields: list[tuple[int, dict[str, Any], str]] = []
+    nested: list[tuple[int, dict[str, Any], str]] = []
+
+    def collect(container: dict[str, Any]) -> bool:
+        """Collects ``container``'s fields; True if it holds a URL that stays."""
+        keeps = False
         for key, value in container.items():
             if isinstance(value, dict) and value:
-                collect(value)
-            elif key not in _NEVER_LEFT_OUT:
+                if collect(value):
+                    keeps = True
+                else:
+                    nested.append((_json_size(value), container, key))
+            elif key in _NEVER_LEFT_OUT:
+                keeps = True
+            else:
                 fields.append((_json_size(value), container, key))
+        return keeps
 
     for part in parts:
         collect(part)
     # Replacing one value changes the JSON by the difference of the two values' sizes.
     for field_size, container, key in sorted(fields, key=lambda f: f[0], reverse=True):
         if size <= limit:
-            break
-        note = f"[left out: {field_size:,} bytes, {why}; see {run_url or 'the run page'}]"
-        if _json_size(note) >= field_size:
+            return body
+        if _json_size(note(field_size)) >= field_size:
             break  # the rest are smaller than a note
-        container[key] = note
-        size += _json_size(note) - field_size
+        container[key] = note(field_size)
+        size += _json_size(container[key]) - field_size
+    # Many small leaves: whole nested dicts, then whole parts (their URLs kept). An outer
+    # dict is measured as it is now, after its inner ones may have gone.
+    for _, container, key in sorted(nested, key=lambda f: f[0], reverse=True):
+        if size <= limit:
+            return body
+        if isinstance(container.get(key), dict):
+            container[key] = note(_json_size(container[key]))
+            size = _json_size(body)
+    for part in sorted(parts, key=_json_size, reverse=True):
+        if size <= limit:
+            return body
+        kept = {k: v for k, v in part.items() if k in _NEVER_LEFT_OUT}
+        left = _json_size({k: v for k, v in part.items() if k not in _NEVER_LEFT_OUT})
+        part.clear()
+        part.update(kept, left_out=note(left))
+        size = _json_size(body)
     return body
 
 

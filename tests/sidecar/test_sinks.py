@@ -30,6 +30,7 @@ from sidecar._sinks import (
     PagerDutySink,
     WebhookSink,
     event_document,
+    fit_body,
     pagerduty_dedup_key,
     parse_retry_after,
     shown_sink,
@@ -529,6 +530,41 @@ async def test_a_long_runs_stack_still_pages_through_pagerduty(
     assert details["run_url"] == run_url and details["unwind_reason"] == VIEW["unwind_reason"]
     assert details["annotations"]["description"] == event.annotations["description"]
     assert body["payload"]["summary"] == event.annotations["description"]
+
+
+def test_a_card_of_many_short_fields_still_fits_both_bounds() -> None:
+    # No single field is larger than the note that would replace it: the card goes
+    # whole (a note naming the run page), the URLs and the summary stay.
+    card = {f"note_{i:06d}": "see ticket" for i in range(60_000)}
+    view = {
+        **VIEW,
+        "status": "compensation_failed",
+        "escalation": {"reason": "compensation_failed", "card": card},
+    }
+    events = evaluate(VIEW, view, now=10.5)
+    assert events
+    pagerduty, webhook = PagerDutySink("rk"), WebhookSink("http://127.0.0.1:9/hook")
+    for event in events:
+        run_url = event.annotations["run_url"]
+        assert len(json.dumps(event_document(event, Redactor()))) > WEBHOOK_BODY_MAX
+        body = pagerduty.payload(event)
+        assert len(json.dumps(body)) <= PAGERDUTY_BODY_MAX
+        details = body["payload"]["custom_details"]
+        assert details["run_url"] == run_url and run_url in json.dumps(details)
+        assert body["payload"]["summary"] == event.annotations["description"][:1024]
+        doc = webhook.payload(event)
+        assert len(json.dumps(doc)) <= WEBHOOK_BODY_MAX
+        assert doc["annotations"]["run_url"] == run_url
+
+
+def test_a_body_fits_when_only_whole_parts_can_go() -> None:
+    # Many short top-level fields of a part: neither a field nor a nested dict is worth a
+    # note, so the part goes whole, keeping its URLs.
+    part = {f"k{i:06d}": "v" for i in range(60_000)} | {"run_url": "http://x/runs/r"}
+    body = fit_body({"summary": "s", "details": part}, [part], 10_000, "http://x/runs/r", "big")
+    assert len(json.dumps(body)) <= 10_000
+    assert body["summary"] == "s" and part["run_url"] == "http://x/runs/r"
+    assert part["left_out"].startswith("[left out: ") and "http://x/runs/r" in part["left_out"]
 
 
 def test_a_webhook_body_is_as_it_was_unless_past_its_bound() -> None:
