@@ -37,6 +37,7 @@ from ._settings import (
     DEFAULT_MAX_RECEIVING,
     DEFAULT_OTLP_GRPC_PORT,
     DEFAULT_OTLP_HTTP_PORT,
+    DEFAULT_READY_STALL,
     ENV_PREFIX,
     Settings,
     parse_duration,
@@ -208,6 +209,15 @@ def main() -> None:
     f"{DEFAULT_MAX_CONNECTIONS}, or what the limit allows].",
 )
 @click.option(
+    "--ready-stall",
+    default=f"{DEFAULT_READY_STALL:g}s",
+    show_default=True,
+    envvar=_env("READY_STALL"),
+    show_envvar=True,
+    help="GET /readyz answers 503 while a request has waited longer than this for its "
+    "database commit (the SagaSidecarIntakeStalled rule's threshold); /healthz stays 200.",
+)
+@click.option(
     "--log-level",
     default="INFO",
     show_default=True,
@@ -234,6 +244,7 @@ def serve(
     max_receiving: int,
     keepalive_timeout: str,
     max_connections: int | None,
+    ready_stall: str,
     log_level: str,
     **alerting: Any,
 ) -> None:
@@ -270,6 +281,7 @@ def serve(
             max_receiving=max_receiving,
             keepalive_timeout=parse_duration(keepalive_timeout, "--keepalive-timeout"),
             max_connections=max_connections,
+            ready_stall=parse_duration(ready_stall, "--ready-stall"),
         )
         sidecar = Sidecar(settings)
         install_alerting(sidecar, settings_from_options(alerting))

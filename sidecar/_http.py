@@ -28,6 +28,7 @@ from ._leases import Lease, LeaseAction, lease_view, when
 from ._log import get_logger
 from ._otlp import extract, parse_json, parse_protobuf, response
 from ._pages import BY_MAX, browser_auth, misdirected, page_routes, run_page, wants_html
+from ._ready import ReadyView, is_ready, readiness
 from ._service import BODY, SERVICE, Service
 from ._settings import BODY_RATE_GRACE, Settings
 from ._state import ALL_STATES
@@ -478,6 +479,7 @@ _QUERY: dict[tuple[str, str], tuple[str, ...]] = {
     ("POST", "/runs/{run_id}/lease/renew"): (),
     ("POST", "/runs/{run_id}/lease/release"): (),
     ("GET", "/healthz"): (),
+    ("GET", "/readyz"): (),
     ("GET", "/metrics"): (),
 }
 CACHE_BUSTER = "_"
@@ -863,16 +865,28 @@ def build_api_app(service: Service) -> web.Application:
         now = sidecar.clock()
         return max(0.0, now - sidecar.oldest_waiting(now))
 
+    def ready_view(sidecar: Service) -> ReadyView:
+        return readiness(intake_waiting(sidecar), sidecar.settings.ready_stall)
+
     async def healthz(request: web.Request) -> web.Response:
+        # Liveness: 200 while the process answers, stalled or not (a restart would not
+        # free the database and would drop the requests waiting for it); /readyz says
+        # whether to send it more.
         sidecar = request.app[SERVICE]
+        ready = ready_view(sidecar)
         return web.json_response(
             {
                 "status": "ok",
+                "ready": is_ready(ready),
                 "runs": len(sidecar.state),
                 "in_flight": sidecar.in_flight,
-                "intake_waiting_s": round(intake_waiting(sidecar), 3),
+                "intake_waiting_s": ready["intake_waiting_s"],
             }
         )
+
+    async def readyz(request: web.Request) -> web.Response:
+        view = ready_view(request.app[SERVICE])
+        return web.json_response(view, status=200 if is_ready(view) else 503)
 
     async def metrics(request: web.Request) -> web.Response:
         sidecar = request.app[SERVICE]
@@ -889,6 +903,7 @@ def build_api_app(service: Service) -> web.Application:
     app.router.add_post("/runs/{run_id}/lease/renew", lease_handler("renew"))
     app.router.add_post("/runs/{run_id}/lease/release", lease_handler("release"))
     app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
     app.router.add_routes(page_routes())
     app.router.add_routes(service.api_routes)

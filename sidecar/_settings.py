@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import math
 import os
 import re
 import socket
@@ -37,6 +38,10 @@ DEFAULT_KEEPALIVE_TIMEOUT = 10.0
 # 65,536 servers are commonly given (LimitNOFILE). A lower descriptor limit lowers it
 # (_connections.connection_cap).
 DEFAULT_MAX_CONNECTIONS = 16384
+# /readyz answers 503 while a request has waited longer than this for its commit: the
+# SagaSidecarIntakeStalled rule's threshold (alerts/saga-rules.yml), so a replica leaves
+# rotation when the alert starts counting.
+DEFAULT_READY_STALL = 5.0
 # Seconds a body may take before --body-min-rate applies (slow starts are normal).
 BODY_RATE_GRACE = 2.0
 # Seconds aiohttp drains an unread body after answering (e.g. 401) before it closes.
@@ -155,6 +160,9 @@ class Settings:
     # (None: DEFAULT_MAX_CONNECTIONS, silently fewer to fit the descriptor limit).
     keepalive_timeout: float = DEFAULT_KEEPALIVE_TIMEOUT
     max_connections: int | None = None
+    # GET /readyz: not ready while the oldest request has waited longer than this for
+    # its database commit (sidecar/_ready.py).
+    ready_stall: float = DEFAULT_READY_STALL
 
     def __post_init__(self) -> None:
         self.validate()
@@ -234,3 +242,11 @@ class Settings:
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be > 0 seconds")
+        # nan compares false with everything (a `<= 0` check lets it through), and with
+        # it /readyz would answer ready through any stall; inf would too.
+        if not 0 < self.ready_stall < math.inf:
+            raise ConfigError(
+                f"ready_stall={self.ready_stall} (--ready-stall) must be a finite number of "
+                f"seconds > 0: use e.g. {DEFAULT_READY_STALL:g}s, the SagaSidecarIntakeStalled "
+                "rule's threshold"
+            )

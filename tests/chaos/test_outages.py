@@ -349,3 +349,92 @@ def test_a_stalled_database_shows_on_healthz_and_metrics_and_loses_nothing(
             os.kill(pid, signal.SIGCONT)
         sc.stop()
         postgres.drop(name)
+
+
+def test_a_replica_whose_database_stalls_is_not_ready_while_the_other_is(
+    tmp_path: Path, postgres: Any, chaos_results: dict[str, Any]
+) -> None:
+    """Two replicas on one PostgreSQL database; only replica a's backends are SIGSTOPped
+    (its connections hung: a network path, a backend stuck on a lock) while an agent's
+    request waits at it for its commit. Replica a answers /readyz 503 naming the stall
+    (a load balancer takes it out of rotation) and /healthz 200 (alive: a restart would
+    drop the waiting request); replica b, which still commits, answers /readyz 200. Each
+    reports its own intake. Once a's database answers, its request is acknowledged and
+    /readyz is 200 again."""
+    name = postgres.create()
+    url = postgres.url(name)
+    a = start_sidecar(tmp_path, "--ready-stall", "2s", db=f"{url}?application_name=saga-a")
+    b = start_sidecar(tmp_path, "--ready-stall", "2s", db=f"{url}?application_name=saga-b")
+    stopped: list[int] = []
+
+    def post(sidecar: SidecarProcess, run: Any) -> int:
+        return httpx.post(
+            f"{sidecar.otlp}/v1/traces",
+            content=encode_spans(run.spans()).SerializeToString(),
+            headers={"Content-Type": "application/x-protobuf"},
+            timeout=120,
+        ).status_code
+
+    def ready(sidecar: SidecarProcess) -> httpx.Response:
+        return httpx.get(f"{sidecar.api}/readyz", timeout=5)
+
+    try:
+        assert post(a, open_run()) == 200 and post(b, open_run()) == 200
+        assert ready(a).status_code == 200 and ready(b).status_code == 200
+        with psycopg.connect(postgres.url(), autocommit=True) as conn:
+            stopped = [
+                int(pid)
+                for (pid,) in conn.execute(
+                    "SELECT pid FROM pg_stat_activity WHERE datname = %s "
+                    "AND application_name = 'saga-a'",
+                    (name,),
+                ).fetchall()
+            ]
+        assert stopped, "replica a holds no connection to its database"
+        stopped_once = len(stopped)
+        for pid in stopped:
+            os.kill(pid, signal.SIGSTOP)
+        waiting = open_run()
+        answers: list[int] = []
+        sender = threading.Thread(target=lambda: answers.append(post(a, waiting)), daemon=True)
+        sender.start()
+        wait_until(lambda: ready(a).status_code == 503, timeout=60, what="a not ready")
+        body = ready(a).json()
+        assert body["status"] == "stalled" and body["reason"] == "intake_stalled", body
+        assert body["intake_waiting_s"] > 2 and body["ready_stall_s"] == 2.0
+        assert "--ready-stall" in body["fix"]
+        health = httpx.get(f"{a.api}/healthz", timeout=5)
+        assert health.status_code == 200 and health.json()["ready"] is False
+        # The other replica still commits, and says so.
+        assert post(b, open_run()) == 200
+        other = ready(b)
+        assert other.status_code == 200 and other.json()["status"] == "ready", other.text
+        assert httpx.get(f"{b.api}/healthz", timeout=5).json()["ready"] is True
+        assert answers == [], "answered while its database was stopped"
+        shown = body["intake_waiting_s"]
+        for pid in stopped:
+            os.kill(pid, signal.SIGCONT)
+        stopped = []
+        sender.join(120)
+        assert answers == [200]
+        wait_until(lambda: ready(a).status_code == 200, timeout=30, what="a ready again")
+        assert ready(a).json()["status"] == "ready"
+        assert httpx.get(f"{a.api}/healthz", timeout=5).json()["ready"] is True
+        wait_until(  # committed: the other replica reads it from the database
+            lambda: httpx.get(f"{b.api}/runs/{waiting.run_id}", timeout=5).status_code == 200,
+            timeout=30,
+            what="the waiting run at b",
+        )
+        chaos_results["stalled_replica_readiness"] = {
+            "backends_stopped": stopped_once,
+            "stalled_readyz": f"503 {body['reason']} at {shown} s",
+            "other_replica_readyz": other.status_code,
+            "answer_after_resume": answers[0],
+            "lost": 0,
+        }
+    finally:
+        for pid in stopped:
+            os.kill(pid, signal.SIGCONT)
+        a.stop()
+        b.stop()
+        postgres.drop(name)

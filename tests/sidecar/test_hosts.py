@@ -95,6 +95,7 @@ async def test_a_page_under_a_rebound_name_reads_and_changes_nothing(sidecar: Si
         ("GET", "/review", None),
         ("GET", "/metrics", None),
         ("GET", "/healthz", None),
+        ("GET", "/readyz", None),
     ):
         data = b"note=forged" if sent is None else json.dumps(sent).encode()
         status, _, body = await raw(port, method, path, host, body=data, headers=page)
@@ -129,8 +130,9 @@ async def test_a_person_under_a_foreign_name_is_told_what_to_do(sidecar: Sidecar
 )  # fmt: skip
 async def test_the_names_of_this_sidecar_are_answered(sidecar: Sidecar, host: str) -> None:
     name = host.format(port=sidecar.api_port).encode()
-    status, _, body = await raw(sidecar.api_port, "GET", "/healthz", name)
-    assert status == 200, body
+    for path in ("/healthz", "/readyz"):  # what probes and load balancers ask
+        status, _, body = await raw(sidecar.api_port, "GET", path, name)
+        assert status == 200, (path, body)
     run = open_run()
     traces = encode_spans(run.spans()).SerializeToString()
     status, _, body = await raw(

@@ -319,6 +319,49 @@ async def test_size_bound_and_gzip_bomb(tmp_path: Any, clock: Any) -> None:
                 assert resp.status == 200
 
 
+async def test_readyz_is_503_while_intake_waits_past_ready_stall_and_healthz_stays_200(
+    sidecar: Sidecar, clock: Any
+) -> None:
+    """Readiness (a load balancer's, an orchestrator's probe) says not to send this
+    replica more while a request has waited past --ready-stall for its commit; liveness
+    (/healthz) stays 200, since a restart would not free the database."""
+    stall = sidecar.settings.ready_stall
+    assert await get_json(sidecar, "/readyz") == (
+        200,
+        {
+            "status": "ready",
+            "reason": None,
+            "intake_waiting_s": 0.0,
+            "ready_stall_s": stall,
+            "fix": None,
+        },
+    )
+    waiting: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    sidecar._unfolded[waiting] = clock.now  # heard now, its COMMIT not done
+    try:
+        clock.now += stall  # waited exactly the threshold: still ready
+        status, body = await get_json(sidecar, "/readyz")
+        assert status == 200 and body["status"] == "ready", body
+        clock.now += 37.0
+        status, body = await get_json(sidecar, "/readyz")
+        assert status == 503, body
+        assert body["status"] == "stalled" and body["reason"] == "intake_stalled"
+        assert body["intake_waiting_s"] == stall + 37.0 and body["ready_stall_s"] == stall
+        assert "--ready-stall" in body["fix"] and "another replica" in body["fix"]
+        async with aiohttp.ClientSession() as s, s.head(api(sidecar, "/readyz")) as resp:
+            assert resp.status == 503
+        status, health = await get_json(sidecar, "/healthz")
+        assert status == 200, health
+        assert health["status"] == "ok" and health["ready"] is False
+        assert health["intake_waiting_s"] == stall + 37.0
+    finally:
+        del sidecar._unfolded[waiting]  # committed and answered
+    status, body = await get_json(sidecar, "/readyz")
+    assert status == 200 and body["status"] == "ready" and body["intake_waiting_s"] == 0.0
+    status, health = await get_json(sidecar, "/healthz")
+    assert status == 200 and health["ready"] is True
+
+
 async def test_unknown_run_is_404_with_message(sidecar: Sidecar) -> None:
     status, body = await get_json(sidecar, "/runs/nope")
     assert status == 404
@@ -559,6 +602,7 @@ async def test_a_query_parameter_a_route_does_not_take_is_a_400_naming_it(
         (f"{one}?revael=args", "revael", "reveal"),
         (f"{one}/stack?status=stuck", "status", "reveal"),
         ("/healthz?verbose=1", "verbose", "takes no query parameters"),
+        ("/readyz?verbose=1", "verbose", "takes no query parameters"),
         ("/metrics?name[]=saga_sidecar_runs", "name[]", "takes no query parameters"),
     ]:
         status, body = await get_json(sidecar, path)
@@ -605,7 +649,13 @@ async def test_a_cache_buster_is_taken_and_pages_take_any_parameter(sidecar: Sid
     The pages a person opens from a link ignore parameters (chat tools add utm_...)."""
     run = compensation_failed_run()
     await export_http(sidecar, run.spans())
-    for path in ("/runs", f"/runs/{run.run_id}", f"/runs/{run.run_id}/stack", "/healthz"):
+    for path in (
+        "/runs",
+        f"/runs/{run.run_id}",
+        f"/runs/{run.run_id}/stack",
+        "/healthz",
+        "/readyz",
+    ):
         status, _ = await get_json(sidecar, f"{path}?_=1712345678901")
         assert status == 200, path
     html = {"Accept": "text/html"}

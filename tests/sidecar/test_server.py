@@ -228,15 +228,16 @@ async def test_token_guards_every_endpoint(tmp_path: Path, clock: FakeClock) -> 
         body = ExportTraceServiceRequest().SerializeToString()
         proto = {"Content-Type": "application/x-protobuf"}
         async with aiohttp.ClientSession() as s:
-            for path in ("/healthz", "/metrics", "/runs", "/runs/x", "/runs/x/stack"):
+            for path in ("/healthz", "/readyz", "/metrics", "/runs", "/runs/x", "/runs/x/stack"):
                 for headers in ({}, bad):
                     async with s.get(api + path, headers=headers) as resp:
                         assert resp.status == 401, path
                         assert "--token" in (await resp.json())["error"]
             async with s.post(api + "/runs/x/resolve", json={"note": "n"}) as resp:
                 assert resp.status == 401
-            async with s.get(api + "/healthz", headers=good) as resp:
-                assert resp.status == 200
+            for path in ("/healthz", "/readyz"):
+                async with s.get(api + path, headers=good) as resp:
+                    assert resp.status == 200, path
             async with s.post(otlp, data=body, headers=proto) as resp:
                 assert resp.status == 401
             # The token comes before routing: no path or method is told apart without it.

@@ -210,3 +210,21 @@ def test_cli_refuses_an_alert_retry_max_below_the_first_retry_naming_the_flag(
         "least 0.5s" in result.output
     )
     assert "Backoff(" not in result.output and "Traceback" not in result.output
+
+
+def test_ready_stall_is_a_flag_with_an_env_var_checked_at_start(tmp_path: Path) -> None:
+    help_text = CliRunner().invoke(main, ["serve", "--help"]).output
+    assert "--ready-stall" in help_text and "SAGA_SIDECAR_READY_STALL" in help_text
+    assert "SAGA_SIDECAR_READY_STALL; default: 5s]" in " ".join(help_text.split())
+    for given, told in (("soon", "is not a duration"), ("0", "must be positive")):
+        result = CliRunner().invoke(
+            main,
+            ["serve", "--db", str(tmp_path / "x.db")],
+            env={"SAGA_SIDECAR_READY_STALL": given},
+        )
+        assert result.exit_code != 0 and f"--ready-stall {given!r} {told}" in result.output
+    assert not (tmp_path / "x.db").exists()
+    assert Settings(ready_stall=0.25).ready_stall == 0.25
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ConfigError, match=r"ready_stall=.* \(--ready-stall\) must be a finite"):
+            Settings(ready_stall=bad)
