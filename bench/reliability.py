@@ -142,6 +142,18 @@ SECTIONS = [
         "",
     ),
     (
+        "stalled_replica_readiness",
+        "Stalled replica's readiness (PostgreSQL)",
+        "Two replicas on one PostgreSQL database (`--ready-stall 2s`); only replica a's "
+        "backends are SIGSTOPped while an agent's request waits at it for its commit. "
+        "Replica a must answer `/readyz` 503 (`intake_stalled`, with the fix) and "
+        "`/healthz` 200 with `ready: false`; replica b must commit a new request meanwhile "
+        "and answer `/readyz` 200. After SIGCONT a's request is committed and answered 200, "
+        "b reads it, and a's `/readyz` is 200 again.",
+        "tests/chaos/test_outages.py",
+        "",
+    ),
+    (
         "fuzz",
         "Fuzzing the OTLP intake",
         "Hypothesis generates protobuf bodies (random bytes, valid requests with hostile "
@@ -254,6 +266,8 @@ def main() -> int:
             "silent_sink": "the other sink served meanwhile; every alert delivered once "
             "after it answered",
             "stalled_database": "the wait shown while stalled; nothing lost after",
+            "stalled_replica_readiness": "the stalled replica out of rotation, the other "
+            "ready; alive throughout; nothing lost after",
             "fuzz": "no crash, no 5xx, memory flat",
             "compensation_failures": "retries carried every transient failure; "
             "every permanent one escalated",

@@ -6,12 +6,15 @@ from __future__ import annotations
 import re
 import shlex
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+from saga_otel.testing import start_sidecar
 from tests.ops.conftest import (
     ALERTMANAGER,
     OPERATIONS,
@@ -26,6 +29,7 @@ from tests.ops.conftest import (
 BLOCK_RE = re.compile(r"^```(\w*)([^\n]*)\n(.*?)^```\s*$", re.M | re.S)
 TITLE_RE = re.compile(r'title="([^"]+)"')
 RUNBOOK_SECTION = "## Runbooks"
+PROBES = "saga-sidecar container: probes"
 
 
 def _blocks() -> list[tuple[str, str, str]]:
@@ -56,6 +60,7 @@ def test_every_yaml_block_has_a_checked_title() -> None:
         "dashboards/provisioning/datasources.yaml",
         "alerts/saga-rules.yml",
         "alerts/alertmanager.example.yml",
+        PROBES,
     }
 
 
@@ -80,6 +85,34 @@ def test_prometheus_config_snippet_passes_promtool(tmp_path: Path) -> None:
 )
 def test_file_snippets_equal_the_files(name: str) -> None:
     assert _yaml_blocks()[name] == (REPO / name).read_text(encoding="utf-8")
+
+
+def test_the_probes_snippet_asks_readyz_for_readiness_and_healthz_for_liveness(
+    tmp_path: Path,
+) -> None:
+    """Each probe's command, run as written against a sidecar with a token (its port put
+    in for 4320): it passes with the token in the environment, fails without it."""
+    probes = yaml.safe_load(_yaml_blocks()[PROBES])
+    assert set(probes) == {"readinessProbe", "livenessProbe"}
+    token = "probe-t0ken"
+    with start_sidecar(tmp_path, "--token", token) as sidecar:
+        for probe, path in (("readinessProbe", "/readyz"), ("livenessProbe", "/healthz")):
+            program, flag, script = probes[probe]["exec"]["command"]
+            assert (program, flag) == ("python", "-c")
+            assert f"http://127.0.0.1:4320{path}" in script, probe
+            script = script.replace("http://127.0.0.1:4320", sidecar.api)
+            for env, passes in (({"SAGA_SIDECAR_TOKEN": token}, True), ({}, False)):
+                ran = subprocess.run(
+                    [sys.executable, flag, script],
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    timeout=30,
+                    check=False,
+                )
+                assert (ran.returncode == 0) is passes, (probe, env, ran.stderr[-500:])
+                if not passes:
+                    assert "401" in ran.stderr, ran.stderr[-500:]
 
 
 def test_alertmanager_snippet_passes_amtool(tmp_path: Path) -> None:
