@@ -98,9 +98,11 @@ def observed_run(
     """One run span around a user's own saga runner (use a plain ``with``, also in async code).
 
     The run's status is derived: completed without an exception; else stuck
-    past a pivot, compensation_failed if an observed compensate failed or a
-    step's undo could not be stored and was not run, and compensated
-    otherwise. Set ``run.status`` to say otherwise.
+    past a pivot, compensation_failed if an observed compensate failed, a
+    step's undo could not be stored and was not run, or an undo pushed was
+    never run OK (a runner that catches only ``Exception`` and was cancelled,
+    one that stopped part way), and compensated otherwise. Set ``run.status``
+    to say otherwise.
     """
     Instrumentation.check_run_id(run_id)
     instr = Instrumentation(saga, tracer_provider=tracer_provider, registry=registry, logger=logger)
@@ -114,7 +116,8 @@ def observed_run(
             sc.STATUS_STUCK
             if run.pivot
             else sc.STATUS_COMPENSATION_FAILED
-            if run.compensations_failed or run.unstorable
+            # Owed undos the runner never ran OK: "compensated" would say all is undone.
+            if run.compensations_failed or run.unstorable or run.stack
             else sc.STATUS_COMPENSATED
         )
         _end(run, status)

@@ -256,6 +256,46 @@ async def test_with_nothing_to_match_a_repeated_step_is_undone_latest_first(
     assert sidecar_view(cap, run.run_id)["stack"] == []
 
 
+async def test_a_run_left_with_undos_owed_ends_compensation_failed_not_compensated(
+    mode: Driver,
+) -> None:
+    """The runner undid cr2 and stopped: cr1 stands. "compensated" would tell a person
+    and the sidecar that everything was undone; the run escalates cr1 instead."""
+    cap, credits = capture(), Credits(mode)
+    run_id = await unwind_credits(cap, credits, ["cr1", "cr2"], ["cr2"])
+    assert credits.undone == ["cr2"]
+    escalation = card(cap)
+    assert escalation is not None and escalation["reason"] == sc.STATUS_COMPENSATION_FAILED
+    assert [(d["index"], d["args"]) for d in escalation["not_undone"]] == [
+        (0, {"credit_id": "cr1"})
+    ]
+    view = sidecar_view(cap, run_id)
+    assert view["status"] == sc.STATUS_COMPENSATION_FAILED and stack(view) == [(0, "cr1")]
+
+
+class Cancelled(BaseException):
+    """What a runner catching only Exception lets through (a cancellation, Ctrl-C)."""
+
+
+async def test_a_run_cancelled_before_its_runner_undid_anything_escalates(mode: Driver) -> None:
+    cap, credits = capture(), Credits(mode)
+    kw: dict[str, Any] = {"saga": "obs", "tracer_provider": cap.provider}
+    kw.update(registry=cap.registry, logger=cap.logger)
+    step = observed(
+        credits,
+        step="issue_credit",
+        compensation=lambda info: {"credit_id": info.result["credit_id"]},
+        **kw,
+    )
+    with pytest.raises(Cancelled), observed_run(**kw) as run:
+        await settle(step.do("cr1"))
+        raise Cancelled  # while the agent waits on the model: no undo ran
+    assert credits.undone == []
+    escalation = card(cap)
+    assert escalation is not None and escalation["reason"] == sc.STATUS_COMPENSATION_FAILED
+    assert sidecar_view(cap, run.run_id)["status"] == sc.STATUS_COMPENSATION_FAILED
+
+
 async def test_gathered_undos_of_a_repeated_step_take_one_call_each() -> None:
     """Two undos of the same step with the same arguments run at once (asyncio.gather):
     the first claims its call while it runs, so the second takes the other one (both
