@@ -67,6 +67,16 @@ def is_async_callable(fn: object) -> bool:
     return inspect.iscoroutinefunction(type(fn).__call__)  # what a call runs, as Python does
 
 
+def is_generator_callable(fn: object) -> bool:
+    """Whether calling ``fn`` gives a generator (``def`` or ``async def`` with ``yield``):
+    its body runs only when iterated, so as a tool its write would never happen."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    if not (inspect.isroutine(fn) or isinstance(fn, type)) and callable(fn):
+        fn = type(fn).__call__  # what a call runs
+    return inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn)
+
+
 class Outcome(ABC, Generic[T]):
     """A computation that yields a ``T`` when its driver runs it."""
 

@@ -17,7 +17,7 @@ from typing import Any, overload
 
 from saga_otel._errors import ConfigurationError, UnknownToolError
 from saga_otel._frozen import fast_init
-from saga_otel._outcome import is_async_callable
+from saga_otel._outcome import is_async_callable, is_generator_callable
 from saga_otel.records import Compensation, RetryPolicy, StepClass, describe_error
 
 IDEMPOTENCY_PARAM = "idempotency_key"
@@ -76,6 +76,12 @@ class Tool:
             raise ConfigurationError(
                 f"tool {self.name!r} has a snapshot reader but is {self.step_class.value}: "
                 "read-then-write is for reversible tools"
+            )
+        if is_generator_callable(self.fn):
+            raise ConfigurationError(
+                f"tool {self.name!r} is a generator function (it yields): calling it runs "
+                "none of its body, so its write would be recorded done without happening. "
+                "Return the result instead of yielding it"
             )
         try:
             params = inspect.signature(self.fn).parameters

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -29,6 +30,25 @@ def test_tool_declarations_are_checked() -> None:
         reg.check_compensations()
     with pytest.raises(UnknownToolError, match="no tool named 'nope'"):
         reg.get("nope")
+
+
+def test_a_generator_tool_is_refused_at_declaration() -> None:
+    # Calling it runs none of its body: an irreversible send would count as the pivot
+    # crossed, a compensable write would push an undo of nothing.
+    def send_reply(text: str) -> Iterator[str]:
+        yield f"sent {text}"
+
+    async def stream_reply(text: str) -> AsyncIterator[str]:
+        yield f"sent {text}"
+
+    class Sender:
+        def __call__(self, text: str) -> Iterator[str]:
+            yield text
+
+    for fn in (send_reply, stream_reply, functools.partial(send_reply, "hi"), Sender()):
+        with pytest.raises(ConfigurationError, match=r"generator function .* Return the result"):
+            tool("irreversible", name="send_reply")(fn)
+    assert tool("irreversible")(lambda text: f"sent {text}")("hi") == "sent hi"
 
 
 def test_compensation_is_built_from_the_calls_own_references() -> None:
