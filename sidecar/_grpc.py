@@ -18,16 +18,42 @@ import grpc
 from grpc import aio
 
 from ._errors import DecodeError, SidecarError, StoreError
-from ._otlp import extract, parse_protobuf, response
+from ._otlp import extract, other_signal, parse_protobuf, response
 from ._service import Service
 from ._settings import Settings
 
 SERVICE = "opentelemetry.proto.collector.trace.v1.TraceService"
+# The other signals' services, refused naming the fix (grpc's own answer is "Method not
+# found!"): an SDK given the sidecar as its one OTLP endpoint sends them too.
+OTHER_SERVICES = {
+    "opentelemetry.proto.collector.logs.v1.LogsService": "logs",
+    "opentelemetry.proto.collector.metrics.v1.MetricsService": "metrics",
+}
 PROTOBUF = "application/x-protobuf"
 
 
 def _identity(data: bytes) -> bytes:
     return data
+
+
+def _other_signal(service_signal: tuple[str, str]) -> grpc.GenericRpcHandler:
+    service, signal = service_signal
+    why = other_signal(signal, f"{service}/Export")
+
+    async def refuse(
+        _requests: AsyncIterator[bytes], context: aio.ServicerContext[bytes, bytes]
+    ) -> bytes:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, why)  # its message is never read
+        return b""  # pragma: no cover - abort raises
+
+    return grpc.method_handlers_generic_handler(
+        service,
+        {
+            "Export": grpc.stream_unary_rpc_method_handler(
+                refuse, request_deserializer=_identity, response_serializer=_identity
+            )
+        },
+    )
 
 
 _UNAUTHENTICATED = (
@@ -166,7 +192,7 @@ async def start_grpc(
         # Calls still receiving their message count here; a slot is taken after it.
         maximum_concurrent_rpcs=sidecar.settings.max_receiving + sidecar.settings.max_in_flight,
     )
-    server.add_generic_rpc_handlers((handler,))
+    server.add_generic_rpc_handlers((handler, *map(_other_signal, OTHER_SERVICES.items())))
     try:
         # grpcio returns 0 on some versions and raises RuntimeError on others.
         bound = server.add_insecure_port(f"{host}:{port}")

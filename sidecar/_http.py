@@ -26,7 +26,7 @@ from ._errors import DecodeError, StoreError
 from ._hosts import HostRule
 from ._leases import Lease, LeaseAction, lease_view, when
 from ._log import get_logger
-from ._otlp import extract, parse_json, parse_protobuf, response
+from ._otlp import OTHER_SIGNALS, extract, other_signal, parse_json, parse_protobuf, response
 from ._pages import BY_MAX, browser_auth, misdirected, page_routes, run_page, wants_html
 from ._ready import ReadyView, is_ready, readiness
 from ._service import BODY, SERVICE, Service
@@ -371,7 +371,10 @@ def build_otlp_handler(service: Service) -> OtlpHandler:
         handler = routes.get(route)
         resp: web.StreamResponse
         if handler is None:
-            route, resp = "other", _route_error(404, "Not Found", request)
+            signal = OTHER_SIGNALS.get(route)
+            why = None if signal is None else other_signal(signal, route)
+            route = "other"
+            resp = _route_error(404, "Not Found", request) if why is None else error(404, why)
         elif request.method != "POST":
             route, resp = "other", _route_error(405, "Method Not Allowed", request)
             resp.headers["Allow"] = "POST"  # RFC 9110: a 405 names the methods the route takes

@@ -13,7 +13,7 @@ import json
 import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, Final, NamedTuple
 
 from google.protobuf import descriptor_pb2, descriptor_pool, json_format, message_factory
 from google.protobuf.message import DecodeError as ProtobufDecodeError
@@ -769,3 +769,19 @@ def response(rejected: int, message: str, as_json: bool) -> tuple[bytes, str]:
 
 _ACCEPTED_JSON = (b"{}", "application/json")
 _ACCEPTED_PROTOBUF = (ExportTraceServiceResponse().SerializeToString(), "application/x-protobuf")
+
+
+# An SDK pointed at the sidecar with OTEL_EXPORTER_OTLP_ENDPOINT sends its logs and
+# metrics here too: refused saying so (a 404, gRPC UNIMPLEMENTED: never retried, so no
+# storm), not a bare "Not Found". Paths as OTLP/HTTP names them.
+OTHER_SIGNALS: Final[dict[str, str]] = {"/v1/logs": "logs", "/v1/metrics": "metrics"}
+
+
+def other_signal(signal: str, where: str) -> str:
+    """Why ``signal`` sent to ``where`` is refused, and the two ways to stop sending it."""
+    var = signal.upper()
+    return (
+        f"the sidecar takes traces only, not {signal} ({where}): point this SDK's {signal} "
+        f"exporter elsewhere (OTEL_EXPORTER_OTLP_{var}_ENDPOINT) or turn it off "
+        f"(OTEL_{var}_EXPORTER=none), and send traces to /v1/traces"
+    )

@@ -85,3 +85,20 @@ async def test_grpc_overload_is_unavailable(sidecar: Sidecar) -> None:
                 raise AssertionError("no back-pressure at the in-flight bound")
     finally:
         sidecar.in_flight = 0
+
+
+async def test_logs_and_metrics_services_are_refused_naming_the_fix(sidecar: Sidecar) -> None:
+    async with channel(sidecar) as ch:
+        for service, var in (
+            ("opentelemetry.proto.collector.logs.v1.LogsService", "LOGS"),
+            ("opentelemetry.proto.collector.metrics.v1.MetricsService", "METRICS"),
+        ):
+            try:
+                await ch.unary_unary(f"/{service}/Export")(b"")
+            except grpc.aio.AioRpcError as exc:
+                assert exc.code() is grpc.StatusCode.UNIMPLEMENTED  # never retried
+                why = exc.details() or ""
+                assert f"OTEL_EXPORTER_OTLP_{var}_ENDPOINT" in why, why
+                assert f"OTEL_{var}_EXPORTER=none" in why, why
+            else:
+                raise AssertionError(f"{service} was answered")

@@ -841,3 +841,19 @@ async def test_a_client_gone_mid_body_is_no_server_error(
     assert errors == [], [r.getMessage() for r in errors]
     run = completed_run()
     assert await export_http(sidecar, run.spans()) is SpanExportResult.SUCCESS
+
+
+async def test_logs_and_metrics_sent_here_are_refused_naming_the_fix(sidecar: Sidecar) -> None:
+    # An SDK given the sidecar as its one OTLP endpoint posts its logs and metrics too:
+    # a 404 (exporters never retry it) that says to point them elsewhere or turn them off.
+    base = f"http://127.0.0.1:{sidecar.otlp_http_port}"
+    async with aiohttp.ClientSession() as s:
+        for path, var in (("/v1/logs", "LOGS"), ("/v1/metrics", "METRICS")):
+            headers = {"Content-Type": "application/x-protobuf"}
+            async with s.post(base + path, data=b"", headers=headers) as resp:
+                assert resp.status == 404
+                why = (await resp.json())["error"]
+            assert f"OTEL_EXPORTER_OTLP_{var}_ENDPOINT" in why, why
+            assert f"OTEL_{var}_EXPORTER=none" in why and "/v1/traces" in why, why
+        async with s.post(base + "/v1/other", data=b"") as resp:
+            assert resp.status == 404 and "Not Found" in (await resp.json())["error"]
