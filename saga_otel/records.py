@@ -87,22 +87,19 @@ _c_encoder = (
 )
 
 
-def _sorted_json_fast(value: dict[str, Any]) -> str:
-    if _c_encoder is not None:
-        try:
-            return "".join(_c_encoder(value, 0))
-        except RecursionError:
-            pass
-    return _sorted_json(value)
-
-
 _PLAIN = frozenset({str, int, bool, type(None)})
 
 
 def _json_text(plain: dict[str, Any]) -> str:
-    """``plain`` as JSON with sorted keys (how a Compensation stores its arguments)."""
+    """``plain`` as JSON with sorted keys (how a Compensation stores its arguments).
+    One frame around the prebuilt C encoder: this runs once per pushed undo."""
     try:
-        return _sorted_json_fast(plain)
+        if _c_encoder is not None:
+            try:
+                return "".join(_c_encoder(plain, 0))
+            except RecursionError:
+                pass  # a cycle: the full encoder's check names it
+        return _sorted_json(plain)
     except TypeError:  # keys of mixed types cannot be sorted before JSON makes them strings
         return _sorted_json(_from_json(json.dumps(plain, allow_nan=False)))
 
@@ -171,13 +168,14 @@ class Compensation:
             )
         # Freeze the arguments now: a later mutation by the caller must not change the undo.
         frozen, text = _json_object_and_text(args, tool)
-        put = object.__setattr__
-        put(self, "tool", tool)
-        put(self, "args", frozen)
-        put(self, "description", description)
-        put(self, "step", step)
-        put(self, "index", index)
-        put(self, "_args_json", text)
+        # Through each slot's descriptor (the frozen guard's way around, as
+        # saga_otel._frozen's inits): object.__setattr__ looks the slot up by name.
+        _set_tool(self, tool)
+        _set_args(self, frozen)
+        _set_description(self, description)
+        _set_step(self, step)
+        _set_index(self, index)
+        _set_args_json(self, text)
 
     def args_json(self) -> str:
         """The arguments as JSON with sorted keys (the span attribute), encoded once."""
@@ -224,6 +222,12 @@ class Compensation:
     @classmethod
     def from_json(cls, text: str) -> Compensation:
         return cls.from_dict(json.loads(text))
+
+
+_set_tool, _set_args, _set_description, _set_step, _set_index, _set_args_json = (
+    getattr(Compensation, name).__set__
+    for name in ("tool", "args", "description", "step", "index", "_args_json")
+)
 
 
 def backoff_seconds(
