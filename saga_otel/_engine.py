@@ -8,7 +8,9 @@ writes each step's policy once (attempts and their spans, retries with the
 policy's backoff, the push and its durable ack, the shielded unwind) as
 scripts: generators that yield the calls, sleeps and ack waits they need
 (``_outcome.py``). :class:`Run` and :class:`SyncRun` are the two drivers: the
-async one awaits each yielded outcome, the sync one calls it.
+async one awaits each yielded outcome, the sync one calls it, holding the run's turn
+except while a call, sleep or wait blocks, so threads sharing a sync run see its
+bookkeeping change whole, as tasks sharing an async run do (``SyncMode.drive``).
 """
 
 from __future__ import annotations
@@ -40,7 +42,6 @@ from saga_otel._outcome import (
     Script,
     Signal,
     SyncMode,
-    _immediate,
     _pending,
     is_async_callable,
     retrying,
@@ -240,7 +241,8 @@ class Saga:
     """A kind of saga (``refund``) with its tools, policies and telemetry.
 
     A Saga holds no per-run state: any number of runs may go at once, in
-    threads or tasks. ``max_undo_bytes`` bounds one undo's arguments as JSON
+    threads or tasks, and one run's calls may too (see :class:`SyncRun` for
+    threads). ``max_undo_bytes`` bounds one undo's arguments as JSON
     (default 64 KiB, well under the sidecar's body limit): a do whose undo is
     larger, or not JSON, is an effect with no stored undo and fails the call.
 
@@ -375,7 +377,7 @@ class Saga:
             step._refuse_async()
         core, forwards = self._plan(steps, ctx)
         mode = SyncMode(self.sleep)
-        return _immediate(core.whole(mode, lambda: self._plan_body(core, mode, forwards)))()
+        return mode.drive(lambda: core.whole(mode, lambda: self._plan_body(core, mode, forwards)))
 
     # -- forward recovery ------------------------------------------------------
     def _resume_core(self, report: SagaReport, steps: Sequence[Step], ctx: Any) -> _Core:
@@ -428,7 +430,7 @@ class Saga:
         """`resume` for agents without an event loop: the same policy, run by the sync driver."""
         core = self._resume_core(report, steps, ctx)
         mode = SyncMode(self.sleep)
-        return _immediate(core.whole(mode, lambda: self._resume_body(core, mode, report)))()
+        return mode.drive(lambda: core.whole(mode, lambda: self._resume_body(core, mode, report)))
 
 
 class _Done(NamedTuple):
@@ -1069,24 +1071,40 @@ class Run(_RunBase):
 
 
 class SyncRun(_RunBase):
-    """A sync run. Use as ``with saga.run_sync() as run``: the sync driver (see :class:`Run`)."""
+    """A sync run. Use as ``with saga.run_sync() as run``: the sync driver (see :class:`Run`).
+
+    Thread-safe: threads may call ``run.call`` at once (a framework's parallel tool calls
+    on a thread pool). Their tools run in parallel; everything else a call does (its step
+    index, the push of its undo, its records, spans and metrics) runs whole, one call at
+    a time, as between two awaits of an async run: the run's code holds the run's turn
+    and lets go of it only while it blocks (the tool, a retry's sleep, the ack wait).
+    Code of yours the run calls back while it holds the turn (an undo recipe, a span
+    processor, an escalation handler) must not wait for another thread's call of it.
+
+    A call that fails in one thread does not end the run; the ``with`` block's exit
+    does. With other threads' calls still in flight it takes no new step (their next
+    call is refused with :class:`StepRefusedError`), waits for them at most
+    ``Saga(settle_timeout=...)`` and unwinds every undo pushed, each once, in reverse
+    push order (see :class:`Saga`).
+    """
 
     def __init__(self, core: _Core) -> None:
         super().__init__(core)
         self._mode = SyncMode(core.saga.sleep)
 
     def __enter__(self) -> SyncRun:
-        _immediate(self._core.enter(self._mode))()
+        self._mode.drive(lambda: self._core.enter(self._mode))
         return self
 
     def call(self, tool: str, /, **args: Any) -> Any:
-        return _immediate(self._core.call(self._mode, tool, args))()
+        """Run one tool; on success its compensation is pushed before this returns."""
+        return self._mode.drive(lambda: self._core.call(self._mode, tool, args))
 
     def __exit__(
         self, _et: type[BaseException] | None, exc: BaseException | None, _tb: TracebackType | None
     ) -> Literal[False]:
         # KeyboardInterrupt too: the unwind runs before it propagates.
-        _immediate(self._core.exit(self._mode, exc))()
+        self._mode.drive(lambda: self._core.exit(self._mode, exc))
         return False
 
 

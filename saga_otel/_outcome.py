@@ -29,6 +29,15 @@ attempt's span records it); and when Python's ``RuntimeError`` of it leaves the
 script, the driver raises the object instead (:func:`_handed_out`). An async
 driver is a coroutine: its awaiter gets Python's ``RuntimeError``, as from any
 ``async def``.
+
+Calls of one run may go on at once: tasks on one loop, or threads calling one sync
+run. An async driver switches tasks only at an awaited leaf, so a script's code between
+two yields (the bookkeeping: a step's index, a push, records, spans, metrics) never
+interleaves with another call's. A sync run gives threads the same guarantee through
+its :class:`SyncMode`: a script and the code around it run holding the run's
+:class:`_Turn` (:meth:`SyncMode.drive`), which only the blocking leaves (the user's
+function, a retry's sleep, the ack wait, a condition wait) let go of while they block.
+So a script is written once, for one thread, whichever driver runs it.
 """
 
 from __future__ import annotations
@@ -254,13 +263,91 @@ def _handed_out(exc: RuntimeError, stops: list[StopIteration]) -> StopIteration 
     return None
 
 
+class _Turn:
+    """One run's turn to run its own code, in sync mode: a lock held by one thread at a
+    time, taken again by the thread holding it (a callback of the run's own code, an
+    escalation handler say, may call into the run), and let go of whole around a call
+    that blocks (:meth:`released`), as a ``threading.Condition`` lets go of its lock
+    while it waits."""
+
+    __slots__ = ("_depth", "_lock", "_owner")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._owner: int | None = None  # written only by the thread holding the lock
+        self._depth = 0
+
+    def __enter__(self) -> None:
+        me = threading.get_ident()
+        if self._owner == me:
+            self._depth += 1
+            return
+        self._lock.acquire()
+        self._owner, self._depth = me, 1
+
+    def __exit__(self, *_exc: object) -> None:
+        self._depth -= 1
+        if not self._depth:
+            self._owner = None
+            self._lock.release()
+
+    def released(self, fn: Callable[[], T]) -> T:
+        """``fn()`` with the turn let go of while it runs, when this thread holds it (else
+        as it is: a mode no run drives, ``observed()``'s), and held again before this
+        returns or raises."""
+        me = threading.get_ident()
+        if self._owner != me:
+            return fn()
+        depth = self._depth
+        self._owner, self._depth = None, 0
+        self._lock.release()
+        try:
+            return fn()
+        finally:
+            self._retake(me, depth)
+
+    def _retake(self, me: int, depth: int) -> None:
+        interrupt: BaseException | None = None
+        while True:
+            try:
+                self._lock.acquire()
+            except BaseException as exc:
+                # Ctrl-C while another thread has the turn: raised once it is held again,
+                # so the script sees it at its yield holding the turn, as it holds it there.
+                interrupt = exc
+                continue
+            break
+        self._owner, self._depth = me, depth
+        if interrupt is not None:
+            raise interrupt
+
+
 class SyncMode(Mode):
-    """Leaves that block the calling thread; run the result with ``outcome()``."""
+    """Leaves that block the calling thread; run the result with ``outcome()``, or with
+    :meth:`drive` when threads may share the run (every sync run's entry point does).
+
+    The mode holds one :class:`_Turn`: :meth:`drive` takes it for the whole outcome, and
+    the leaves that block (:meth:`call`, :meth:`sleep`, :meth:`ack`, :meth:`until`) let
+    go of it while they block. So the code between two yields of a script runs whole, as
+    between two awaits of an async run, while the tools of several threads run at once.
+    """
 
     is_async = False
 
     def __init__(self, sleep: Callable[[float], None] = time.sleep) -> None:
         self._sleep = sleep
+        self._turn = _Turn()
+
+    def drive(self, make: Callable[[], Outcome[T]]) -> T:
+        """Make an outcome and run it in the calling thread, holding the mode's turn
+        (making it may change the run too: ``_Core.call`` admits the step there)."""
+        with self._turn:
+            return _immediate(make())()
+
+    def _blocking(self, fn: Callable[[], T]) -> Immediate[T]:
+        """A leaf that may block: run with the mode's turn let go of."""
+        turn = self._turn
+        return Immediate(lambda: turn.released(fn))
 
     def pure(self, value: T) -> Immediate[T]:
         return Immediate(lambda: value)
@@ -269,7 +356,7 @@ class SyncMode(Mode):
         return Immediate(fn)
 
     def call(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Immediate[Any]:
-        return Immediate(lambda: fn(*args, **kwargs))
+        return self._blocking(lambda: fn(*args, **kwargs))
 
     def script(self, body: Callable[[], Script[T]]) -> Immediate[T]:
         def run() -> T:
@@ -306,10 +393,10 @@ class SyncMode(Mode):
         return Immediate(run)
 
     def sleep(self, seconds: float) -> Immediate[None]:
-        return Immediate(lambda: self._sleep(seconds))
+        return self._blocking(lambda: self._sleep(seconds))
 
     def ack(self, span: Any) -> Immediate[bool]:
-        return Immediate(lambda: _acks.wait_for_ack(span))
+        return self._blocking(lambda: _acks.wait_for_ack(span))
 
     def shield(self, o: Outcome[T]) -> Immediate[T]:
         return _immediate(o)  # nothing cancels a thread from outside
@@ -324,11 +411,12 @@ class SyncMode(Mode):
 
         def wait() -> bool:
             # done() is read under the condition's lock, and a ring takes it: a change
-            # rung between the read and the wait is not missed.
+            # rung between the read and the wait is not missed. The turn is let go of,
+            # so the threads whose end it waits for can record it (and ring).
             with cond:
                 return bool(cond.wait_for(done, timeout))
 
-        return Immediate(wait)
+        return self._blocking(wait)
 
 
 async def _value(value: T) -> T:

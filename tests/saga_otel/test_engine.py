@@ -10,8 +10,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as _dt
+import json
 import re
+import sys
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -1695,3 +1698,180 @@ def test_a_sync_write_still_running_past_the_bound_escalates_and_lands_loudly(
 def test_settle_timeout_is_a_finite_bound(cap: Captured, bad: float) -> None:
     with pytest.raises(ConfigurationError, match=r"settle_timeout=.*default 30"):
         cap.saga("x", settle_timeout=bad)
+
+
+# -- threads calling one sync run --------------------------------------------------
+WORKERS, CALLS = 8, 40
+
+
+@pytest.fixture
+def fast_switching() -> Iterator[None]:
+    """Threads switch every microsecond, so an unguarded read-modify-write of the run's
+    state is interrupted between its read and its write, and a lost update shows."""
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(old)
+
+
+def _parallel_credits(
+    cap: Captured,
+    by_index: dict[int, str],
+    undone: list[str],
+    fail: tuple[int, int] | None = None,
+    gate: Any = lambda: None,
+) -> Any:
+    """issue_credit(worker, n) returns its own reference and notes it under its step
+    index, after ``gate()``; reverse_credit appends what it undoes; ``fail`` (worker, n)
+    raises instead."""
+
+    @tool("compensable", compensate="reverse_credit",
+          compensate_args=lambda i: {"credit_id": i.result})  # fmt: skip
+    def issue_credit(worker: int, n: int) -> str:
+        if (worker, n) == fail:
+            raise InjectedFailure(f"ledger refused credit {worker}/{n}")
+        gate()
+        call = current_call()
+        assert call is not None
+        credit = f"cr_{worker}_{n}"
+        by_index[call.index] = credit
+        return credit
+
+    @tool("convergent")
+    def reverse_credit(credit_id: str) -> None:
+        undone.append(credit_id)
+
+    return cap.saga("par", tools=[issue_credit, reverse_credit], settle_timeout=10)
+
+
+def _calls_in_threads(
+    run: Any,
+    calls: int,
+    refused: list[BaseException],
+    failed: list[BaseException],
+    stop: threading.Event,
+) -> tuple[list[threading.Thread], list[list[str]]]:
+    """WORKERS threads, each making ``calls`` calls of one run from a common start (a
+    barrier): what each call returned, per worker. A call the run refuses (it is
+    stopping) or that fails ends that worker; a failure also sets ``stop``."""
+    barrier = threading.Barrier(WORKERS)
+    returned: list[list[str]] = [[] for _ in range(WORKERS)]
+
+    def worker(w: int) -> None:
+        barrier.wait(10)
+        for n in range(calls):
+            try:
+                returned[w].append(run.call("issue_credit", worker=w, n=n))
+            except StepRefusedError as exc:
+                refused.append(exc)
+                return
+            except BaseException as exc:
+                failed.append(exc)
+                stop.set()
+                return
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(WORKERS)]
+    for t in threads:
+        t.start()
+    return threads, returned
+
+
+def _do_spans_in_push_order(cap: Captured, run_id: str) -> list[tuple[int, str]]:
+    """(index, credit) of each do span that pushed an undo, in the order the spans ended."""
+    out = []
+    for span in cap.spans(phase="do", run_id=run_id):
+        attrs = span_attrs(span)
+        if sc.SAGA_COMPENSATION_ARGS in attrs:
+            credit = json.loads(str(attrs[sc.SAGA_COMPENSATION_ARGS]))["credit_id"]
+            out.append((int(attrs[sc.SAGA_STEP_INDEX]), credit))
+    return out
+
+
+@pytest.mark.usefixtures("fast_switching")
+def test_threads_calling_one_sync_run_each_get_their_own_step(cap: Captured) -> None:
+    """Parallel tool calls on a thread pool, as agent frameworks make them: every call's
+    undo is on the stack once, holding the reference that call returned, under an index
+    of its own; the records, spans and metrics agree on it."""
+    by_index: dict[int, str] = {}
+    saga = _parallel_credits(cap, by_index, [])
+    run = saga.run_sync()
+    refused: list[BaseException] = []
+    failed: list[BaseException] = []
+    with run:
+        threads, returned = _calls_in_threads(run, CALLS, refused, failed, threading.Event())
+        for t in threads:
+            t.join(30)
+        stack = run.stack
+    assert (refused, failed) == ([], [])
+    report = run.report
+    assert report is not None and report.status is RunStatus.COMPLETED
+    credits = [c for per_worker in returned for c in per_worker]
+    assert len(credits) == len(set(credits)) == WORKERS * CALLS
+    # Indexes unique and dense, in the order the records were written.
+    assert sorted(s.index for s in report.steps) == list(range(WORKERS * CALLS))
+    for s in report.steps:
+        assert s.ok and s.compensation is not None
+        assert s.compensation.index == s.index
+        assert s.compensation.args == {"credit_id": by_index[s.index]}  # its own reference
+    # The stack holds each call's undo once, pushed in the order the records were.
+    assert sorted(c.args["credit_id"] for c in stack) == sorted(credits)
+    bottom_first = [(c.index, c.args["credit_id"]) for c in reversed(stack)]
+    assert bottom_first == [(s.index, by_index[s.index]) for s in report.steps]
+    # Each do span says the same, and ended as its undo was pushed.
+    assert _do_spans_in_push_order(cap, run.run_id) == bottom_first
+    assert cap.metric("saga_steps_total", saga="par", step="issue_credit", phase="do",
+                      outcome="ok") == WORKERS * CALLS  # fmt: skip
+    finished = [e for e in cap.events(sc.EV_STEP_FINISHED) if e["run_id"] == run.run_id]
+    assert len(finished) == WORKERS * CALLS
+    assert contract_violations(cap.spans()) == []
+
+
+@pytest.mark.usefixtures("fast_switching")
+def test_a_failing_thread_unwinds_every_undo_its_sibling_threads_pushed_once(cap: Captured) -> None:
+    """One call fails while the other threads' calls are in flight: the run takes no new
+    step, waits for those still running, and unwinds every undo pushed, each once, in
+    reverse push order."""
+    by_index: dict[int, str] = {}
+    undone: list[str] = []
+    stop, held, waiting = threading.Event(), threading.Event(), threading.Event()
+
+    def gate() -> None:
+        if stop.is_set():  # begun once the call failed: still running when the run exits
+            held.set()
+            waiting.wait(10)
+
+    saga = _parallel_credits(cap, by_index, undone, fail=(3, CALLS // 2), gate=gate)
+    _on_event(saga, cap, sc.EV_UNWIND_WAITING, waiting.set)
+    run = saga.run_sync()
+    refused: list[BaseException] = []
+    failed: list[BaseException] = []
+    threads: list[threading.Thread] = []
+    with pytest.raises(InjectedFailure), run:
+        # The others call until the run refuses them: some are in flight when it exits.
+        threads, returned = _calls_in_threads(run, 100 * CALLS, refused, failed, stop)
+        assert stop.wait(30) and held.wait(30)
+        raise failed[0]  # the agent sees the failed call: the run exits with it
+    for t in threads:
+        t.join(30)
+    assert [type(e) for e in failed] == [InjectedFailure]
+    assert len(refused) == WORKERS - 1  # each other's next call: the run was stopping
+    [waited] = cap.events(sc.EV_UNWIND_WAITING)  # for the calls the gate held
+    assert waited["waiting"] and set(waited["waiting"]) == {"issue_credit"}
+    report = run.report
+    assert report is not None and report.status is RunStatus.COMPENSATED
+    assert report.failed_step == "issue_credit"
+    credits = [c for per_worker in returned for c in per_worker]
+    pushed = [c for _, c in _do_spans_in_push_order(cap, run.run_id)]
+    assert sorted(pushed) == sorted(credits)  # every call that returned pushed its undo
+    assert undone == pushed[::-1]  # each undone once, in reverse push order
+    assert [o.compensation.args["credit_id"] for o in report.compensations] == undone
+    assert all(o.ok for o in report.compensations)
+    ok_steps = [s for s in report.steps if s.ok]
+    assert [by_index[s.index] for s in ok_steps] == pushed
+    [unwind] = cap.spans(phase="unwind", run_id=run.run_id)
+    listed = json.loads(str(span_attrs(unwind)[sc.SAGA_STACK]))
+    assert [c["args"]["credit_id"] for c in listed] == undone
+    assert run.stack == ()
+    assert contract_violations(cap.spans()) == []

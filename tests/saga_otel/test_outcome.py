@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from saga_modes import Driver
 
+from saga_otel import _acks
 from saga_otel._outcome import (
     AsyncMode,
     Immediate,
@@ -412,3 +413,111 @@ async def test_until_waits_for_its_condition_as_its_signal_rings(mode: Driver) -
         assert await drive(m.until(lambda: bool(done), signal, 30)) is True
         ringer.join()
     assert await drive(m.until(lambda: False, signal, 0)) is False
+
+
+# -- a sync mode shared by threads: its turn -------------------------------------------
+def _in_thread(fn: Any) -> tuple[threading.Thread, list[Any]]:
+    """``fn()`` on a thread of its own, started: the thread and what fn returned."""
+    out: list[Any] = []
+    t = threading.Thread(target=lambda: out.append(fn()), daemon=True)
+    t.start()
+    return t, out
+
+
+@pytest.mark.parametrize("leaf", ["call", "sleep", "ack", "until"])
+def test_a_blocking_sync_leaf_lets_another_thread_drive_the_mode_meanwhile(
+    leaf: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sync driver holds the mode's turn around a script's own code, and lets go of
+    it while a leaf blocks (the tool, a retry's sleep, the ack wait, the unwind's wait for
+    writes in flight), so the threads sharing a run call their tools at once."""
+    blocked, other_ran = threading.Event(), threading.Event()
+
+    def block(*_args: Any) -> bool:
+        blocked.set()
+        return other_ran.wait(5)
+
+    monkeypatch.setattr(_acks, "wait_for_ack", block)
+    m = SyncMode(block)
+    signal = m.signal()
+
+    def done() -> bool:
+        blocked.set()
+        return other_ran.is_set()
+
+    leaves = {
+        "call": lambda: m.call(block),
+        "sleep": lambda: m.sleep(1),
+        "ack": lambda: m.ack(None),
+        "until": lambda: m.until(done, signal, 5),
+    }
+
+    def first() -> Script[bool]:
+        yield leaves[leaf]()
+        return other_ran.is_set()  # held the turn throughout: the other could not run
+
+    def second() -> Script[None]:
+        yield m.run(other_ran.set)
+        signal.ring()
+
+    waiter, got = _in_thread(lambda: m.drive(lambda: m.script(first)))
+    assert blocked.wait(5)
+    other, _ = _in_thread(lambda: m.drive(lambda: m.script(second)))
+    other.join(10)
+    waiter.join(10)
+    assert other_ran.is_set() and not other.is_alive()
+    assert got == [True]
+
+
+def test_a_driven_sync_modes_script_code_runs_one_thread_at_a_time() -> None:
+    """Between two yields a script runs whole: another thread driving the same mode
+    starts only once this one reaches a blocking leaf (as a task starts only at an
+    await)."""
+    m = SyncMode()
+    entered, other_started = threading.Event(), threading.Event()
+    seen: list[bool] = []
+
+    def holder() -> Script[None]:
+        entered.set()
+        seen.append(other_started.wait(0.2))  # code of the script: holding the turn
+        yield m.call(lambda: other_started.wait(5))  # a blocking leaf: the other runs now
+        seen.append(other_started.is_set())
+
+    def other() -> Script[None]:
+        other_started.set()
+        yield m.pure(None)
+
+    first, _ = _in_thread(lambda: m.drive(lambda: m.script(holder)))
+    assert entered.wait(5)
+    second, _ = _in_thread(lambda: m.drive(lambda: m.script(other)))
+    first.join(10)
+    second.join(10)
+    assert seen == [False, True]
+
+
+def test_a_driven_sync_mode_is_driven_again_from_its_own_code() -> None:
+    """Code the run calls back while it holds the turn (an escalation handler, a span
+    processor) may drive the same mode again on its thread: no deadlock, and a blocking
+    leaf in there still lets other threads in."""
+    m = SyncMode()
+    blocked, other_ran = threading.Event(), threading.Event()
+
+    def inner() -> Script[bool]:
+        blocked.set()
+        return (yield m.call(lambda: other_ran.wait(5)))
+
+    def outer() -> Script[bool]:
+        nested = m.drive(lambda: m.script(inner))  # from the script's own code
+        yield m.pure(None)
+        return nested
+
+    first, got = _in_thread(lambda: m.drive(lambda: m.script(outer)))
+    assert blocked.wait(5)
+    second, _ = _in_thread(lambda: m.drive(lambda: m.script(lambda: _run(m, other_ran.set))))
+    second.join(10)
+    first.join(10)
+    assert got == [True] and not first.is_alive()
+
+
+def _run(m: SyncMode, fn: Any) -> Script[None]:
+    yield m.run(fn)
