@@ -8,6 +8,7 @@ import binascii
 import hmac
 import json
 import math
+import re
 import time
 import zlib
 from collections.abc import Awaitable, Callable
@@ -235,18 +236,57 @@ def _too_slow(settings: Settings) -> str:
     )
 
 
+# Compressed input is fed in slices: when a gzip member ends, zlib copies what is left of
+# its input (unused_data), so a whole body fed at once made a body of many small members
+# cost its size squared in copying.
+_INFLATE_SLICE = 16 * 1024
+_GZIP_MAGIC = b"\x1f\x8b"
+_NUL_PADDING = re.compile(b"\x00*")
+
+
 def inflate(body: bytes, limit: int) -> bytes:
-    """Gunzip (or inflate) at most ``limit`` bytes: the decompressed size is bounded too."""
+    """Gunzip (or inflate) at most ``limit`` bytes: the decompressed size is bounded too.
+
+    A gzip body may be several members one after another (RFC 1952: ``cat a.gz b.gz``,
+    writers that flush a member at a time); each is inflated, under the one bound, as
+    gzip(1) and Python's gzip.decompress do (NUL padding after a member is skipped, as
+    they skip it). Any other bytes after the compressed data are a DecodeError: taking
+    the first member only answered 200 for spans never stored.
+    """
+    view = memoryview(body)
+    parts: list[bytes] = []
+    size = pos = 0
     inflater = zlib.decompressobj(wbits=47)  # 32 + 15: gzip or zlib header, detected
-    try:
-        out = inflater.decompress(body, limit + 1)
-    except zlib.error as exc:
-        raise DecodeError(f"body is not valid gzip/deflate data ({exc})") from exc
-    if len(out) > limit or inflater.unconsumed_tail:
-        raise _TooLarge
-    if not inflater.eof:
-        raise DecodeError("gzip body is truncated: send the whole compressed request")
-    return out
+    pending: bytes | memoryview = b""
+    while True:
+        if not pending:
+            pending = view[pos : pos + _INFLATE_SLICE]
+            pos += len(pending)
+            if not pending:
+                raise DecodeError("gzip body is truncated: send the whole compressed request")
+        try:
+            part = inflater.decompress(pending, limit + 1 - size)
+        except zlib.error as exc:
+            raise DecodeError(f"body is not valid gzip/deflate data ({exc})") from exc
+        size += len(part)
+        if size > limit:
+            raise _TooLarge
+        parts.append(part)
+        if not inflater.eof:
+            pending = inflater.unconsumed_tail  # empty: the slice was all taken
+            continue
+        end = pos - len(inflater.unused_data)  # where this member's data ended
+        padding = _NUL_PADDING.match(body, end)
+        after = padding.end() if padding else end
+        if after == len(body):
+            return b"".join(parts)
+        if not (body.startswith(_GZIP_MAGIC) and body.startswith(_GZIP_MAGIC, after)):
+            raise DecodeError(
+                f"{len(body) - end} bytes follow the end of the compressed data and are not "
+                f"another gzip member (they start {bytes(view[after : after + 8]).hex()}): "
+                "send the compressed request alone"
+            )
+        inflater, pending, pos = zlib.decompressobj(wbits=47), b"", after
 
 
 def _too_large(as_json: bool, limit: int) -> web.Response:

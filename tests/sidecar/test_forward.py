@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import gzip
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 from aiohttp import web
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.trace.export import SpanExportResult
 from sidecar_testkit import FakeClock, completed_run, export_http, settings_for
@@ -79,6 +82,28 @@ async def test_every_request_is_forwarded(tmp_path: Path, upstream: Any) -> None
         names = [s.name for rs in first.resource_spans for ss in rs.scope_spans for s in ss.spans]
         assert sc.run_span_name("refund") in names
         assert ExportTraceServiceRequest.FromString(up.bodies[1]) == plain
+
+
+async def test_a_gzip_body_of_several_members_is_forwarded_whole(
+    tmp_path: Path, upstream: Any
+) -> None:
+    """The upstream gets the whole inflated body of a gzip request of two members (RFC
+    1952), not the first member's spans only."""
+    up, url = upstream
+    first, second = completed_run(instance="agent-a"), completed_run(instance="agent-b")
+    parts = [encode_spans(r.spans()).SerializeToString() for r in (first, second)]
+    async with (
+        Sidecar(settings_for(tmp_path, forward=url), clock=FakeClock()) as sc_,
+        aiohttp.ClientSession() as s,
+        s.post(
+            f"http://127.0.0.1:{sc_.otlp_http_port}/v1/traces",
+            data=b"".join(gzip.compress(p) for p in parts),
+            headers={"Content-Type": "application/x-protobuf", "Content-Encoding": "gzip"},
+        ) as resp,
+    ):
+        assert resp.status == 200
+        await wait_for(lambda: len(up.bodies) == 1)
+    assert up.bodies == [b"".join(parts)]
 
 
 async def test_slow_upstream_never_blocks_intake_and_drops_are_counted(

@@ -360,6 +360,37 @@ async def test_readyz_is_503_while_intake_waits_past_ready_stall_and_healthz_sta
     assert status == 200 and body["status"] == "ready" and body["intake_waiting_s"] == 0.0
     status, health = await get_json(sidecar, "/healthz")
     assert status == 200 and health["ready"] is True
+async def test_every_gzip_member_is_inflated_under_one_bound(tmp_path: Any, clock: Any) -> None:
+    """A gzip body of two members (RFC 1952; ``cat a.gz b.gz``) is inflated whole: both
+    runs are stored (the first member alone was answered 200, the second run dropped).
+    Bytes after the data that are not a member are a 400 naming them, and a bomb split
+    into members is still over --max-body (413)."""
+    from sidecar_testkit import settings_for
+
+    async with Sidecar(settings_for(tmp_path, max_body=1 << 20), clock=clock) as sc_:
+        first, second = completed_run(instance="agent-a"), completed_run(instance="agent-b")
+        # Concatenated protobuf messages merge their repeated fields: one request, two runs.
+        body = gzip.compress(encode(first.spans())) + gzip.compress(encode(second.spans()))
+        headers = {"Content-Type": "application/x-protobuf", "Content-Encoding": "gzip"}
+        async with aiohttp.ClientSession() as s:
+            async with s.post(otlp(sc_), data=body, headers=headers) as resp:
+                assert resp.status == 200
+            for run in (first, second):
+                status, view = await get_json(sc_, f"/runs/{run.run_id}")
+                assert (status, view["status"]) == (200, sc.STATUS_COMPLETED)
+            junk = gzip.compress(encode(open_run().spans())) + b"junk"
+            async with s.post(otlp(sc_), data=junk, headers=headers) as resp:
+                assert resp.status == 400
+                assert b"not another gzip member" in await resp.read()
+            bomb = gzip.compress(b"\x00" * 600_000) * 2  # each member under the bound
+            async with s.post(otlp(sc_), data=bomb, headers=headers) as resp:
+                assert resp.status == 413
+
+
+def encode(spans: Any) -> bytes:
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+
+    return bytes(encode_spans(spans).SerializeToString())
 
 
 async def test_unknown_run_is_404_with_message(sidecar: Sidecar) -> None:
