@@ -60,6 +60,93 @@ class _TooSlow(Exception):
     pass
 
 
+class LoopLag:
+    """How long the event loop was kept from running a callback on time, summed (pure:
+    the driver passes the loop's times).
+
+    A tick armed for ``due`` (``armed``) that ran at ``woke`` (``ran``) found the loop
+    busy elsewhere for the difference: a commit waiting on a lock, a large batch decoded
+    in one callback. ``stalled(now)`` adds a tick due and not run yet: the loop is
+    behind still.
+    """
+
+    __slots__ = ("_due", "total")
+
+    def __init__(self) -> None:
+        self.total = 0.0
+        self._due: float | None = None
+
+    def armed(self, due: float) -> None:
+        self._due = due
+
+    def ran(self, woke: float) -> None:
+        if self._due is not None:
+            self.total += max(0.0, woke - self._due)
+        self._due = None
+
+    def stalled(self, now: float) -> float:
+        behind = 0.0 if self._due is None else max(0.0, now - self._due)
+        return self.total + behind
+
+
+# A stall shorter than this may go unmeasured (it began just after a tick).
+LAG_TICK = 0.1
+
+
+class _LagWatch:
+    """Drives a ``LoopLag`` with a tick every ``LAG_TICK`` seconds, only while a body
+    waits for bytes (``hold``/``release``): an idle sidecar keeps no timer for it."""
+
+    __slots__ = ("_handle", "_holders", "lag")
+
+    def __init__(self) -> None:
+        self.lag = LoopLag()
+        self._holders = 0
+        self._handle: asyncio.TimerHandle | None = None
+
+    def hold(self) -> float:
+        """Start measuring (if no one is); the stall so far, to subtract later."""
+        self._holders += 1
+        if self._handle is None:
+            self._arm()
+        return self.stalled()
+
+    def release(self) -> None:
+        self._holders -= 1
+        if self._holders == 0 and self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+            self.lag.ran(asyncio.get_running_loop().time())
+
+    def stalled(self) -> float:
+        return self.lag.stalled(asyncio.get_running_loop().time())
+
+    def _arm(self) -> None:
+        loop = asyncio.get_running_loop()
+        due = loop.time() + LAG_TICK
+        self.lag.armed(due)
+        self._handle = loop.call_at(due, self._tick)
+
+    def _tick(self) -> None:
+        self.lag.ran(asyncio.get_running_loop().time())
+        self._handle = None
+        if self._holders:
+            self._arm()
+
+
+def body_time_left(
+    elapsed: float, stalled: float, size: int, body_timeout: float, min_rate: int
+) -> float:
+    """Seconds a body ``elapsed`` seconds into its arrival, ``size`` bytes of it in, may
+    still take (<= 0: too slow): whole within ``body_timeout``, and after the grace at
+    ``min_rate`` on average. ``stalled``: seconds the sidecar's own loop was kept from
+    reading it meanwhile, not counted against the client (its bytes wait in the
+    kernel, its sends blocked), up to another ``body_timeout``: a body never holds its
+    place past twice that, however late the loop runs."""
+    allowed = min(body_timeout, BODY_RATE_GRACE + size / min_rate)
+    return allowed - elapsed + min(stalled, body_timeout)
+
+
 class _Receiving:
     """Bodies being received at once, and their bytes: bounds what slow clients can hold.
 
@@ -73,6 +160,7 @@ class _Receiving:
         self.budget = budget
         self.active = 0
         self.bytes = 0
+        self.lag = _LagWatch()
 
     def take(self, size: int) -> bool:
         if self.bytes + size > self.budget:
@@ -187,41 +275,56 @@ async def _read_bounded(
     """The body within ``body_timeout`` and, after the grace, at ``min_rate``; (body, bytes taken).
 
     The caller gives the taken bytes back to ``receiving`` once it is done with the body.
-    aiohttp has no body deadline of its own: this is the one timer intake keeps.
+    aiohttp has no body deadline of its own: this is the one timer intake keeps. The
+    client is judged on what it sent, not on when the loop came to it: bytes already
+    in the buffer are taken before the deadline is looked at, and time the loop was
+    stalled meanwhile is not counted (``body_time_left``): a body sent whole while an
+    inline commit waited on a lock is no slow client.
     """
     if request.content_length is not None and request.content_length > limit:
         raise _TooLarge
     loop = asyncio.get_running_loop()
     start = loop.time()
+    lag = receiving.lag
+    stalled_before: float | None = None  # the loop's stall when this body began to wait
     chunks: list[bytes] = []
     size = 0
     content = request.content
+    chunk = b""
     try:
         while True:
-            deadline = min(start + body_timeout, start + BODY_RATE_GRACE + size / min_rate)
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                raise _TooSlow
             # What has arrived already needs no timer (a small body comes with its
-            # headers): the deadline is armed only to wait for more.
-            chunk = content.read_nowait() if not content.at_eof() else b""
-            if not chunk and not content.at_eof():
-                try:
-                    async with asyncio.timeout(remaining):
-                        chunk = await content.readany()
-                except TimeoutError:
-                    raise _TooSlow from None
-            if not chunk:
+            # headers): the deadline is looked at only to wait for more.
+            chunk = chunk or content.read_nowait()
+            if chunk:
+                if size + len(chunk) > limit:
+                    raise _TooLarge
+                if not receiving.take(len(chunk)):
+                    raise _Busy
+                size += len(chunk)
+                chunks.append(chunk)
+                chunk = b""
+                continue
+            if content.at_eof():
                 return b"".join(chunks), size
-            if size + len(chunk) > limit:
-                raise _TooLarge
-            if not receiving.take(len(chunk)):
-                raise _Busy
-            size += len(chunk)
-            chunks.append(chunk)
+            if stalled_before is None:
+                stalled_before = lag.hold()
+            left = body_time_left(
+                loop.time() - start, lag.stalled() - stalled_before, size, body_timeout, min_rate
+            )
+            if left <= 0:
+                raise _TooSlow
+            try:
+                async with asyncio.timeout(left):
+                    chunk = await content.readany()
+            except TimeoutError:
+                pass  # judged again once what the buffer holds is taken
     except BaseException:
         receiving.bytes -= size
         raise
+    finally:
+        if stalled_before is not None:
+            lag.release()
 
 
 class _Busy(Exception):

@@ -13,18 +13,23 @@ import asyncio
 import contextlib
 import json
 import logging
+import socket
+import threading
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk.trace.export import SpanExportResult
 from sidecar_testkit import FakeClock, completed_run, export_grpc, export_http, settings_for
 
 from saga_otel import semconv as sc
 from sidecar import Sidecar
 from sidecar._connections import FD_RESERVE, connection_cap, fd_limit
+from sidecar._http import LoopLag, body_time_left
 from sidecar._settings import DEFAULT_MAX_CONNECTIONS
 
 WAIT = 30.0  # generous: the bounds under test are 1 s
@@ -340,3 +345,97 @@ async def test_api_bodies_arriving_at_once_are_bounded_per_port(
                 await asyncio.sleep(0.01)
             else:
                 raise AssertionError("the receiving place was never given back")
+
+
+# --- time: a body sent in time while the sidecar's own loop was stalled -------------
+
+
+def test_loop_lag_sums_how_late_each_tick_ran() -> None:
+    lag = LoopLag()
+    lag.armed(10.0)
+    lag.ran(10.0)  # on time
+    assert lag.stalled(10.05) == 0.0
+    lag.armed(10.1)
+    assert lag.stalled(10.05) == 0.0  # not due yet
+    assert lag.stalled(12.1) == 2.0  # due, and not run: the loop is behind still
+    lag.ran(13.1)
+    assert lag.stalled(20.0) == 3.0  # nothing armed: nothing more counted
+
+
+def test_a_body_is_not_charged_for_the_loops_stall_up_to_another_body_timeout() -> None:
+    # 30 s whole, 16 KiB/s after a 2 s grace: 1 KiB in at 1 s has 1.0625 s left.
+    assert body_time_left(1.0, 0.0, 1024, 30.0, 16384) == 1.0625
+    # The loop stalled 5 s of those 6: as if 1 s had passed.
+    assert body_time_left(6.0, 5.0, 1024, 30.0, 16384) == 1.0625
+    # Never past twice --body-timeout, however late the loop runs.
+    assert body_time_left(60.0, 100.0, 1 << 30, 30.0, 16384) == 0.0
+
+
+def _rest_and_answer(sock: socket.socket, rest: bytes) -> bytes:
+    """Send the rest of a request on a blocking socket; everything the sidecar answers."""
+    sock.sendall(rest)
+    sock.settimeout(WAIT)
+    answer = b""
+    while chunk := sock.recv(65536):
+        answer += chunk
+    return answer
+
+
+async def _sent_while_the_loop_stalls(port: int, body: bytes, wait: float, stall: float) -> bytes:
+    """Send a request's head and 10 body bytes, let the sidecar wait for the rest ``wait``
+    seconds, then stall its loop (the test shares it: as an inline commit waiting on a
+    lock does) for ``stall`` seconds while another thread sends the rest at once; the
+    sidecar's answer."""
+    sock = socket.create_connection(("127.0.0.1", port))
+    with sock:
+        sock.sendall(
+            b"POST /v1/traces HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
+            b"Content-Type: application/x-protobuf\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body[:10]
+        )
+        await asyncio.sleep(wait)
+        answers: list[bytes] = []
+        sender = threading.Thread(target=lambda: answers.append(_rest_and_answer(sock, body[10:])))
+        sender.start()
+        time.sleep(stall)  # noqa: ASYNC251 - the point: the sidecar's loop does not run
+        await asyncio.to_thread(sender.join)
+    return answers[0]
+
+
+async def test_a_body_whole_in_the_buffer_is_not_cut_by_a_deadline_the_loop_missed(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    """The rest of a body arrives at once, but the loop stalls past --body-timeout (1 s),
+    longer than the stall it forgives (another --body-timeout): what the buffer holds
+    was sent in time and is taken; 200, the run stored. It was answered 408 (which
+    OTLP exporters do not retry) and its spans dropped."""
+    run = completed_run()
+    body = encode_spans(run.spans()).SerializeToString()
+    async with Sidecar(settings_for(tmp_path, body_timeout=1.0), clock=clock) as sc_:
+        assert sc_.otlp_http_port is not None
+        answer = await _sent_while_the_loop_stalls(sc_.otlp_http_port, body, 0.2, 2.5)
+        assert answer.startswith(b"HTTP/1.1 200"), answer[:300]
+        assert sc_.state.status(run.run_id) == sc.STATUS_COMPLETED
+
+
+async def test_the_loops_stall_is_not_counted_against_a_body_still_arriving(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    """4 MB sent at once while the loop is stalled across the body's deadline (2 s): the
+    sender is held by flow control, and after the stall a read takes only part of it.
+    The stall is not the client's: the rest is read, 200."""
+    run = completed_run()
+    request = encode_spans(run.spans())
+    filler = (
+        request.resource_spans[0]
+        .scope_spans[0]
+        .spans.add(name="upload", trace_id=b"\x01" * 16, span_id=b"\x02" * 8)
+    )
+    filler.attributes.add(key="payload").value.string_value = "x" * (4 << 20)
+    body = request.SerializeToString()
+    async with Sidecar(settings_for(tmp_path, body_timeout=2.0), clock=clock) as sc_:
+        assert sc_.otlp_http_port is not None
+        answer = await _sent_while_the_loop_stalls(sc_.otlp_http_port, body, 0.8, 1.5)
+        assert answer.startswith(b"HTTP/1.1 200"), answer[:300]
+        assert sc_.state.status(run.run_id) == sc.STATUS_COMPLETED
