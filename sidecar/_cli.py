@@ -170,7 +170,8 @@ def main() -> None:
     show_default=True,
     envvar=_env("BODY_TIMEOUT"),
     show_envvar=True,
-    help="A request body must arrive whole within this, or the request is cut (408).",
+    help="A request body must arrive whole within this, or the request is cut "
+    "(OTLP: 503 + Retry-After, which exporters retry; API: 408).",
 )
 @click.option(
     "--body-min-rate",

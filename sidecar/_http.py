@@ -332,7 +332,7 @@ class _Busy(Exception):
 
 
 def _too_slow(settings: Settings) -> str:
-    """Why a body was cut (408), on either HTTP port."""
+    """Why a body was cut (OTLP port: 503; API port: 408), on either HTTP port."""
     return (
         f"the request body did not arrive within --body-timeout {settings.body_timeout:g} s "
         f"or at --body-min-rate {settings.body_min_rate} bytes/s: send it at once"
@@ -467,7 +467,10 @@ def build_otlp_handler(service: Service) -> OtlpHandler:
                     request, limit, settings.body_timeout, settings.body_min_rate, receiving
                 )
             except _TooSlow:
-                resp = _otlp_error(408, as_json, _RPC_UNAVAILABLE, _too_slow(settings))
+                # 503, not 408: OTLP exporters retry 429, 502, 503 and 504 only (the
+                # spec: no other 4xx or 5xx is retried), and a slow body's spans are not
+                # bad ones; an exporter dropped them on 408.
+                resp = _otlp_error(503, as_json, _RPC_UNAVAILABLE, _too_slow(settings), retry=True)
                 resp.force_close()  # the rest of a stalled body is not worth waiting for
                 return resp
             except _Busy:

@@ -399,8 +399,8 @@ class Sidecar:
         # auto_decompress=False: the OTLP handler inflates gzip itself, with a bound
         # (a gzip bomb must cost a 413, not memory).
         # lingering_time: after an answer to a request whose body was not read (401, 408,
-        # 413, 429), drain and drop the rest for at most this long before closing (aiohttp's
-        # default, 10 s, keeps a stalled client's connection that much longer).
+        # 413, 429, 503), drain and drop the rest for at most this long before closing
+        # (aiohttp's default, 10 s, keeps a stalled client's connection that much longer).
         # keepalive_timeout: aiohttp arms it when a connection opens and after each answer,
         # and closes the connection if no whole request head (request line and headers)
         # has arrived when it fires, however many bytes of one did: one timer bounds the

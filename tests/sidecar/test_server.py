@@ -119,8 +119,10 @@ async def test_a_body_trickling_below_the_minimum_rate_is_cut(
     tmp_path: Path, clock: FakeClock
 ) -> None:
     """A body that keeps arriving, but at 1 KiB/s against --body-min-rate 4 KiB/s, is cut
-    with 408 and its connection closed, long before --body-timeout (10 minutes here):
-    the test's own 60 s bound would fail first if only the timeout applied."""
+    with 503 + Retry-After and its connection closed, long before --body-timeout (10
+    minutes here): the test's own 60 s bound would fail first if only the timeout
+    applied. 503, not 408: OTLP exporters retry 429/502/503/504 only, and dropped the
+    spans of a body cut with 408."""
     settings = settings_for(tmp_path, body_min_rate=4096, body_timeout=600.0)
     async with Sidecar(settings, clock=clock) as sc_:
         reader, writer = await asyncio.open_connection("127.0.0.1", sc_.otlp_http_port)
@@ -136,7 +138,8 @@ async def test_a_body_trickling_below_the_minimum_rate_is_cut(
                     await writer.drain()
                 await asyncio.wait({answer}, timeout=0.25)
             head = answer.result()
-        assert head.startswith(b"HTTP/1.1 408"), head[:200]
+        assert head.startswith(b"HTTP/1.1 503"), head[:200]
+        assert b"\r\nRetry-After: 1\r\n" in head and b"\r\nConnection: close\r\n" in head
         assert b"--body-min-rate" in head
         assert sc_.in_flight == 0
         writer.close()
