@@ -19,6 +19,7 @@ from grpc import aio
 
 from ._errors import DecodeError, SidecarError, StoreError
 from ._otlp import extract, other_signal, parse_protobuf, response
+from ._otlp import extract, parse_protobuf, response, rpc_status
 from ._service import Service
 from ._settings import Settings
 
@@ -30,6 +31,12 @@ OTHER_SERVICES = {
     "opentelemetry.proto.collector.metrics.v1.MetricsService": "metrics",
 }
 PROTOBUF = "application/x-protobuf"
+# The seconds a refused call is told to wait (RetryInfo), as the HTTP ports' Retry-After.
+RETRY_AFTER_S = 1
+# grpc's own cap on calls in progress, a multiple of what the handler admits: past it
+# grpc answers RESOURCE_EXHAUSTED without RetryInfo, which OTLP exporters do not retry
+# (the spec), so the handler's own bounds must answer first.
+GRPC_CAP_FACTOR = 4
 
 
 def _identity(data: bytes) -> bytes:
@@ -93,6 +100,15 @@ class _TokenInterceptor(aio.ServerInterceptor):  # type: ignore[misc]  # grpc is
         return await continuation(details)
 
 
+async def _overloaded(context: aio.ServicerContext[bytes, bytes], message: str) -> None:
+    """Refuse a call the sidecar has no room for: UNAVAILABLE, the code the OTLP spec
+    has a server signal back-pressure with, and a RetryInfo (the HTTP ports' 429 +
+    Retry-After). Exporters retry it after the delay."""
+    code = grpc.StatusCode.UNAVAILABLE
+    details = rpc_status(code.value[0], message, RETRY_AFTER_S)
+    await context.abort(code, message, trailing_metadata=(("grpc-status-details-bin", details),))
+
+
 def server_options(settings: Settings, max_connections: int) -> list[tuple[str, int]]:
     """grpc's own limits; each bounds what a slow or hostile peer can hold (docs/sidecar.md)."""
     body_ms = int(settings.body_timeout * 1000)
@@ -136,14 +152,24 @@ async def start_grpc(
     token = sidecar.settings.token
     expected = f"Bearer {token}".encode() if token else b""
 
-    body_timeout = sidecar.settings.body_timeout
+    settings = sidecar.settings
+    body_timeout = settings.body_timeout
+    receiving = 0  # calls whose message has not arrived yet (--max-receiving)
 
     async def export(
         requests: AsyncIterator[bytes], context: aio.ServicerContext[bytes, bytes]
     ) -> bytes:
+        nonlocal receiving
         started = time.perf_counter()
         try:
+            if receiving >= settings.max_receiving:
+                await _overloaded(
+                    context,
+                    f"sidecar is receiving {settings.max_receiving} request messages at once "
+                    "(its --max-receiving): retry after the RetryInfo delay",
+                )
             # Reading the message holds no in-flight slot: a stalled body blocks no one.
+            receiving += 1
             try:
                 async with asyncio.timeout(body_timeout):
                     body = await anext(requests, b"")
@@ -153,12 +179,13 @@ async def start_grpc(
                     f"the request message did not arrive within --body-timeout "
                     f"{body_timeout:g} s: send it at once",
                 )
+            finally:
+                receiving -= 1
             if not sidecar.enter():
-                # UNAVAILABLE is the code OTLP exporters retry with backoff.
-                await context.abort(
-                    grpc.StatusCode.UNAVAILABLE,
-                    f"sidecar is at its bound of {sidecar.settings.max_in_flight} requests in "
-                    "flight: retry later",
+                await _overloaded(
+                    context,
+                    f"sidecar is at its bound of {settings.max_in_flight} requests in flight "
+                    "(its --max-in-flight): retry after the RetryInfo delay",
                 )
             try:
                 try:
@@ -189,8 +216,9 @@ async def start_grpc(
     server = aio.server(
         options=server_options(sidecar.settings, max_connections),
         interceptors=[_TokenInterceptor(expected)] if token else [],
-        # Calls still receiving their message count here; a slot is taken after it.
-        maximum_concurrent_rpcs=sidecar.settings.max_receiving + sidecar.settings.max_in_flight,
+        # A backstop only: the handler refuses calls past --max-receiving and
+        # --max-in-flight itself, with UNAVAILABLE and RetryInfo (_overloaded).
+        maximum_concurrent_rpcs=GRPC_CAP_FACTOR * (settings.max_receiving + settings.max_in_flight),
     )
     server.add_generic_rpc_handlers((handler, *map(_other_signal, OTHER_SERVICES.items())))
     try:

@@ -750,6 +750,54 @@ def span_from_stored(raw: bytes, service: str, instance: str) -> SpanRecord:
     return decoded.spans[0]
 
 
+def _rpc_types() -> tuple[Any, Any]:
+    """google.rpc.Status and RetryInfo as private types of the same wire format (an Any
+    is its type URL and bytes): googleapis-common-protos is no dependency of the sidecar."""
+    fdp = descriptor_pb2.FileDescriptorProto(
+        name="saga_sidecar_rpc.proto", package="saga_sidecar_rpc", syntax="proto3"
+    )
+    opt, rep = _F.LABEL_OPTIONAL, _F.LABEL_REPEATED
+    shapes: dict[str, list[tuple[str, int, Any, Any, str]]] = {
+        "Status": [
+            ("code", 1, _F.TYPE_INT32, opt, ""),
+            ("message", 2, _F.TYPE_STRING, opt, ""),
+            ("details", 3, _F.TYPE_MESSAGE, rep, "Any"),
+        ],
+        "Any": [("type_url", 1, _F.TYPE_STRING, opt, ""), ("value", 2, _F.TYPE_BYTES, opt, "")],
+        "RetryInfo": [("retry_delay", 1, _F.TYPE_MESSAGE, opt, "Duration")],
+        "Duration": [("seconds", 1, _F.TYPE_INT64, opt, ""), ("nanos", 2, _F.TYPE_INT32, opt, "")],
+    }
+    for name, fields in shapes.items():
+        m = fdp.message_type.add(name=name)
+        for fname, number, kind, label, type_name in fields:
+            field = m.field.add(name=fname, number=number, type=kind, label=label)
+            if type_name:
+                field.type_name = f".saga_sidecar_rpc.{type_name}"
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(fdp)
+    return tuple(  # type: ignore[return-value]
+        message_factory.GetMessageClass(pool.FindMessageTypeByName(f"saga_sidecar_rpc.{n}"))
+        for n in ("Status", "RetryInfo")
+    )
+
+
+_RpcStatus, _RetryInfo = _rpc_types()
+RETRY_INFO_URL = "type.googleapis.com/google.rpc.RetryInfo"
+
+
+def rpc_status(code: int, message: str, retry_after: int | None = None) -> bytes:
+    """A serialized google.rpc.Status: an OTLP/HTTP error body, gRPC's
+    ``grpc-status-details-bin``. With ``retry_after`` (seconds) it carries a
+    google.rpc.RetryInfo, gRPC's Retry-After: the delay an OTLP exporter waits before
+    it sends again."""
+    status = _RpcStatus(code=code, message=message)
+    if retry_after is not None:
+        info = _RetryInfo()
+        info.retry_delay.seconds = retry_after
+        status.details.add(type_url=RETRY_INFO_URL, value=info.SerializeToString())
+    return bytes(status.SerializeToString())
+
+
 def response(rejected: int, message: str, as_json: bool) -> tuple[bytes, str]:
     """The ExportTraceServiceResponse body and content type for a request's encoding."""
     if not (rejected or message):  # the usual answer: built once

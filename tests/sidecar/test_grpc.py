@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
 import grpc
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
@@ -11,6 +15,7 @@ from opentelemetry.sdk.trace.export import SpanExportResult
 from sidecar_testkit import (
     BOTH_BACKENDS,
     CREDIT,
+    FakeClock,
     compensation_failed_run,
     export_grpc,
     settings_for,
@@ -73,7 +78,23 @@ async def test_grpc_size_bound(tmp_path, clock) -> None:  # type: ignore[no-unty
             raise AssertionError("an oversized message was accepted")
 
 
+def retry_delay(exc: grpc.aio.AioRpcError) -> int | None:
+    """The RetryInfo delay (seconds) in a refusal's status details, as exporters read it."""
+    from google.rpc import error_details_pb2, status_pb2
+
+    trailers = dict(exc.trailing_metadata() or ())
+    status = status_pb2.Status.FromString(trailers.get("grpc-status-details-bin", b""))
+    assert (status.code, status.message) == (exc.code().value[0], exc.details())
+    for detail in status.details:
+        info = error_details_pb2.RetryInfo()
+        if detail.Unpack(info):
+            return int(info.retry_delay.seconds)
+    return None
+
+
 async def test_grpc_overload_is_unavailable(sidecar: Sidecar) -> None:
+    """UNAVAILABLE with a RetryInfo of 1 s (the HTTP port's 429 + Retry-After: 1), naming
+    the bound: what the OTLP spec has a server signal back-pressure with."""
     sidecar.in_flight = sidecar.settings.max_in_flight  # as if that many requests were mid-way
     try:
         async with channel(sidecar) as ch:
@@ -81,6 +102,8 @@ async def test_grpc_overload_is_unavailable(sidecar: Sidecar) -> None:
                 await ch.unary_unary(METHOD)(ExportTraceServiceRequest().SerializeToString())
             except grpc.aio.AioRpcError as exc:
                 assert exc.code() is grpc.StatusCode.UNAVAILABLE
+                assert "--max-in-flight" in (exc.details() or "")
+                assert retry_delay(exc) == 1
             else:
                 raise AssertionError("no back-pressure at the in-flight bound")
     finally:
@@ -102,3 +125,35 @@ async def test_logs_and_metrics_services_are_refused_naming_the_fix(sidecar: Sid
                 assert f"OTEL_{var}_EXPORTER=none" in why, why
             else:
                 raise AssertionError(f"{service} was answered")
+async def test_grpc_calls_past_max_receiving_are_unavailable_with_retry_info(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    """Calls still receiving their message are bounded by --max-receiving, as HTTP bodies
+    are: past it, UNAVAILABLE with a RetryInfo, which exporters retry. It was grpc's own
+    cap, RESOURCE_EXHAUSTED without RetryInfo, which the OTLP spec has exporters drop."""
+    settings = settings_for(tmp_path, max_receiving=1, max_in_flight=1, body_timeout=60.0)
+    stall = asyncio.Event()
+
+    async def nothing() -> AsyncIterator[bytes]:
+        await stall.wait()
+        yield b""  # pragma: no cover - the call is cancelled first
+
+    async with Sidecar(settings, clock=clock) as sc_, channel(sc_) as ch:
+        stalled = [ch.stream_unary(METHOD)(nothing()) for _ in range(2)]
+        empty = ExportTraceServiceRequest().SerializeToString()
+        try:
+            for _ in range(1000):
+                try:
+                    await ch.unary_unary(METHOD)(empty, timeout=10)
+                except grpc.aio.AioRpcError as exc:
+                    assert exc.code() is grpc.StatusCode.UNAVAILABLE, exc
+                    assert "--max-receiving" in (exc.details() or "")
+                    assert retry_delay(exc) == 1
+                    break
+                await asyncio.sleep(0.01)
+            else:
+                raise AssertionError("a stalled call never held the receiving place")
+            assert sc_.in_flight == 0
+        finally:
+            for call in stalled:
+                call.cancel()
