@@ -18,8 +18,7 @@ import grpc
 from grpc import aio
 
 from ._errors import DecodeError, SidecarError, StoreError
-from ._otlp import extract, other_signal, parse_protobuf, response
-from ._otlp import extract, parse_protobuf, response, rpc_status
+from ._otlp import extract, other_signal, parse_protobuf, response, rpc_status
 from ._service import Service
 from ._settings import Settings
 

@@ -27,7 +27,15 @@ from ._errors import DecodeError, StoreError
 from ._hosts import HostRule
 from ._leases import Lease, LeaseAction, lease_view, when
 from ._log import get_logger
-from ._otlp import OTHER_SIGNALS, extract, other_signal, parse_json, parse_protobuf, response
+from ._otlp import (
+    OTHER_SIGNALS,
+    extract,
+    other_signal,
+    parse_json,
+    parse_protobuf,
+    response,
+    rpc_status,
+)
 from ._pages import BY_MAX, browser_auth, misdirected, page_routes, run_page, wants_html
 from ._ready import ReadyView, is_ready, readiness
 from ._service import BODY, SERVICE, Service
@@ -256,9 +264,7 @@ def _status_body(as_json: bool, code: int, message: str) -> tuple[bytes, str]:
     """An OTLP error body: google.rpc.Status in the request's encoding."""
     if as_json:
         return json.dumps({"code": code, "message": message}).encode(), JSON
-    from google.rpc import status_pb2  # type: ignore[import-untyped]
-
-    return status_pb2.Status(code=code, message=message).SerializeToString(), PROTOBUF
+    return rpc_status(code, message), PROTOBUF
 
 
 def _otlp_error(

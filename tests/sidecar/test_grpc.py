@@ -125,6 +125,8 @@ async def test_logs_and_metrics_services_are_refused_naming_the_fix(sidecar: Sid
                 assert f"OTEL_{var}_EXPORTER=none" in why, why
             else:
                 raise AssertionError(f"{service} was answered")
+
+
 async def test_grpc_calls_past_max_receiving_are_unavailable_with_retry_info(
     tmp_path: Path, clock: FakeClock
 ) -> None:

@@ -10,6 +10,7 @@ import logging
 import random
 import socket
 import struct
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -298,6 +299,27 @@ async def test_bad_bodies_get_4xx(sidecar: Sidecar) -> None:
             assert resp.status == 200
 
 
+async def test_protobuf_error_bodies_need_no_googleapis_protos(
+    sidecar: Sidecar, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """googleapis-common-protos is no dependency of saga-otel[sidecar] (the dev
+    environment has it through the SDK's exporters): a protobuf request's error answer
+    (400, and the 429/503 exporters retry) is a google.rpc.Status all the same. It was
+    built with google.rpc, so an install without it answered 500 instead."""
+    from google.rpc import status_pb2
+
+    monkeypatch.setitem(sys.modules, "google.rpc", None)  # import google.rpc fails
+    monkeypatch.setitem(sys.modules, "google.rpc.status_pb2", None)
+    headers = {"Content-Type": "application/x-protobuf"}
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(otlp(sidecar), data=b"\xff\xff\xff", headers=headers) as resp,
+    ):
+        assert resp.status == 400
+        status = status_pb2.Status.FromString(await resp.read())
+    assert status.code == 3 and "protobuf" in status.message
+
+
 async def test_size_bound_and_gzip_bomb(tmp_path: Any, clock: Any) -> None:
     from sidecar_testkit import settings_for
 
@@ -360,6 +382,8 @@ async def test_readyz_is_503_while_intake_waits_past_ready_stall_and_healthz_sta
     assert status == 200 and body["status"] == "ready" and body["intake_waiting_s"] == 0.0
     status, health = await get_json(sidecar, "/healthz")
     assert status == 200 and health["ready"] is True
+
+
 async def test_every_gzip_member_is_inflated_under_one_bound(tmp_path: Any, clock: Any) -> None:
     """A gzip body of two members (RFC 1952; ``cat a.gz b.gz``) is inflated whole: both
     runs are stored (the first member alone was answered 200, the second run dropped).
