@@ -10,6 +10,10 @@ current one, so a recoverer that lost its lease cannot record anything more.
 
 The token stays current after a release or an expiry until the next grant: a
 late span of a released holder is still the newest writer's, so it is kept.
+
+The rules take the time (``now``) and read a lease's times on one clock, the
+caller's; the stores keep it so (``_storage.Store``: SQLite moves them with a step
+of the sidecar's clock, PostgreSQL judges them on the database's clock).
 """
 
 from __future__ import annotations
@@ -81,6 +85,20 @@ class Lease:
     def forced(self) -> bool:
         """Granted behind an agent the sidecar believed alive (a person's override)."""
         return self.override is not None and self.override.at == self.granted_at
+
+    def moved(self, by: float) -> Lease:
+        """The lease with its times ``by`` seconds later: read on a clock ``by`` ahead of
+        the one it was kept on (a step of the sidecar's clock; a replica's clock against
+        the database's). Every time moves alike, so what is compared stays so."""
+        if not by:
+            return self
+        o = self.override
+        return replace(
+            self,
+            granted_at=self.granted_at + by,
+            expires_at=self.expires_at + by,
+            override=None if o is None else replace(o, at=o.at + by),
+        )
 
 
 def lease_view(lease: Lease) -> LeaseView:

@@ -225,7 +225,18 @@ _INSTANCE_CHANGES = (
 )
 # The shared rows' columns, then the mark a clear ended (marks), then the change number.
 _MARK_CHANGES = MARK_ROW.replace(" FROM ", ", cleared, changed FROM ") + " WHERE changed >= %s"
-_LEASE_CHANGES = LEASE_ROW.replace(" FROM ", ", changed FROM ") + " WHERE changed >= %s"
+# Lease times are kept on the database's clock, the one clock every replica shares: each
+# lease a replica reads comes with the database's clock as it was read (_DB_NOW, after
+# the lease's columns) and is moved onto the replica's clock by the difference between
+# the two readings, and each one it writes is moved back the same way (_to_replica,
+# PgStore.decide_lease). So whether a lease has expired is judged on one clock whichever
+# replica asks: a replica whose clock runs ahead of the granter's no longer sees a live
+# lease expired and grants it again, and a step of a replica's clock moves no lease.
+_DB_NOW = "extract(epoch FROM clock_timestamp())::float8"
+_LEASE_AT = LEASE_ROW.replace(" FROM ", f", {_DB_NOW} FROM ", 1)
+_LEASE_CHANGES = LEASE_ROW.replace(" FROM ", f", {_DB_NOW}, changed FROM ", 1) + (
+    " WHERE changed >= %s"
+)
 SYNC_BATCH = 5000
 # A person's resolution; with _FIRST_ONLY, only where none stands: the first one stands
 # (docs/sidecar.md), and one made at or before the run's orphan mark, or the mark it was
@@ -275,17 +286,18 @@ def _changes(
     owners: list[Any],
     instances: list[HeardRow],
     marks: list[Any],
-    leases: list[Any],
+    leases: list[Lease],
 ) -> Changes:
-    """Rows read with ``OWNER_ROW``, ``MARK_ROW`` (or ``_MARK_CHANGES``) and ``LEASE_ROW``
-    as ``Changes``."""
-    return Changes(
-        spans,
-        owners_from_rows(owners),
-        instances,
-        [RunMark(*m) for m in marks],
-        [lease_from_row(row) for row in leases],
-    )
+    """Rows read with ``OWNER_ROW`` and ``MARK_ROW`` (or ``_MARK_CHANGES``), and the
+    leases (``_to_replica``), as ``Changes``."""
+    return Changes(spans, owners_from_rows(owners), instances, [RunMark(*m) for m in marks], leases)
+
+
+def _to_replica(rows: Iterable[Any], now: float) -> list[Lease]:
+    """Lease rows read with ``_LEASE_AT`` (the database's clock last) as leases on the
+    clock of the replica that read ``now`` just before: each time moved by the two
+    clocks' difference (``_DB_NOW``, above)."""
+    return [lease_from_row(row[:-1]).moved(now - float(row[-1])) for row in rows]
 
 
 def _full_xid(xid: int, xmax: int) -> int:
@@ -529,7 +541,7 @@ class PgStore(_Pooled):
             self._lead, self._leading = None, False
         return self._leading
 
-    def changes(self, now: float) -> Changes:  # noqa: ARG002 (the interface's)
+    def changes(self, now: float) -> Changes:
         with self._tx("read what other replicas stored") as conn:
             ((floor,),) = conn.execute(_XMIN).fetchall()  # before any read: see _XMIN
             # xmin: the span's change number (as its run's marks carry theirs), so an orphan
@@ -569,7 +581,7 @@ class PgStore(_Pooled):
         heard = [
             (str(i), float(a), float(s), str(r or "[]"), int(n)) for i, a, s, r, n in instances
         ]
-        return _changes(spans, owners, heard, marks, [row[:-1] for row in leases])
+        return _changes(spans, owners, heard, marks, _to_replica((r[:-1] for r in leases), now))
 
     def _give_up_gaps(self, floor: int, read_to: int) -> None:
         """Forget the gaps up to ``read_to`` whose holders had all ended as the read began
@@ -622,6 +634,7 @@ class PgStore(_Pooled):
         self,
         keys: Sequence[tuple[str, str]],
         openers: Sequence[tuple[str, Owner]],
+        now: float,
         decide: Callable[[Screening], tuple[IntakeRows, T]],
     ) -> tuple[T, int]:
         """The runs' owner rows are the lock: a new run's is inserted first (a replica
@@ -644,7 +657,8 @@ class PgStore(_Pooled):
                 opened.update(str(r) for (r,) in cur.fetchall())
             found = Screening({}, {}, {}, frozenset(opened))
             if run_ids:
-                found = self._screening(conn, keys, run_ids)._replace(opened=frozenset(opened))
+                found = self._screening(conn, keys, run_ids, now)
+                found = found._replace(opened=frozenset(opened))
             rows, result = decide(found)
             unused = opened - {row[0] for row in rows.spans}
             if unused:  # every span of the run was refused: it was never opened
@@ -780,20 +794,24 @@ class PgStore(_Pooled):
                 conn.execute("DELETE FROM instances WHERE instance = ANY(%s)", (instances,))
 
     def decide_lease(
-        self, run_id: str, decide: Callable[[Lease | None], Lease | LeaseRefusal]
+        self, run_id: str, now: float, decide: Callable[[Lease | None], Lease | LeaseRefusal]
     ) -> Lease | LeaseRefusal:
-        """Under a per-run advisory lock held to commit: no replica grants in between."""
+        """Under a per-run advisory lock held to commit: no replica grants in between. The
+        lease is judged on the database's clock, read once the lock is held: ``decide``
+        sees it moved onto the caller's clock at ``now`` (``_to_replica``), and what it
+        decides is moved back by the same difference, so its expiry is ``now`` plus the
+        time to live on the database's clock whichever replica wrote it."""
         with self._tx("update the lease") as conn:
             conn.execute("SELECT pg_advisory_xact_lock(%s)", (lock_key(f"lease:{run_id}"),))
             # The run's row lock too: no span of it is screened while its lease changes.
             conn.execute("SELECT 1 FROM run_owners WHERE run_id = %s FOR UPDATE", (run_id,))
-            row = conn.execute(
-                LEASE_ROW + " WHERE run_id = %s",
-                (run_id,),
-            ).fetchone()
-            outcome = decide(None if row is None else lease_from_row(row))
+            ((db_now,),) = conn.execute(f"SELECT {_DB_NOW}").fetchall()
+            row = conn.execute(LEASE_ROW + " WHERE run_id = %s", (run_id,)).fetchone()
+            ahead = now - float(db_now)  # the caller's clock against the database's
+            outcome = decide(None if row is None else lease_from_row(row).moved(ahead))
             if isinstance(outcome, Lease):
-                o = outcome.override
+                stored = outcome.moved(-ahead)
+                o = stored.override
                 conn.execute(
                     "INSERT INTO run_leases(run_id, holder, token, granted_at, expires_at, "
                     "released, forced_reason, forced_by, forced_at) "
@@ -805,11 +823,11 @@ class PgStore(_Pooled):
                     "changed = excluded.changed",
                     (
                         run_id,
-                        outcome.holder,
-                        outcome.token,
-                        outcome.granted_at,
-                        outcome.expires_at,
-                        outcome.released,
+                        stored.holder,
+                        stored.token,
+                        stored.granted_at,
+                        stored.expires_at,
+                        stored.released,
                         o.reason if o else None,
                         o.by if o else None,
                         o.at if o else None,
@@ -858,15 +876,15 @@ class PgStore(_Pooled):
         return {(r, s): bytes(d) for r, s, d in rows}
 
     @staticmethod
-    def _screening(conn: Any, keys: Sequence[tuple[str, str]], run_ids: list[str]) -> Screening:
-        """The runs' owners (their rows locked until commit), leases and stored spans."""
+    def _screening(
+        conn: Any, keys: Sequence[tuple[str, str]], run_ids: list[str], now: float
+    ) -> Screening:
+        """The runs' owners (their rows locked until commit), leases (on the caller's clock
+        at ``now``) and stored spans."""
         owners = conn.execute(
             OWNER_ROW + " WHERE run_id = ANY(%b::text[]) ORDER BY run_id FOR UPDATE", (run_ids,)
         ).fetchall()
-        leases = conn.execute(
-            LEASE_ROW + " WHERE run_id = ANY(%b::text[])",
-            (run_ids,),
-        ).fetchall()
+        leases = conn.execute(_LEASE_AT + " WHERE run_id = ANY(%b::text[])", (run_ids,))
         stored = conn.execute(
             "SELECT s.run_id, s.span_id, s.data FROM spans s "
             "JOIN unnest(%b::text[], %b::text[]) AS k(run_id, span_id) "
@@ -875,7 +893,7 @@ class PgStore(_Pooled):
         ).fetchall()
         return Screening(
             dict(owners_from_rows(owners)),
-            {str(row[0]): lease_from_row(row) for row in leases},
+            {lease.run_id: lease for lease in _to_replica(leases, now)},
             {(r, s): bytes(d) for r, s, d in stored},
         )
 
@@ -890,9 +908,12 @@ class PgStore(_Pooled):
     def owners(self) -> list[tuple[str, Owner]]:
         return owners_from_rows(self._all(HELD_OWNER_ROWS))
 
-    def leases(self) -> list[Lease]:
-        rows = self._all(LEASE_ROW + " WHERE " + NOT_PUT_AWAY.format(table="run_leases"))
-        return [lease_from_row(row) for row in rows]
+    def leases(self, now: float) -> list[Lease]:
+        rows = self._all(_LEASE_AT + " WHERE " + NOT_PUT_AWAY.format(table="run_leases"))
+        return _to_replica(rows, now)
+
+    def clock_stepped(self, step: float) -> None:
+        """Nothing to move: lease times are on the database's clock (``_DB_NOW``)."""
 
     # --- finished runs put away from memory -----------------------------------------
 
@@ -914,7 +935,7 @@ class PgStore(_Pooled):
         rows = self._all("SELECT run_id FROM run_index WHERE run_id = ANY(%s)", (list(run_ids),))
         return {str(r) for (r,) in rows}
 
-    def load_runs(self, run_ids: Sequence[str], *, reopen: bool = False) -> Changes:
+    def load_runs(self, run_ids: Sequence[str], now: float, *, reopen: bool = False) -> Changes:
         ids = sorted(set(run_ids))
         with self._tx("read runs") as conn:
             spans, owners, marks, leases = (
@@ -923,13 +944,14 @@ class PgStore(_Pooled):
                     (SPAN_ROW, " ORDER BY run_id"),
                     (OWNER_ROW, ""),
                     (MARK_ROW, ""),
-                    (LEASE_ROW, ""),
+                    (_LEASE_AT, ""),
                 )
             )
             if reopen:
                 conn.execute("UPDATE run_index SET status = NULL WHERE run_id = ANY(%s)", (ids,))
                 conn.execute(_FLAG_HELD, (0, ids))
-        return _changes([span_from_row(row) for row in spans], owners, [], marks, leases)
+        spans_read = [span_from_row(row) for row in spans]
+        return _changes(spans_read, owners, [], marks, _to_replica(leases, now))
 
     def put_away_page(self, query: RunQuery, limit: int) -> list[tuple[str, float]]:
         sql, args = put_away_page_sql(query, limit, "%s")

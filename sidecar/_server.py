@@ -527,7 +527,7 @@ class Sidecar:
         now = self._now()
         store = self.store
         count = fold_stored(
-            self.state, store.spans(), store.owners(), store.marks(), store.leases(), now
+            self.state, store.spans(), store.owners(), store.marks(), store.leases(now), now
         )
         for instance, _at, interval in store.instances():
             self.state.restore_instance(instance, now, interval)
@@ -617,7 +617,20 @@ class Sidecar:
             return
         away = await self._call(store.put_away_of, missing)
         if away:
-            self._restored(await self._call(_load_reopen, store, sorted(away)))
+            await self._bring_back(store, sorted(away))
+
+    async def _bring_back(self, store: Store, run_ids: list[str]) -> None:
+        """Read the put-away ``run_ids`` back from the store into the live state."""
+        now, stepped = self._now(), self._stepped
+        loaded = await self._call(_load_reopen, store, run_ids, now)
+        self._restored(loaded._replace(leases=self._caught_up(loaded.leases, stepped)))
+
+    def _caught_up(self, leases: Iterable[Lease], stepped: float) -> list[Lease]:
+        """``leases`` read on this sidecar's clock when the sum of its steps was
+        ``stepped``, moved by any step told since (``_clock_stepped`` moved those the
+        state held meanwhile, not these)."""
+        by = self._stepped - stepped
+        return [lease.moved(by) for lease in leases]
 
     async def lookup(self, run_id: str) -> RunState:
         """The state that knows ``run_id``: ours, or for a run put away, a scratch state
@@ -641,7 +654,9 @@ class Sidecar:
 
     async def _scratch(self, run_ids: list[str]) -> RunState:
         assert self.store is not None
-        loaded = await self._call(self.store.load_runs, run_ids)
+        now, stepped = self._now(), self._stepped
+        loaded = await self._call(self.store.load_runs, run_ids, now)
+        loaded = loaded._replace(leases=self._caught_up(loaded.leases, stepped))
         scratch = RunState(self.settings.idle_timeout)
         fold_stored(scratch, loaded.spans, loaded.owners, loaded.marks, loaded.leases, self._now())
         return scratch
@@ -768,7 +783,7 @@ class Sidecar:
             if unknown:
                 away = store.put_away_of(unknown)
                 if away:  # late spans of finished runs: fold them onto the whole run
-                    self._restored(store.load_runs(sorted(away), reopen=True))
+                    self._restored(store.load_runs(sorted(away), now, reopen=True))
             prior = store.stored_spans([k for r in group for k in self._known_keys(r.decoded)])
             screen = functools.partial(self._screen_member, now, prior, None)
             rows, outcomes = screen_in_order(group, screen)
@@ -830,8 +845,8 @@ class Sidecar:
         if unknown:
             away = await self._call(store.put_away_of, unknown)
             if away:
-                self._restored(await self._call(_load_reopen, store, sorted(away)))
-        now = self._now()
+                await self._bring_back(store, sorted(away))
+        now, stepped = self._now(), self._stepped
         keys = list(
             dict.fromkeys(k for r in group for k in self._known_keys(r.decoded, every=True))
         )
@@ -843,6 +858,7 @@ class Sidecar:
             store.write_screened,
             keys,
             sorted(openers.items()),
+            now,
             functools.partial(self._decide_group, group, now),
         )
         loop = asyncio.get_running_loop()
@@ -855,15 +871,16 @@ class Sidecar:
                 tx.set_exception(exc)
         else:  # submitted now, not when awaited: it runs while the group before is folded
             tx = loop.run_in_executor(self._db_thread, call)
-        return self._committed(tx, group)
+        return self._committed(tx, group, stepped)
 
     async def _committed(
         self,
         tx: asyncio.Future[tuple[tuple[list[_Taken | Exception], Screening], int]],
         group: list[_Request],
+        stepped: float,
     ) -> Callable[[], None]:
         (outcomes, found), change = await tx
-        return functools.partial(self._fold_group, group, outcomes, found, change)
+        return functools.partial(self._fold_group, group, outcomes, found, change, stepped)
 
     def _fold_group(
         self,
@@ -871,15 +888,18 @@ class Sidecar:
         outcomes: list[_Taken | Exception],
         found: Screening,
         change: int,
+        stepped: float,
     ) -> None:
         """Fold a committed PostgreSQL group's requests in order and answer each, as of
         now (as SQLite's: a transaction that waited kept its agents waiting), with the
-        change number the transaction gave their rows (orphan marks are ordered by it)."""
+        change number the transaction gave their rows (orphan marks are ordered by it).
+        ``stepped``: the sum of the clock's steps when its leases were read."""
         # The runs this group opened are new to the state (apply opens them with their
         # owner); the others' owners and leases may be news from other replicas.
         opened = {r: o for r, o in found.owners.items() if r in found.opened}
         self._learn(
-            {r: o for r, o in found.owners.items() if r not in opened}, found.leases.values()
+            {r: o for r, o in found.owners.items() if r not in opened},
+            self._caught_up(found.leases.values(), stepped),
         )
         now = self._now()
         fold = functools.partial(self._fold_taken, now, opened, change)
@@ -1237,22 +1257,32 @@ class Sidecar:
         return now
 
     def _clock_stepped(self, step: float) -> None:
-        """Move the receipt times by ``step``: the state's (``RunState.clock_stepped``) and
-        the arrivals of requests waiting for their commit and the start of the last sync
-        read (what the tick judges up to). Leases keep theirs: they are stored and shared
-        by every replica and judged on the wall clock by design."""
+        """Move the receipt times by ``step``: the state's (``RunState.clock_stepped``, its
+        leases too) and the arrivals of requests waiting for their commit and the start
+        of the last sync read (what the tick judges up to); and the store's leases
+        (``Store.clock_stepped``: SQLite's, on this clock; PostgreSQL judges them on the
+        database's), so a lease's remaining time is what it was: a step forward ends no
+        recovery early (a second recoverer would be let in beside the first), a step
+        back lengthens none."""
         self._stepped += step
         self.state.clock_stepped(step)
         unfolded = self._unfolded
         for answer in unfolded:
             unfolded[answer] += step
         self._read_from += step
+        if self.store is not None:
+            self._write_later(
+                "move the recovery leases across a clock step", self.store.clock_stepped, step,
+                event="sidecar.leases.not_moved",
+                fix="the stored leases kept the clock before the step, so one may end early "
+                "(a step forward) or late: before recovering a run again, check that no "
+                "recovery of it is under way (`saga-sidecar runs show`)",
+            )  # fmt: skip
         log.warning(
             "sidecar.clock.stepped",
             step_s=round(step, 3),
-            fix="silences were kept as they were, not counted across the step; recovery "
-            "leases expire on the wall clock (a step forward ends them early): keep the "
-            "host's clock synchronised so that it is slewed, not stepped",
+            fix="silences and recovery leases were kept as they were, not counted across "
+            "the step: keep the host's clock synchronised so that it is slewed, not stepped",
         )
 
     def tick(self, as_of: float | None = None) -> list[Transition]:
@@ -1379,6 +1409,7 @@ class Sidecar:
             read_from += self._stepped - stepped  # a step told meanwhile moves it too
             # Late spans of runs put away here: fold them onto the whole run.
             await self._reopen(s.run_id for s in changes.spans)
+            changes = changes._replace(leases=self._caught_up(changes.leases, stepped))
             self._fold_changes(changes, now)
             # What other replicas committed after the read began is not read yet (the read
             # may have waited for a lock): the orphan tick judges as of then.
@@ -1541,7 +1572,7 @@ class Sidecar:
         if run_id not in self.state:
             async with self._intake:
                 await self._reopen([run_id])
-        now = self._now()
+        now, stepped = self._now(), self._stepped
         owner = self.state.liveness(run_id, now)
         if owner is None:
             return LeaseRefusal(
@@ -1555,8 +1586,9 @@ class Sidecar:
             decide = functools.partial(_renew, run_id, owner, req, now)
         else:
             decide = functools.partial(_release, run_id, req, now)
-        outcome = await self._call(self.store.decide_lease, run_id, decide)
+        outcome = await self._call(self.store.decide_lease, run_id, now, decide)
         if isinstance(outcome, Lease):
+            (outcome,) = self._caught_up([outcome], stepped)
             before = self.state.view(run_id)
             self.state.set_lease(outcome)
             after = self.state.view(run_id)
@@ -1606,11 +1638,13 @@ class Sidecar:
         return after
 
 
-def _lease_order(lease: Lease) -> tuple[int, bool, float, float]:
+def _lease_order(lease: Lease) -> tuple[int, bool, float]:
     """Which of two versions of a run's lease is the later: a new grant has a larger token,
     a release ends its token (it lowers the expiry, so the expiry alone would keep the
-    lease live here), and a renewal extends the expiry of its grant."""
-    return (lease.token, lease.released, lease.granted_at, lease.expires_at)
+    lease live here), and a renewal extends the expiry of its grant. Not the grant's time:
+    one grant read twice is moved onto this clock by two readings of the database's
+    (``_pgstore._to_replica``), a hair apart, which would order a renewal before it."""
+    return (lease.token, lease.released, lease.expires_at)
 
 
 def _grant(
@@ -1643,5 +1677,5 @@ def _nothing() -> None:
     return None
 
 
-def _load_reopen(store: Store, run_ids: list[str]) -> Changes:
-    return store.load_runs(run_ids, reopen=True)
+def _load_reopen(store: Store, run_ids: list[str], now: float) -> Changes:
+    return store.load_runs(run_ids, now, reopen=True)

@@ -1406,16 +1406,22 @@ class RunState:
         """The sidecar's clock was stepped by ``step`` seconds (NTP, a VM resumed) while no
         time passed: every receipt time kept here moves with it, so each silence stays what
         it was (a step forward orphans no live agent, a step back spares no dead one) and
-        later receipts, on the new clock, compare with them. Only receipt times move (the
+        later receipts, on the new clock, compare with them. Receipt times move (the
         instances' last delivery and lost connection, the runs' last activity and last
-        word from their owner, the queue of due moments): span times are the agents' own
-        clocks, and orphan marks, resolutions and leases are stored times, shared with the
-        other replicas (a mark is ended by its value)."""
+        word from their owner, the queue of due moments), and so do the recovery leases
+        and the owner's return under one, so a lease's remaining time stays what it was
+        (the store moves its own: ``Store.clock_stepped``). Span times are the agents' own
+        clocks, and orphan marks and resolutions are stored times, shared with the other
+        replicas (a mark is ended by its value)."""
         for run in self._runs.values():
             if run.last_seen:  # 0.0: never seen (a run known from its stored owner only)
                 run.last_seen += step
             if run.owner_seen:
                 run.owner_seen += step
+            if run.lease is not None:
+                run.lease = run.lease.moved(step)
+            if run.returned is not None:
+                run.returned += step
         for watch in self._instances.values():
             watch.at += step
             if watch.lost_at is not None:

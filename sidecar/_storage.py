@@ -238,7 +238,16 @@ T = TypeVar("T")
 
 
 class Store(Protocol):
-    """Spans, run marks and resolutions, instances, run owners and recovery leases."""
+    """Spans, run marks and resolutions, instances, run owners and recovery leases.
+
+    Lease times: every :class:`Lease` a store takes or hands out is on the caller's clock,
+    read as ``now`` (the caller's reading, passed with the call). The store keeps them
+    on one clock that judges every lease it holds: SQLite on the sidecar's (one
+    process; :meth:`clock_stepped` moves them with a step of it), PostgreSQL on the
+    database's, which every replica shares, whatever the replicas' clocks say: each
+    lease read or written is moved by the two clocks' difference measured in the same
+    transaction.
+    """
 
     @property
     def target(self) -> DbTarget: ...
@@ -270,11 +279,12 @@ class Store(Protocol):
         self,
         keys: Sequence[tuple[str, str]],
         openers: Sequence[tuple[str, Owner]],
+        now: float,
         decide: Callable[[Screening], tuple[IntakeRows, T]],
     ) -> tuple[T, int]:
         """Screen and store one request in one transaction, serialized per run across every
         process on the database: a run's state moves one request at a time, as in one
-        sidecar.
+        sidecar. The leases it reads are on the caller's clock at ``now``.
 
         ``keys`` are the request's (run_id, span_id); ``openers`` the owner each new run
         would get (its first span's). Runs without an owner get one of those first; then
@@ -314,12 +324,21 @@ class Store(Protocol):
     def delete_instances(self, instances: list[str]) -> None: ...
 
     def decide_lease(
-        self, run_id: str, decide: Callable[[Lease | None], Lease | LeaseRefusal]
+        self, run_id: str, now: float, decide: Callable[[Lease | None], Lease | LeaseRefusal]
     ) -> Lease | LeaseRefusal:
-        """Read the run's lease, let ``decide`` grant, renew, release or refuse, write it.
+        """Read the run's lease, let ``decide`` (which judges at ``now``, the caller's
+        clock) grant, renew, release or refuse, write it.
 
-        Serialized per run across every process on the database.
+        Serialized per run across every process on the database; the lease ``decide``
+        reads is on the caller's clock at ``now``, its remaining time as the store's
+        clock measures it (see the class), and so is the lease it writes.
         """
+        ...
+
+    def clock_stepped(self, step: float) -> None:
+        """The caller's clock was stepped by ``step`` seconds while no time passed: move the
+        lease times kept on it (SQLite), so every lease keeps its remaining time. Nothing
+        on PostgreSQL: it keeps them on the database's clock."""
         ...
 
     # --- finished runs put away from memory (memory bounded by open runs) -----------
@@ -336,10 +355,11 @@ class Store(Protocol):
         """Those of ``run_ids`` that are indexed as put away (reopened ones included)."""
         ...
 
-    def load_runs(self, run_ids: Sequence[str], *, reopen: bool = False) -> Changes:
+    def load_runs(self, run_ids: Sequence[str], now: float, *, reopen: bool = False) -> Changes:
         """Everything stored about ``run_ids``: spans (grouped by run), owners, marks and
-        leases (no instances). ``reopen``: they go back into a sidecar's memory, so a
-        start folds them again until they are put away anew."""
+        leases (no instances; leases on the caller's clock at ``now``). ``reopen``: they go
+        back into a sidecar's memory, so a start folds them again until they are put away
+        anew."""
         ...
 
     def put_away_page(self, query: RunQuery, limit: int) -> list[tuple[str, float]]:
@@ -374,8 +394,8 @@ class Store(Protocol):
         """The owners of the runs not put away."""
         ...
 
-    def leases(self) -> list[Lease]:
-        """The leases of the runs not put away."""
+    def leases(self, now: float) -> list[Lease]:
+        """The leases of the runs not put away, on the caller's clock at ``now``."""
         ...
 
     def span_count(self) -> int: ...
@@ -388,7 +408,8 @@ class Store(Protocol):
         """Spans (with their runs' owners), heartbeats, marks and leases committed since
         the last call (or since :meth:`spans`), by any process. A span may come twice
         (folding is idempotent); a heartbeat, mark or lease row comes once a version (a
-        heartbeat read twice would count as heard twice); none is missed. Each with its
+        heartbeat read twice would count as heard twice); none is missed. Leases are on
+        the caller's clock at ``now``, the moment the read began. Each with its
         change number (the database's order of writes: the replicas order an orphan mark
         against what they heard of its run by it, never by the writers' clocks). Empty for
         a store of one process.

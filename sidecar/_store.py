@@ -613,7 +613,7 @@ class SqliteStore:
         rows = self._db.execute(HELD_OWNER_ROWS).fetchall()
         return owners_from_rows(rows)
 
-    def leases(self) -> list[Lease]:
+    def leases(self, now: float) -> list[Lease]:  # noqa: ARG002 (on the sidecar's clock)
         rows = self._db.execute(
             LEASE_ROW + " WHERE " + NOT_PUT_AWAY.format(table="run_leases")
         ).fetchall()
@@ -657,7 +657,13 @@ class SqliteStore:
             found.update(str(r) for (r,) in rows)
         return found
 
-    def load_runs(self, run_ids: Sequence[str], *, reopen: bool = False) -> Changes:
+    def load_runs(
+        self,
+        run_ids: Sequence[str],
+        now: float,  # noqa: ARG002 (leases are on the sidecar's clock)
+        *,
+        reopen: bool = False,
+    ) -> Changes:
         ids = sorted(set(run_ids))
         spans: list[StoredSpan] = []
         owners: list[tuple[str, Owner]] = []
@@ -710,12 +716,16 @@ class SqliteStore:
         return len(run_ids)
 
     def decide_lease(
-        self, run_id: str, decide: Callable[[Lease | None], Lease | LeaseRefusal]
+        self,
+        run_id: str,
+        now: float,  # noqa: ARG002 (leases are on the sidecar's clock)
+        decide: Callable[[Lease | None], Lease | LeaseRefusal],
     ) -> Lease | LeaseRefusal:
         """Read the run's lease, let ``decide`` grant/renew/release or refuse, write the result.
 
         One BEGIN IMMEDIATE transaction: the write lock is taken before the read, so
-        no other writer of this file can grant in between.
+        no other writer of this file can grant in between. Lease times are on the
+        sidecar's clock, which one process reads (steps of it: :meth:`clock_stepped`).
         """
         with self._tx("update the lease", "BEGIN IMMEDIATE") as db:
             row = db.execute(LEASE_ROW + " WHERE run_id = ?", (run_id,)).fetchone()
@@ -740,6 +750,16 @@ class SqliteStore:
                 )
         return outcome
 
+    def clock_stepped(self, step: float) -> None:
+        """Every lease row moves with the step (forced_at NULL stays NULL): a step forward
+        ends none early, a step back lengthens none. Few rows: recovered runs only."""
+        with self._tx("move the leases across a clock step") as db:
+            db.execute(
+                "UPDATE run_leases SET granted_at = granted_at + ?1, "
+                "expires_at = expires_at + ?1, forced_at = forced_at + ?1",
+                (step,),
+            )
+
     def span_count(self) -> int:
         return int(self._db.execute("SELECT count(*) FROM spans").fetchone()[0])
 
@@ -747,6 +767,7 @@ class SqliteStore:
         self,
         keys: Sequence[tuple[str, str]],
         openers: Sequence[tuple[str, Owner]],  # noqa: ARG002 (the interface's)
+        now: float,
         decide: Callable[[Screening], tuple[IntakeRows, T]],
     ) -> tuple[T, int]:
         """One process per file, one call at a time: nothing comes between the read and
@@ -754,7 +775,7 @@ class SqliteStore:
         change numbers: nothing is read back by them."""
         run_ids = sorted({r for r, _ in keys})
         owners = {r: o for r, o in self.owners() if r in run_ids} if run_ids else {}
-        leases = {x.run_id: x for x in self.leases() if x.run_id in owners}
+        leases = {x.run_id: x for x in self.leases(now) if x.run_id in owners}
         rows, result = decide(Screening(owners, leases, self.stored_spans(keys)))
         self.write(rows.spans, rows.heartbeats, rows.owners)
         return result, 0

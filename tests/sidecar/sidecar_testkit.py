@@ -21,6 +21,7 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import Status, StatusCode
+from support import sql_on
 
 from saga_otel import semconv as sc
 from sidecar import Settings, Sidecar
@@ -341,6 +342,22 @@ class FakeClock:
     def step(self, by: float) -> None:
         self.now += by
         self._stepped += by
+
+
+def database_clock_passes(sidecar: Sidecar, seconds: float) -> None:
+    """On PostgreSQL the database's clock moves ``seconds`` on, as the test moves its fake
+    clocks: the lease times stored there, which are kept on the database's clock (a
+    replica reads them onto its own), move back by as much. Nothing on SQLite, where
+    they are on the sidecar's clock, the fake one."""
+    url = sidecar.settings.db_url
+    if url is None:
+        return
+    with sql_on(url) as run:
+        run(
+            "UPDATE run_leases SET granted_at = granted_at - ?, expires_at = expires_at - ?, "
+            "forced_at = forced_at - ?",
+            [(seconds, seconds, seconds)],
+        )
 
 
 BOTH_BACKENDS = pytest.mark.parametrize("backend", ["sqlite", "postgresql"], indirect=True)

@@ -22,6 +22,7 @@ from sidecar_testkit import (
     FakeClock,
     RunScript,
     compensated_run,
+    database_clock_passes,
     heartbeat_spans,
     open_run,
     rejoin,
@@ -147,6 +148,7 @@ async def test_lease_refused_behind_a_live_agent_granted_once_orphaned_and_fence
     assert "being recovered by 'rec-a'" in held.json()["error"]
 
     clock.now += 6  # rec-a died: its lease expires
+    database_clock_passes(sidecar, 6)
     second = await api(sidecar, "POST", path, json={"holder": "rec-b", "ttl_s": 5})
     assert second.status_code == 200 and second.json()["token"] == 2
     late = await api(sidecar, "POST", path + "/renew", json={"holder": "rec-a", "token": 1})
@@ -396,6 +398,7 @@ async def test_a_renewal_is_refused_once_the_agent_speaks_again_unless_forced(
             run = open_run(instance="agent-1")
             await post(sidecar, run.spans())
             clock.now += sidecar.settings.idle_timeout + 1
+            database_clock_passes(sidecar, sidecar.settings.idle_timeout + 1)
             sidecar.tick()
             path = f"/runs/{sc.run_id_segment(run.run_id)}/lease"
             ask: dict[str, Any] = {"holder": f"rec-{speak}", "ttl_s": 600}
@@ -407,15 +410,18 @@ async def test_a_renewal_is_refused_once_the_agent_speaks_again_unless_forced(
             assert grant.status_code == 200, grant.text
             runs[speak] = (run, grant.json()["token"])
             clock.now += 1
+            database_clock_passes(sidecar, 1)
             renewal = {"holder": f"rec-{speak}", "token": grant.json()["token"], "ttl_s": 600}
             assert (await api(sidecar, "POST", path + "/renew", json=renewal)).status_code == 200
         clock.now += 1
+        database_clock_passes(sidecar, 1)
         for speak in ("heartbeat", "forced"):
             await post(sidecar, heartbeat_spans("agent-1", [runs[speak][0].run_id], at=0.0))
         runs["span"][0].do(2, "note_ticket", "read")
         await post(sidecar, runs["span"][0].spans())
         heard = clock.now
         clock.now += 1
+        database_clock_passes(sidecar, 1)
         for speak, (run, token) in runs.items():
             path = f"/runs/{sc.run_id_segment(run.run_id)}/lease"
             renewal = {"holder": f"rec-{speak}", "token": token, "ttl_s": 600}
@@ -433,6 +439,7 @@ async def test_a_renewal_is_refused_once_the_agent_speaks_again_unless_forced(
         sample = sidecar.metrics.registry.get_sample_value
         assert sample(sc.M_SIDECAR_LEASE_REQUESTS, {"action": "renew", "outcome": "agent_alive"})
     clock.now += 1
+    database_clock_passes(sidecar, 1)
     async with Sidecar(settings, clock=clock) as again:
         # The restart folded every stored span in at its own clock: the "restart" run's
         # dead agent must not look back, so its recoverer goes on.

@@ -29,6 +29,7 @@ from sidecar_testkit import (
     compensated_run,
     compensation_failed_run,
     completed_run,
+    database_clock_passes,
     db_for,
     export_http,
     heartbeat_spans,
@@ -689,7 +690,8 @@ async def test_a_replica_screens_by_the_store_not_only_what_it_folded(tmp_path: 
         undo.compensate(1, "issue_credit", CREDIT[0], CREDIT[1])
         spans = [rejoin(s, run, token=lease.token) for s in undo.spans() if s.name != undo.run.name]
         assert not (await _post(b, spans)).partial_success.rejected_spans
-        assert b.state.lease(run.run_id) == lease
+        read = b.state.lease(run.run_id)  # its times on B's clock (_pgstore._to_replica)
+        assert read is not None and (read.holder, read.token) == (lease.holder, lease.token)
         view = b.state.view(run.run_id)
         assert view is not None and view["stack"] == []
 
@@ -749,9 +751,72 @@ async def test_a_lease_released_through_one_replica_is_released_at_the_other(
         released = await b.lease(run.run_id, "release", {"holder": "rec:1", "token": 1})
         assert isinstance(released, Lease) and released.released
         await a.sync()
-        assert a.state.lease(run.run_id) == released
+        read = a.state.lease(run.run_id)  # its times on A's clock (_pgstore._to_replica)
+        assert read is not None and read.released and read.token == released.token
         view = await _run_json(a, run.run_id)
         assert view["recovery"]["released"] is True
+
+
+async def test_a_replica_whose_clock_is_ahead_grants_no_second_lease(tmp_path: Path) -> None:
+    """B's clock runs two minutes ahead of A's, more than the lease's time to live. The
+    lease a recoverer took through A is still live at B: B refuses a second recoverer and
+    renews the first's (B saw it expired and granted it again: both recoverers undid).
+    Leases are judged on the database's clock, which every replica shares."""
+    mine, ahead = FakeClock(), FakeClock()
+    ahead.now = mine.now + 120.0
+    settings = settings_for(tmp_path, idle_timeout=5.0, tick_interval=3600.0)
+    async with Sidecar(settings, clock=mine) as a, Sidecar(settings, clock=ahead) as b:
+        run = open_run(instance="agent-1", t0=mine.now)
+        assert not (await _post(a, run.spans())).partial_success.rejected_spans
+        mine.now += 10.0  # the agent died
+        ahead.now += 10.0
+        a.tick()
+        await a.flush()  # its orphan mark, which B reads
+        await b.sync()
+        lease = await a.lease(run.run_id, "grant", {"holder": "rec:1", "ttl_s": 30})
+        assert isinstance(lease, Lease)
+        second = await b.lease(run.run_id, "grant", {"holder": "rec:2", "ttl_s": 30})
+        assert not isinstance(second, Lease), "a second recoverer got the lease"
+        assert second.reason == "held" and second.holder == "rec:1", second
+        ask = {"holder": "rec:1", "token": lease.token, "ttl_s": 30}
+        assert isinstance(await b.lease(run.run_id, "renew", ask), Lease)
+
+
+async def test_a_leader_whose_clock_is_ahead_orphans_no_run_under_recovery(
+    tmp_path: Path,
+) -> None:
+    """The leader's clock runs two minutes ahead of the replica that granted the lease: a
+    run its recoverer took up and works on quietly (a long undo) is not orphaned, and not
+    paged, while the lease lives; once the lease has ended it is."""
+    mine, ahead = FakeClock(), FakeClock()
+    ahead.now = mine.now + 120.0
+    settings = settings_for(tmp_path, idle_timeout=5.0, tick_interval=3600.0)
+    async with Sidecar(settings, clock=ahead) as leader, Sidecar(settings, clock=mine) as b:
+        run = open_run(instance="agent-1", t0=mine.now)
+        assert not (await _post(b, run.spans())).partial_success.rejected_spans
+        await leader.sync()
+        mine.now += 10.0  # the agent died
+        ahead.now += 10.0
+        assert [t.after for t in leader.tick()] == [sc.STATE_ORPHANED]
+        await leader.flush()  # its orphan mark, which B reads
+        await b.sync()
+        lease = await b.lease(run.run_id, "grant", {"holder": "rec:1", "ttl_s": 30})
+        assert isinstance(lease, Lease)
+        undo = RunScript(instance="recoverer", run_id=run.run_id, t0=mine.now)
+        undo.unwind("recovery", "issue_credit", [])
+        spans = [rejoin(s, run, token=lease.token) for s in undo.spans() if s.name != undo.run.name]
+        assert not (await _post(b, spans)).partial_success.rejected_spans  # it took the run up
+        await leader.sync()
+        assert leader.state.status(run.run_id) != sc.STATE_ORPHANED
+        mine.now += 6.0  # quiet past the idle timeout, inside the lease
+        ahead.now += 6.0
+        database_clock_passes(b, 6.0)
+        await leader.sync()
+        assert leader.tick() == [], "a run under a live lease was orphaned"
+        released = await b.lease(run.run_id, "release", {"holder": "rec:1", "token": 1})
+        assert isinstance(released, Lease)
+        await leader.sync()
+        assert [t.after for t in leader.tick()] == [sc.STATE_ORPHANED]
 
 
 def _altered(span: ReadableSpan) -> ReadableSpan:
@@ -1067,6 +1132,60 @@ async def test_a_sync_read_before_a_prune_does_not_bring_instances_back(
         await sidecar.flush()
         assert sidecar.state.instance_count() == 0
     other.close()
+
+
+async def test_a_lease_read_across_a_step_of_the_clock_is_moved_by_it(tmp_path: Path) -> None:
+    """The leader's sync reads a lease granted through the other replica, and its clock is
+    stepped two minutes forward while that read is in flight: the lease, read on the
+    clock before the step, is moved by it as it is folded (the step was told before,
+    and moved only what the state held then), so the run under recovery is not
+    orphaned while the lease lives."""
+    clock, theirs = FakeClock(), FakeClock()
+    settings = settings_for(tmp_path, idle_timeout=5.0, tick_interval=3600.0)
+    async with (
+        Sidecar(settings, clock=clock, steady=clock.steady) as leader,
+        Sidecar(settings, clock=theirs) as b,
+    ):
+        run = open_run(instance="agent-1", t0=clock.now)
+        assert not (await _post(b, run.spans())).partial_success.rejected_spans
+        await leader.sync()
+        for c in (clock, theirs):
+            c.now += 10.0  # the agent died
+        assert [t.after for t in leader.tick()] == [sc.STATE_ORPHANED]
+        await leader.flush()  # its orphan mark, which B reads
+        await b.sync()
+        lease = await b.lease(run.run_id, "grant", {"holder": "rec:1", "ttl_s": 30})
+        assert isinstance(lease, Lease)
+        undo = RunScript(instance="recoverer", run_id=run.run_id, t0=theirs.now)
+        undo.unwind("recovery", "issue_credit", [])
+        spans = [rejoin(s, run, token=lease.token) for s in undo.spans() if s.name != undo.run.name]
+        assert not (await _post(b, spans)).partial_success.rejected_spans
+        store = leader.store
+        assert store is not None
+        real_changes = store.changes
+        read, release = threading.Event(), threading.Event()
+
+        def slow_changes(now: float) -> Any:
+            got = real_changes(now)
+            read.set()
+            release.wait(10)
+            return got
+
+        store.changes = slow_changes  # type: ignore[method-assign]
+        try:
+            syncing = asyncio.create_task(leader.sync())
+            assert await asyncio.to_thread(read.wait, 10)
+            clock.step(120.0)
+            assert leader.tick() == []  # the step is told here, before the fold
+            release.set()
+            await syncing
+        finally:
+            release.set()
+            store.changes = real_changes  # type: ignore[method-assign]
+        for c in (clock, theirs):
+            c.now += 6.0  # quiet past the idle timeout, inside the lease
+        database_clock_passes(b, 6.0)
+        assert leader.tick() == [], "a run under a live lease was orphaned"
 
 
 def test_a_silent_leader_hands_on_the_lead_and_learns_it_lost_it(

@@ -18,15 +18,19 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from sidecar_testkit import (
     BOTH_BACKENDS,
     FakeClock,
+    RunScript,
+    database_clock_passes,
     export_http,
     heartbeat_spans,
     open_run,
+    rejoin,
     settings_for,
     stuck_run,
 )
 
 from saga_otel import semconv as sc
 from sidecar import Sidecar
+from sidecar._leases import Lease
 
 pytestmark = BOTH_BACKENDS
 
@@ -555,3 +559,58 @@ async def test_a_heartbeat_received_after_a_step_is_not_moved_by_it(
         assert sidecar.tick() == []
         clock.now += 1.0
         assert [t.after for t in sidecar.tick()] == [sc.STATE_ORPHANED]
+
+
+async def _under_recovery(sidecar: Sidecar, clock: FakeClock, ttl_s: float) -> tuple[str, Lease]:
+    """A run whose agent died, orphaned, then taken up by recoverer "rec:1" under a lease
+    of ``ttl_s``: its id and the lease."""
+    run = open_run(instance="agent-1", t0=clock.now)
+    await export_http(sidecar, run.spans())
+    clock.now += sidecar.settings.idle_timeout + 1.0
+    assert [t.after for t in sidecar.tick()] == [sc.STATE_ORPHANED]
+    lease = await sidecar.lease(run.run_id, "grant", {"holder": "rec:1", "ttl_s": ttl_s})
+    assert isinstance(lease, Lease), lease
+    undo = RunScript(instance="recoverer", run_id=run.run_id, t0=clock.now)
+    undo.unwind("recovery", "issue_credit", [])
+    spans = [rejoin(s, run, token=lease.token) for s in undo.spans() if s.name != undo.run.name]
+    await export_http(sidecar, spans)
+    assert sidecar.state.status(run.run_id) != sc.STATE_ORPHANED
+    return run.run_id, lease
+
+
+async def test_a_step_forward_of_the_clock_ends_no_recovery_lease(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    """Stepped two minutes forward, more than the lease's time to live, while a recoverer
+    works: no time passed, so its lease is live. A second recoverer is refused, the
+    first renews, and its run, quiet through a long undo, is not orphaned (the step
+    ended every live lease at once: a second recovery ran beside the first)."""
+    settings = settings_for(tmp_path, idle_timeout=5.0, tick_interval=3600.0)
+    async with Sidecar(settings, clock=clock, steady=clock.steady) as sidecar:
+        run_id, lease = await _under_recovery(sidecar, clock, ttl_s=30.0)
+        clock.now += 6.0  # a long undo: quiet past the idle timeout
+        database_clock_passes(sidecar, 6.0)
+        clock.step(120.0)
+        second = await sidecar.lease(run_id, "grant", {"holder": "rec:2"})
+        assert not isinstance(second, Lease), "a second recoverer got the lease"
+        assert second.reason == "held" and second.holder == "rec:1", second
+        assert sidecar.tick() == [], "a run under a live lease was orphaned"
+        ask = {"holder": "rec:1", "token": lease.token, "ttl_s": 30}
+        assert isinstance(await sidecar.lease(run_id, "renew", ask), Lease)
+
+
+async def test_a_step_back_of_the_clock_lengthens_no_recovery_lease(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    """Stepped an hour back while a recoverer holds a one-second lease, then the recoverer
+    dies: once its lease has ended the run is orphaned again (paged) and another
+    recoverer may take it, not an hour later when the clock has caught up."""
+    settings = settings_for(tmp_path, idle_timeout=5.0, tick_interval=3600.0)
+    async with Sidecar(settings, clock=clock, steady=clock.steady) as sidecar:
+        run_id, _ = await _under_recovery(sidecar, clock, ttl_s=1.0)
+        clock.step(-3600.0)
+        clock.now += 6.0  # the recoverer died: its lease ended, the run is quiet
+        database_clock_passes(sidecar, 6.0)
+        assert [t.after for t in sidecar.tick()] == [sc.STATE_ORPHANED]
+        second = await sidecar.lease(run_id, "grant", {"holder": "rec:2"})
+        assert isinstance(second, Lease) and second.token == 2, second

@@ -710,6 +710,43 @@ def test_a_step_of_the_clock_keeps_every_silence_as_it_was() -> None:
         assert (t.run_id, t.after) == (run_id, sc.STATE_ORPHANED), step
 
 
+def test_a_step_of_the_clock_keeps_a_recovery_lease_as_it_was() -> None:
+    """RunState.clock_stepped moves the recovery leases with the receipt times: a run under
+    recovery is held for the rest of its lease and no longer (a step forward ended the
+    lease at once and paged the run while its recoverer worked; a step back held it an
+    hour), and an agent heard from after the grant stays after it, so the recoverer's
+    renewal is still refused (``_leases.renew``)."""
+    from sidecar._leases import Lease, LeaseRefusal, LeaseRequest, renew
+
+    def orphaned_and_leased(state: RunState, instance: str) -> RunScript:
+        run = open_run(instance=instance)
+        state.apply(records(run.spans()), T)
+        state.tick(T + 5)
+        state.set_lease(Lease(run.run_id, "rec", 1, T + 5, expires_at=T + 40))
+        return run
+
+    for step in (120.0, -3600.0):
+        state = RunState(idle_timeout=1)
+        taken = orphaned_and_leased(state, "agent-1")
+        recoverer = RunScript(instance="rec", run_id=taken.run_id, t0=T + 6)
+        recoverer.compensate(1, "issue_credit", CREDIT[0], CREDIT[1])
+        state.apply(records(recoverer.spans()), T + 6)
+        state.clock_stepped(step)
+        assert state.tick(T + 39 + step) == [], step
+        (again,) = state.tick(T + 41 + step)
+        assert (again.run_id, again.after) == (taken.run_id, sc.STATE_ORPHANED), step
+
+        state = RunState(idle_timeout=1)
+        back = orphaned_and_leased(state, "agent-2")
+        back.do(2, "note_ticket", "read")  # its agent was only paused
+        state.apply(records(back.spans()), T + 7)
+        state.clock_stepped(step)
+        lease, owner = state.lease(back.run_id), state.liveness(back.run_id, T + 8 + step)
+        assert owner is not None, step
+        refused = renew(back.run_id, lease, owner, LeaseRequest("rec", token=1), T + 8 + step)
+        assert isinstance(refused, LeaseRefusal) and refused.reason == "agent_alive", step
+
+
 def test_a_reconnect_cancels_a_lost_connection() -> None:
     state = RunState(idle_timeout=60)
     _watched_run(state)

@@ -206,7 +206,7 @@ def test_a_pruned_slice_never_hides_a_run_put_away_again(
     try:
         store.put_away([_away("run-a", 10.0), _away("run-b", 11.0)])
         store.put_away([_away("run-c", 50.0), _away("run-d", 51.0), _away("run-e", 52.0)])
-        store.load_runs(["run-a"], reopen=True)  # back in memory: status NULL
+        store.load_runs(["run-a"], 0.0, reopen=True)  # back in memory: status NULL
         assert store.prune_put_away(20.0) == 1  # run-b only
         assert store.put_away_of(["run-a", "run-b", "run-c", "run-d", "run-e"]) == {
             "run-a",  # reopened rows stay in the index: still asked and found
