@@ -453,6 +453,33 @@ def interrupted_effect(
     )
 
 
+def _card_text(value: object) -> str:
+    """A card's text from any value: a string as it is, null as "", else its JSON text."""
+    if isinstance(value, str):
+        return value
+    if value is None:
+        return ""
+    for sort_keys in (True, False):  # keys of mixed types cannot be sorted
+        try:
+            return json.dumps(value, sort_keys=sort_keys, ensure_ascii=False, default=repr)
+        except Exception:  # not JSON at all: a cycle, a repr that raises
+            continue
+    return f"<{type(value).__name__} that is not JSON>"
+
+
+def _card_opt_text(value: object) -> str | None:
+    return None if value is None else _card_text(value)
+
+
+def _card_lines(value: object) -> tuple[str, ...]:
+    """A card's list field from any value: a list's items, null none, else one line."""
+    if value is None:
+        return ()
+    if isinstance(value, list | tuple):
+        return tuple("null" if item is None else _card_text(item) for item in value)
+    return (_card_text(value),)
+
+
 @dataclass(frozen=True, slots=True)
 class EscalationCard:
     """What a person needs to act on a run the machine could not finish.
@@ -489,18 +516,28 @@ class EscalationCard:
         return json.dumps(self.to_dict(), sort_keys=True)
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> EscalationCard:
+    def from_dict(cls, data: object) -> EscalationCard:
+        """The card in ``data``, total over any JSON value: cards come from agents in any
+        language (Go writes an empty list as ``null``), and reading one must never cost
+        the run its alert or its page.
+
+        A list field takes a list as its lines, null or absence as none, any other value
+        as one line; a line or a text field takes a string as it is and any other value
+        as its JSON text (``5``, ``{"a": 1}``); null is "" for the text fields and None
+        for ``failed_step`` and ``error``. A ``data`` that is not an object holds no field.
+        """
+        card: Mapping[Any, Any] = data if isinstance(data, Mapping) else {}
         return cls(
-            saga=str(data.get("saga", "")),
-            run_id=str(data.get("run_id", "")),
-            reason=str(data.get("reason", "")),
-            failed_step=data.get("failed_step"),
-            error=data.get("error"),
-            done=tuple(data.get("done", ())),
-            undone=tuple(data.get("undone", ())),
-            not_undone=tuple(data.get("not_undone", ())),
-            irreversible=tuple(data.get("irreversible", ())),
-            decide=tuple(data.get("decide", ())),
+            saga=_card_text(card.get("saga")),
+            run_id=_card_text(card.get("run_id")),
+            reason=_card_text(card.get("reason")),
+            failed_step=_card_opt_text(card.get("failed_step")),
+            error=_card_opt_text(card.get("error")),
+            done=_card_lines(card.get("done")),
+            undone=_card_lines(card.get("undone")),
+            not_undone=_card_lines(card.get("not_undone")),
+            irreversible=_card_lines(card.get("irreversible")),
+            decide=_card_lines(card.get("decide")),
         )
 
     def render(self) -> str:

@@ -92,6 +92,9 @@ def test_step_classes_are_the_five_of_the_contract() -> None:
     assert [c.pushes for c in StepClass] == [False, False, True, True, False]
 
 
+_LIST_FIELDS = ("done", "undone", "not_undone", "irreversible", "decide")
+
+
 def test_escalation_card_round_trips_and_renders_every_section() -> None:
     card = EscalationCard(
         saga="refund",
@@ -109,6 +112,77 @@ def test_escalation_card_round_trips_and_renders_every_section() -> None:
     text = card.render()
     for part in ("needs a person", "Done:", "Undone:", "Could NOT be undone:", "You must decide:"):
         assert part in text
+
+
+# Any value a card's JSON text may hold, NaN and Infinity too (Python's parser, the
+# sidecar's, reads them).
+_any_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
+    max_leaves=12,
+)
+_CARD_KEYS = ("saga", "run_id", "reason", "failed_step", "error", *_LIST_FIELDS)
+_cards = st.fixed_dictionaries(
+    {}, optional={key: _any_json for key in _CARD_KEYS}
+) | st.dictionaries(st.sampled_from(_CARD_KEYS) | st.text(), _any_json, max_size=8)
+
+
+@given(_any_json | _cards)
+@settings(max_examples=400, deadline=None)
+def test_a_card_is_read_from_any_json_value(data: object) -> None:
+    """Agents in any language write cards (Go's nil slice is null): reading one never
+    raises, and gives text and tuples of text that render."""
+    card = EscalationCard.from_dict(data)
+    for name in ("saga", "run_id", "reason"):
+        assert isinstance(getattr(card, name), str)
+    for name in ("failed_step", "error"):
+        assert getattr(card, name) is None or isinstance(getattr(card, name), str)
+    for name in _LIST_FIELDS:
+        lines = getattr(card, name)
+        assert isinstance(lines, tuple) and all(isinstance(line, str) for line in lines)
+    assert "needs a person" in card.render()
+    assert EscalationCard.from_dict(json.loads(json.dumps(card.to_dict()))) == card
+
+
+@pytest.mark.parametrize(
+    ("value", "lines"),
+    [
+        (None, ()),
+        (5, ("5",)),
+        (2.5, ("2.5",)),
+        (True, ("true",)),
+        ("issue_credit (compensable)", ("issue_credit (compensable)",)),  # not its letters
+        ({"step": "x"}, ('{"step": "x"}',)),  # not its keys
+        (["a", 1, None, ["b"], {"c": "é"}], ("a", "1", "null", '["b"]', '{"c": "é"}')),
+    ],
+)
+def test_a_list_field_takes_a_list_null_or_one_value(value: object, lines: tuple[str, ...]) -> None:
+    for name in _LIST_FIELDS:
+        assert getattr(EscalationCard.from_dict({name: value}), name) == lines
+
+
+def test_a_text_field_takes_any_value_as_its_text() -> None:
+    card = EscalationCard.from_dict(
+        {"saga": 7, "run_id": None, "reason": ["stuck"], "failed_step": {"n": 1}, "error": None}
+    )
+    assert (card.saga, card.run_id, card.reason) == ("7", "", '["stuck"]')
+    assert (card.failed_step, card.error) == ('{"n": 1}', None)
+    assert EscalationCard.from_dict({"failed_step": 0, "error": False}).failed_step == "0"
+
+
+@pytest.mark.parametrize("data", [None, 5, "a card", ["done"], []])
+def test_a_card_that_is_not_an_object_holds_no_field(data: object) -> None:
+    empty = EscalationCard("", "", "", None, None, (), (), (), (), ())
+    assert EscalationCard.from_dict(data) == empty
+
+
+def test_a_python_value_json_cannot_hold_is_still_read() -> None:
+    """from_dict is public: a caller's dict may hold what JSON cannot encode."""
+    cyclic: list[object] = []
+    cyclic.append(cyclic)
+    card = EscalationCard.from_dict({"done": [object(), {1: "a", "b": 2}], "error": cyclic})
+    assert card.done[0].startswith('"<object object at') and card.done[1] == '{"1": "a", "b": 2}'
+    assert card.error == "<list that is not JSON>"
 
 
 def test_backoff_seconds_grows_caps_and_spreads() -> None:

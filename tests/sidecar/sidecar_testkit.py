@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
+from hypothesis import strategies as st
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
@@ -153,7 +154,7 @@ class RunScript:
         self._span(sc.compensate_span_name(step), sc.PHASE_COMPENSATE, attrs, ok, error)
         return self
 
-    def escalate(self, reason: str, card: dict[str, Any]) -> RunScript:
+    def escalate(self, reason: str, card: object) -> RunScript:
         attrs = {sc.SAGA_ESCALATION_REASON: reason, sc.SAGA_ESCALATION_CARD: json.dumps(card)}
         self._span(sc.escalate_span_name(self.saga), sc.PHASE_ESCALATE, attrs)
         return self
@@ -173,6 +174,32 @@ class RunScript:
 
 CREDIT = ("reverse_credit", {"credit_id": "cr_1"}, "reverse the credit cr_1")
 TICKET = ("restore_ticket", {"ticket": "T-9", "status": "open"}, "reopen ticket T-9")
+
+
+# Any value the sidecar reads from an agent's JSON attribute (Python's parser: NaN and
+# Infinity too), and escalation cards: objects with the card's keys (and the sidecar's
+# own additions) mapped to any of those, or anything else an agent may send as one.
+any_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
+    max_leaves=12,
+)
+CARD_KEYS = (
+    "saga",
+    "run_id",
+    "reason",
+    "failed_step",
+    "error",
+    "done",
+    "undone",
+    "not_undone",
+    "irreversible",
+    "decide",
+    "will_undo",
+    "recovery_override",
+)
+card_objects = st.fixed_dictionaries({}, optional={key: any_json for key in CARD_KEYS})
+agent_cards = card_objects | any_json
 
 
 def completed_run(**kw: Any) -> RunScript:
@@ -219,12 +246,15 @@ def compensated_run(**kw: Any) -> RunScript:
     return r.end(sc.STATUS_COMPENSATED, "notify_billing")
 
 
-def compensation_failed_run(**kw: Any) -> RunScript:
+def compensation_failed_run(card: object = None, **kw: Any) -> RunScript:
+    """``card``: the agent's escalation card (any JSON value), else a plain one."""
     r = _forward_then_fail(RunScript(**kw))
     r.compensate(2, "update_ticket", TICKET[0], TICKET[1])
     r.compensate(1, "issue_credit", CREDIT[0], CREDIT[1], ok=False, attempt=1)
     r.compensate(1, "issue_credit", CREDIT[0], CREDIT[1], ok=False, attempt=2)
-    r.escalate(sc.ESCALATION_COMPENSATION_FAILED, {"not_undone": ["reverse the credit cr_1"]})
+    if card is None:
+        card = {"not_undone": ["reverse the credit cr_1"]}
+    r.escalate(sc.ESCALATION_COMPENSATION_FAILED, card)
     return r.end(sc.STATUS_COMPENSATION_FAILED, "notify_billing")
 
 

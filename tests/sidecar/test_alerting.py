@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from sidecar_testkit import agent_cards, card_objects
 
 from saga_otel import semconv as sc
 from sidecar._alerting import (
@@ -376,6 +377,57 @@ def test_unknown_alert_name_is_an_error_naming_the_known_ones() -> None:
 
 def test_render_card_tolerates_foreign_cards() -> None:
     assert "Done:" in render_card({"reason": "stuck"})
+
+
+@given(card_objects)
+@settings(max_examples=300, deadline=None)
+def test_render_card_reads_any_card_object(card: dict[str, Any]) -> None:
+    """An agent in any language writes the card (Go's nil slice is null): any value of
+    any field renders."""
+    assert "needs a person" in render_card(card)
+
+
+@pytest.mark.parametrize(
+    ("done", "shown"),
+    [
+        (None, "  (nothing)"),  # Go's nil slice
+        (5, "  - 5"),
+        ("issue_credit", "  - issue_credit"),  # not a line per letter
+        ({"step": "issue_credit"}, '  - {"step": "issue_credit"}'),  # not its keys
+    ],
+)
+def test_an_agents_card_of_any_shape_still_pages_compensation_failed(
+    done: object, shown: str
+) -> None:
+    card = {"reason": "compensation_failed", "done": done, "decide": ["look"]}
+    after = view(
+        **{
+            **UNWINDING,
+            "status": "compensation_failed",
+            "escalation": {"reason": "compensation_failed", "card": card},
+        }
+    )
+    (event,) = evaluate(view(**UNWINDING), after, now=1.0)
+    assert event.alertname == sc.ALERT_COMPENSATION_FAILED
+    assert json.loads(event.annotations["escalation_card"]) == card
+    text = event.annotations["escalation_card_text"]
+    assert f"Done:\n{shown}\nUndone:" in text
+    assert "  - look" in text
+
+
+@given(agent_cards)
+@settings(max_examples=300, deadline=None)
+def test_any_agent_card_pages_compensation_failed(card: object) -> None:
+    after = view(
+        **{
+            **UNWINDING,
+            "status": "compensation_failed",
+            "escalation": {"reason": "compensation_failed", "card": card},
+        }
+    )
+    events = evaluate(view(**UNWINDING), after, now=1.0)
+    assert names(events, Action.FIRE) == [sc.ALERT_COMPENSATION_FAILED]
+    assert "needs a person" in events[0].annotations["escalation_card_text"]
 
 
 # --- properties --------------------------------------------------------------------------

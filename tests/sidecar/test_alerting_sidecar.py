@@ -604,3 +604,54 @@ async def test_the_start_line_lists_the_sinks_that_are_on_without_their_secrets(
         "log",
     ]
     assert "SECRET" not in repr(started)
+
+
+async def _paged(hook: Hook, run_id: str, alertname: str = sc.ALERT_COMPENSATION_FAILED) -> None:
+    deadline = asyncio.get_running_loop().time() + 15.0
+    while not any(
+        (g["alertname"], g["status"], g["labels"].get("run_id")) == (alertname, "firing", run_id)
+        for g in hook.got
+    ):
+        assert asyncio.get_running_loop().time() < deadline, f"{run_id}: {hook.seen()}"
+        await asyncio.sleep(0.005)
+
+
+async def test_an_agents_card_of_any_shape_pages_shows_and_survives_a_restart(
+    tmp_path: Path, clock: FakeClock, hook: Hook
+) -> None:
+    """Go writes an empty list as null; an agent may write a number where a list was
+    meant. Each such run pages SagaCompensationFailed, `runs show` draws it, its page
+    answers; and after a restart (which re-evaluates their views) an ordinary run still
+    pages: one card once stopped every run's alerts for good."""
+    from click.testing import CliRunner
+
+    from sidecar._cli import main
+
+    hostile = [
+        compensation_failed_run({"done": None, "decide": ["look"]}),
+        compensation_failed_run({"done": 5, "decide": ["look"]}),
+    ]
+    first = Sidecar(settings_for(tmp_path), clock=clock)
+    install_alerting(first, alert_settings(hook))
+    async with first:
+        base = f"http://127.0.0.1:{first.api_port}"
+        for run in hostile:
+            await export_http(first, run.spans())
+            await _paged(hook, run.run_id)
+            shown = await asyncio.to_thread(
+                CliRunner().invoke, main, ["runs", "show", run.run_id, "--api", base]
+            )
+            assert shown.exit_code == 0, shown.output
+            assert "You must decide:\n  - look" in shown.output
+            async with (
+                aiohttp.ClientSession() as s,
+                s.get(f"{base}/ui/runs/{run.run_id}", headers={"Accept": "text/html"}) as page,
+            ):
+                assert page.status == 200, await page.text()
+    second = Sidecar(settings_for(tmp_path), clock=clock)
+    service = install_alerting(second, alert_settings(hook))
+    async with second:
+        await asyncio.wait_for(service.reevaluated.wait(), 15)
+        plain = compensation_failed_run()
+        await export_http(second, plain.spans())
+        await _paged(hook, plain.run_id)

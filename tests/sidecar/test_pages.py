@@ -15,11 +15,14 @@ from urllib.parse import quote
 
 import aiohttp
 import pytest
+from hypothesis import given, settings
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from sidecar_testkit import (
     BOTH_BACKENDS,
     CREDIT,
     FakeClock,
     RunScript,
+    agent_cards,
     compensated_run,
     compensation_failed_run,
     completed_run,
@@ -32,10 +35,11 @@ from sidecar_testkit import (
 )
 
 from saga_otel import semconv as sc
-from sidecar import Sidecar
+from sidecar import RunState, Sidecar
 from sidecar import _pages as pages
 from sidecar._alert_service import AlertService, install_alerting
 from sidecar._alert_settings import AlertSettings
+from sidecar._otlp import extract
 from sidecar._pages import wants_html
 
 pytestmark = BOTH_BACKENDS
@@ -567,6 +571,26 @@ async def test_a_large_runs_diagram_is_drawn_off_the_event_loop(
     view = sidecar.state.view("big")
     assert view is not None
     assert f'<pre id="diagram">{pages.diagram(view, clock.now)}</pre>' in page
+
+
+def _failed_view() -> Any:
+    run = compensation_failed_run()
+    state = RunState()
+    state.apply(extract(encode_spans(run.spans())).spans, 1_700_000_100.0)
+    return state.view(run.run_id)
+
+
+FAILED_VIEW = _failed_view()
+
+
+@given(agent_cards)
+@settings(max_examples=200, deadline=None)
+def test_the_pages_card_is_any_agent_card_merged_with_the_sidecars(card: object) -> None:
+    """The page's card (the agent's own over the sidecar's) from a card an agent in any
+    language wrote: never a 500 instead of the page."""
+    view = {**FAILED_VIEW, "escalation": {"reason": "compensation_failed", "card": card}}
+    shown = pages.card_text(view, "http://127.0.0.1:4320/runs/x")
+    assert shown is not None and "needs a person" in shown
 
 
 def _basic(password: str, user: str = "oncall") -> dict[str, str]:

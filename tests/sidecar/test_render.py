@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from hypothesis import given, settings
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from rich.console import Console
-from sidecar_testkit import compensated_run, compensation_failed_run, stuck_run
+from sidecar_testkit import agent_cards, compensated_run, compensation_failed_run, stuck_run
 
 from sidecar import RunState, render_run
 from sidecar._otlp import extract
@@ -65,6 +66,25 @@ def test_stuck_run() -> None:
     assert "UNWIND" not in out
     assert "#0 issue_credit" in out.split("LEFT ON THE STACK")[1]
     assert "(cannot be undone)" in out
+
+
+FAILED_VIEW = view_of(compensation_failed_run())
+
+
+@given(agent_cards)
+@settings(max_examples=200, deadline=None)
+def test_any_agent_card_is_drawn(card: object) -> None:
+    """`runs show` draws the card an agent in any language wrote (Go's nil slice is
+    null, a number where a list was meant): never a TypeError instead of the run."""
+    out = text({**FAILED_VIEW, "escalation": {"reason": "compensation_failed", "card": card}})
+    assert "ESCALATED: compensation_failed" in out and "#1 issue_credit" in out
+
+
+def test_a_card_whose_lists_are_null_or_a_number_is_drawn() -> None:
+    for done, shown in ((None, "Done:\n  (nothing)"), (5, "Done:\n  - 5")):
+        card = {"reason": "compensation_failed", "done": done, "decide": ["look"]}
+        out = text({**FAILED_VIEW, "escalation": {"reason": "compensation_failed", "card": card}})
+        assert shown in out and "You must decide:\n  - look" in out
 
 
 def test_section_rules_are_as_wide_as_the_step_table_on_a_wide_console() -> None:
