@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import shlex
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
@@ -18,6 +19,8 @@ from typing import TYPE_CHECKING, Any, Final
 
 from prometheus_client import CollectorRegistry
 
+from saga_otel.records import describe_error
+
 from ._alert_settings import AlertSettings
 from ._alerting import AlertEvent, View, evaluate, resolve_stale
 from ._errors import SidecarError
@@ -25,6 +28,7 @@ from ._log import get_logger
 from ._outbox import AlertMetrics, Outbox, describe_routing
 from ._settings import http_url
 from ._sinks import Sink, shown_sink
+from ._state import RunState
 from ._storage import DbTarget
 
 if TYPE_CHECKING:
@@ -59,11 +63,14 @@ class AlertService:
             log.warning("sidecar.alert_routing.problem", problem=problem)
         # Set once the startup re-evaluation has been written (install_alerting).
         self.reevaluated = asyncio.Event()
+        self.metrics = AlertMetrics.create(registry) if registry is not None else None
+        # Runs whose alerts the rules failed on since start (also counted in metrics).
+        self.evaluation_failures = 0
         self.outbox = Outbox(
             db,
             chosen,
             routing,
-            metrics=AlertMetrics.create(registry) if registry is not None else None,
+            metrics=self.metrics,
             backoff=self.settings.backoff(),
             clock=clock,
             sleep=sleep,
@@ -75,6 +82,10 @@ class AlertService:
         """Listener for committed view changes. Never raises into the caller's commit path."""
         try:
             events = self._masked(evaluate(before, after, now, self.rules), before, after)
+        except Exception as exc:
+            self._evaluation_failed(after.get("run_id"), exc)
+            return []
+        try:
             if events:
                 # On PostgreSQL on the outbox's database thread, in order (the loop never
                 # waits on it); an alert lost to a crash meanwhile is raised again at start.
@@ -89,6 +100,23 @@ class AlertService:
                 fix="the alerts are evaluated again at the next start, once the store is fixed",
             )
             return []
+
+    def _evaluation_failed(self, run_id: object, exc: Exception) -> None:
+        """The rules (or the masking of their alerts) raised on one run's view: a fault in
+        the sidecar meeting a view it did not foresee. That run's alerts are lost for now,
+        so say so loudly (log, metric, rule); every other run's still go out."""
+        self.evaluation_failures += 1
+        if self.metrics is not None:
+            self.metrics.evaluation_failures.inc()
+        log.error(
+            "sidecar.alerts.evaluation_failed",
+            run_id=str(run_id),
+            error=describe_error(exc),
+            exc_info=exc,
+            fix=f"this run's alerts were not raised: look at it (`saga-sidecar runs show "
+            f"{shlex.quote(str(run_id))}`) and report the error with this line; the alerts "
+            "are evaluated again at every start",
+        )
 
     def _masked(self, events: list[AlertEvent], *views: View | None) -> list[AlertEvent]:
         """``events`` with every field masked by the secrets of the run's whole view.
@@ -146,14 +174,36 @@ class AlertService:
         return changed
 
     def reevaluate(self, views: Iterable[View], now: float) -> int:
-        """Raise what stored views hold open, resolve what they no longer do; rows inserted."""
+        """Raise what stored views hold open, resolve what they no longer do; rows inserted.
+
+        Run by run: a view the rules fail on is logged and counted, and costs only its own
+        run's alerts (it ran before delivery starts, so one bad view stopped every run's).
+        """
         fired = self.outbox.open_alerts()
         events: list[AlertEvent] = []
         for view in views:
-            raised = evaluate(None, view, now, self.rules, replay=True)
-            raised += resolve_stale(fired.get(str(view.get("run_id")), []), view, now, self.rules)
-            events += self._masked(raised, view)
+            run_id = str(view.get("run_id"))
+            try:
+                raised = evaluate(None, view, now, self.rules, replay=True)
+                raised += resolve_stale(fired.get(run_id, []), view, now, self.rules)
+                events += self._masked(raised, view)
+            except Exception as exc:
+                self._evaluation_failed(run_id, exc)
         return self.outbox.add(events)
+
+    def stored_views(self, state: RunState) -> list[View]:
+        """The view of every run ``state`` holds, for :meth:`reevaluate`; a run whose view
+        cannot be built is logged and counted as its evaluation failing."""
+        views: list[View] = []
+        for run_id in list(state.run_ids()):
+            try:
+                view = state.view(run_id)
+            except Exception as exc:
+                self._evaluation_failed(run_id, exc)
+                continue
+            if view:
+                views.append(view)
+        return views
 
     async def start(self) -> None:
         await self.outbox.start()
@@ -210,7 +260,7 @@ def install_alerting(
         masked = await service.remask(sidecar.views)
         if masked:
             log.info("sidecar.alerts.masked_again", deliveries=masked)
-        views = [v for v in map(sidecar.state.view, list(sidecar.state.run_ids())) if v]
+        views = service.stored_views(sidecar.state)
         added = await service.outbox.call(service.reevaluate, views, sidecar.clock())
         if added:
             log.info("sidecar.alerts.reevaluated", runs=len(views), deliveries_added=added)

@@ -168,6 +168,7 @@ class AlertMetrics:
     alerts: Counter
     delay: Histogram
     outbox_depth: Gauge
+    evaluation_failures: Counter
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> AlertMetrics:
@@ -189,6 +190,13 @@ class AlertMetrics:
             outbox_depth=Gauge(
                 sc.M_SIDECAR_OUTBOX_DEPTH,
                 "Alert deliveries waiting in the outbox.",
+                registry=registry,
+            ),
+            evaluation_failures=Counter(
+                sc.M_SIDECAR_ALERT_EVALUATION_FAILURES,
+                "Run views the alert rules failed on (a fault, logged as "
+                "sidecar.alerts.evaluation_failed naming the run): that run's alerts were not "
+                "raised; the other runs' were.",
                 registry=registry,
             ),
         )

@@ -655,3 +655,74 @@ async def test_an_agents_card_of_any_shape_pages_shows_and_survives_a_restart(
         plain = compensation_failed_run()
         await export_http(second, plain.spans())
         await _paged(hook, plain.run_id)
+        assert service.evaluation_failures == 0
+
+
+def _failing_for(run_id: str) -> Callable[..., Any]:
+    """The alert rules, raising on ``run_id``'s view: a fault no test foresaw."""
+    from sidecar import _alerting
+
+    def evaluate(before: Any, after: Any, *args: Any, **kw: Any) -> Any:
+        if after.get("run_id") == run_id:
+            raise KeyError("a fault in the rules")
+        return _alerting.evaluate(before, after, *args, **kw)
+
+    return evaluate
+
+
+def _evaluation_failures(caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:
+    return [
+        r.__dict__ for r in caplog.records if r.getMessage() == "sidecar.alerts.evaluation_failed"
+    ]
+
+
+async def test_rules_failing_on_one_runs_view_cost_only_that_runs_alerts(
+    alerted: tuple[Sidecar, AlertService],
+    hook: Hook,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.ERROR, logger="sidecar")
+    sidecar, service = alerted
+    bad, good = compensation_failed_run(), compensation_failed_run()
+    monkeypatch.setattr("sidecar._alert_service.evaluate", _failing_for(bad.run_id))
+    await export_http(sidecar, bad.spans() + good.spans())
+    await _paged(hook, good.run_id)
+    assert not [g for g in hook.got if g["labels"].get("run_id") == bad.run_id]
+    assert service.evaluation_failures >= 1
+    (logged, *_) = _evaluation_failures(caplog)
+    assert logged["run_id"] == bad.run_id and logged["error"] == "KeyError: 'a fault in the rules'"
+    metrics = await api(sidecar, "GET", "/metrics")
+    assert f"saga_sidecar_alert_evaluation_failures_total {service.evaluation_failures:.1f}" in (
+        metrics
+    )
+
+
+async def test_a_view_the_rules_fail_on_at_start_costs_no_other_runs_alerts(
+    tmp_path: Path,
+    clock: FakeClock,
+    hook: Hook,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The start-up re-evaluation runs before delivery begins: one view it raised on
+    killed the delivery task, and no alert of any run went out until the next start."""
+    caplog.set_level(logging.ERROR, logger="sidecar")
+    bad, good = compensation_failed_run(), compensation_failed_run()
+    async with Sidecar(settings_for(tmp_path), clock=clock) as first:  # no alerting yet
+        await export_http(first, bad.spans() + good.spans())
+    monkeypatch.setattr("sidecar._alert_service.evaluate", _failing_for(bad.run_id))
+    second = Sidecar(settings_for(tmp_path), clock=clock)
+    service = install_alerting(second, alert_settings(hook))
+    async with second:
+        await _paged(hook, good.run_id)
+        later = compensation_failed_run()
+        await export_http(second, later.spans())
+        await _paged(hook, later.run_id)
+        assert service.evaluation_failures == 1
+        (logged,) = _evaluation_failures(caplog)
+        assert logged["run_id"] == bad.run_id
+        assert "saga_sidecar_alert_evaluation_failures_total 1.0" in (
+            await api(second, "GET", "/metrics")
+        )
+    assert not [g for g in hook.got if g["labels"].get("run_id") == bad.run_id]
