@@ -267,6 +267,9 @@ M_SIDECAR_SERIES_OVERFLOWED: Final = "saga_sidecar_series_overflowed_total"
 # connections_refused{port=otlp_http|api}: connections closed on arrival because the port
 # held --max-connections already (gRPC's port refuses inside grpc, uncounted).
 M_SIDECAR_CONNECTIONS_REFUSED: Final = "saga_sidecar_connections_refused_total"
+# Background tasks of the sidecar (alert delivery, orphan detection, ...) ended by an
+# error since start: what they do has stopped until a restart.
+M_SIDECAR_TASKS_FAILED: Final = "saga_sidecar_tasks_failed"
 # Runs whose alerts the rules could not evaluate (a fault, logged naming the run): their
 # alerts were not raised, the other runs' were.
 M_SIDECAR_ALERT_EVALUATION_FAILURES: Final = "saga_sidecar_alert_evaluation_failures_total"

@@ -1029,15 +1029,24 @@ def build_api_app(service: Service) -> web.Application:
         # whether to send it more.
         sidecar = request.app[SERVICE]
         ready = ready_view(sidecar)
-        return web.json_response(
-            {
-                "status": "ok",
-                "ready": is_ready(ready),
-                "runs": len(sidecar.state),
-                "in_flight": sidecar.in_flight,
-                "intake_waiting_s": ready["intake_waiting_s"],
-            }
-        )
+        failed = list(sidecar.failed_tasks)
+        body: dict[str, object] = {
+            "status": "failing" if failed else "ok",
+            "ready": is_ready(ready),
+            "runs": len(sidecar.state),
+            "in_flight": sidecar.in_flight,
+            "intake_waiting_s": ready["intake_waiting_s"],
+            "failed_tasks": failed,
+        }
+        if failed:
+            # A dead task (alert delivery, orphan detection) stops its work for good while
+            # the rest answers: a liveness probe must see it, and a restart mends it.
+            body["fix"] = (
+                f"background task(s) {', '.join(failed)} ended by an error (logged as "
+                "sidecar.task.failed): restart the sidecar (a restart raises every alert "
+                "owed) and report the error"
+            )
+        return web.json_response(body, status=503 if failed else 200)
 
     async def readyz(request: web.Request) -> web.Response:
         view = ready_view(request.app[SERVICE])

@@ -72,6 +72,13 @@ class SidecarMetrics:
             ["port"],
             registry=self.registry,
         )
+        self.tasks_failed = Gauge(
+            sc.M_SIDECAR_TASKS_FAILED,
+            "Background tasks (alert delivery, orphan detection, pruning, ...) that ended by "
+            "an error since start: what they do has stopped until a restart (/healthz names "
+            "them and answers 503).",
+            registry=self.registry,
+        )
         # Saga metrics derived from the received spans (any agent, any language).
         self.stream = StreamMetrics(self.registry)
         for state in ALL_STATES:

@@ -34,6 +34,7 @@ from grpc import aio
 from prometheus_client import CollectorRegistry, Counter
 
 from saga_otel import semconv as sc
+from saga_otel.records import describe_error
 
 from ._backends import hold_database, open_store
 from ._connections import FD_RESERVE, PORTS, CappedSite, connection_cap, fd_limit
@@ -172,6 +173,13 @@ Listener = Callable[[RunView | None, RunView, float], None]
 """``fn(before, after, now)``: called after each committed change to a run view."""
 BackgroundFactory = Callable[[], Awaitable[None]]
 
+
+def task_name(factory: BackgroundFactory) -> str:
+    """A background task's name as logs and ``/healthz`` show it: where it is defined
+    (``Sidecar._tick_loop``, ``install_alerting.deliver``)."""
+    return str(getattr(factory, "__qualname__", factory)).replace("<locals>.", "")
+
+
 _Taken = tuple[Decoded, dict[str, Owner], set[tuple[str, str]]]
 """A screened member of a group: its accepted spans, the runs it opens, its resends."""
 
@@ -234,6 +242,8 @@ class Sidecar:
         self._background: list[BackgroundFactory] = []
         self._api_routes: list[web.AbstractRouteDef] = []
         self._tasks: list[asyncio.Task[None]] = []
+        # Background tasks that ended by an error since start (their names): /healthz.
+        self.failed_tasks: list[str] = []
         self._runners: list[web.BaseRunner] = []
         self._grpc: aio.Server | None = None
         self._started = False
@@ -340,6 +350,8 @@ class Sidecar:
             self._release()
             raise
         self._started = True
+        self.failed_tasks = []
+        self.metrics.tasks_failed.set(0)
         cap = self._connection_cap()
         try:
             host = self.settings.host
@@ -440,12 +452,27 @@ class Sidecar:
                 await factory()
             except asyncio.CancelledError:
                 raise
-            except Exception:
-                log.exception(
-                    "sidecar.task.failed", task=getattr(factory, "__qualname__", str(factory))
-                )
+            except Exception as exc:
+                self._task_failed(task_name(factory), exc)
 
         self._tasks.append(asyncio.create_task(guarded()))
+
+    def _task_failed(self, task: str, exc: Exception) -> None:
+        """A background task ended by an error: what it did (deliver alerts, judge
+        orphans, prune) has stopped for good, so the sidecar says so where it is watched
+        (``/healthz`` answers 503, ``saga_sidecar_tasks_failed``), not only in one log
+        line. Not restarted here: a fault that killed it once would again, in a loop."""
+        self.failed_tasks.append(task)
+        self.metrics.tasks_failed.set(len(self.failed_tasks))
+        log.error(
+            "sidecar.task.failed",
+            task=task,
+            error=describe_error(exc),
+            exc_info=exc,
+            fix="what this task does has stopped until the sidecar restarts (the state and "
+            "the alert outbox are stored: a restart raises every alert owed); report the "
+            "error with this line",
+        )
 
     async def stop(self) -> None:
         if not self._started:

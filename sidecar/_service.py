@@ -38,6 +38,11 @@ class Service(Protocol):
     def in_flight(self) -> int: ...
 
     @property
+    def failed_tasks(self) -> list[str]:
+        """Background tasks that ended by an error since start (``/healthz``: 503)."""
+        ...
+
+    @property
     def redactor(self) -> Redactor:
         """The masks on API views (install_alerting sets the configured ones)."""
         ...

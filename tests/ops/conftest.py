@@ -58,6 +58,7 @@ LABELS: dict[str, frozenset[str]] = {
     sc.M_SIDECAR_OUTBOX_DEPTH: frozenset(),
     sc.M_SIDECAR_INTAKE_WAITING: frozenset(),
     sc.M_SIDECAR_SERIES_OVERFLOWED: frozenset({"metric"}),
+    sc.M_SIDECAR_TASKS_FAILED: frozenset(),
     sc.M_SIDECAR_ALERT_EVALUATION_FAILURES: frozenset(),
     # Derived by the sidecar from the span stream: saga and service on every one.
     sc.M_STREAM_RUNS_STARTED: frozenset({"saga", "service"}),

@@ -655,7 +655,7 @@ async def test_an_agents_card_of_any_shape_pages_shows_and_survives_a_restart(
         plain = compensation_failed_run()
         await export_http(second, plain.spans())
         await _paged(hook, plain.run_id)
-        assert service.evaluation_failures == 0
+        assert second.failed_tasks == [] and service.evaluation_failures == 0
 
 
 def _failing_for(run_id: str) -> Callable[..., Any]:
@@ -719,10 +719,44 @@ async def test_a_view_the_rules_fail_on_at_start_costs_no_other_runs_alerts(
         later = compensation_failed_run()
         await export_http(second, later.spans())
         await _paged(hook, later.run_id)
-        assert service.evaluation_failures == 1
+        assert service.evaluation_failures == 1 and second.failed_tasks == []
         (logged,) = _evaluation_failures(caplog)
         assert logged["run_id"] == bad.run_id
         assert "saga_sidecar_alert_evaluation_failures_total 1.0" in (
             await api(second, "GET", "/metrics")
         )
     assert not [g for g in hook.got if g["labels"].get("run_id") == bad.run_id]
+
+
+async def test_a_dead_delivery_task_fails_healthz_and_shows_on_metrics(
+    tmp_path: Path, clock: FakeClock, hook: Hook, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Alerts a dead delivery task leaves unsent are not silent: /healthz answers 503
+    naming it (a liveness probe restarts the sidecar, whose start raises every alert
+    owed), saga_sidecar_tasks_failed is 1 (rule SagaSidecarTaskFailed), the log says why."""
+    caplog.set_level(logging.ERROR, logger="sidecar")
+    sidecar = Sidecar(settings_for(tmp_path), clock=clock)
+    service = install_alerting(sidecar, alert_settings(hook))
+
+    async def broken(views_of: Any) -> int:
+        raise RuntimeError("the outbox went away")
+
+    service.remask = broken  # type: ignore[method-assign]
+    async with sidecar:
+        deadline = asyncio.get_running_loop().time() + 15.0
+        while not sidecar.failed_tasks:
+            assert asyncio.get_running_loop().time() < deadline
+            await asyncio.sleep(0.005)
+        async with (
+            aiohttp.ClientSession() as s,
+            s.get(f"http://127.0.0.1:{sidecar.api_port}/healthz") as resp,
+        ):
+            health = await resp.json()
+            assert resp.status == 503, health
+        assert health["status"] == "failing"
+        assert health["failed_tasks"] == ["install_alerting.deliver"]
+        assert "restart" in health["fix"] and "install_alerting.deliver" in health["fix"]
+        assert "saga_sidecar_tasks_failed 1.0" in await api(sidecar, "GET", "/metrics")
+    (logged,) = [r.__dict__ for r in caplog.records if r.getMessage() == "sidecar.task.failed"]
+    assert logged["task"] == "install_alerting.deliver"
+    assert logged["error"] == "RuntimeError: the outbox went away"
