@@ -226,10 +226,14 @@ def install_alerting(
     """Hook alerting into a :class:`sidecar._server.Sidecar` before it starts.
 
     Alert metrics join the sidecar's registry (its ``/metrics``); the outbox tables
-    join its database (file or PostgreSQL). ``kwargs`` go to :class:`AlertService`
-    (sinks, clock, ...).
+    join its database (file or PostgreSQL), which the sidecar claims first
+    (``Sidecar.hold_database``: StoreError if another sidecar serves the file; its
+    ``stop`` lets go). ``kwargs`` go to :class:`AlertService` (sinks, clock, ...).
     """
     kwargs.setdefault("registry", sidecar.metrics.registry)
+    # The outbox opens the database now: claim it first (a SQLite file is one sidecar's),
+    # so a second sidecar on the file stops here without having opened it.
+    sidecar.hold_database()
     service = AlertService(sidecar.database, settings, **kwargs)
     settings = service.settings
     if settings.public_url is None:

@@ -334,10 +334,10 @@ class Sidecar:
     async def start(self) -> None:
         if self._started:
             return
-        self.settings.validate()
         target = self.database
-        self._held = hold_database(target)
         try:
+            self.settings.validate()
+            self.hold_database()
             if target.backend == "sqlite":
                 self.store = open_store(target)
                 self._rebuild()
@@ -476,6 +476,7 @@ class Sidecar:
 
     async def stop(self) -> None:
         if not self._started:
+            self._release()  # a hold taken before start (install_alerting)
             return
         self._started = False
         for task in self._tasks:
@@ -496,6 +497,14 @@ class Sidecar:
                 self.store.close()
                 self.store = None
         self._release()
+
+    def hold_database(self) -> None:
+        """Claim the database for this process (a SQLite file's lock, ``hold_file``; nothing
+        on PostgreSQL) before anything in it opens the database: ``start`` does, and
+        ``install_alerting`` before its outbox opens the file, so a second sidecar refused
+        (StoreError) never opened it. Once is enough; ``stop`` lets go."""
+        if self._held is None:
+            self._held = hold_database(self.database)
 
     def _release(self) -> None:
         if self._held is not None:

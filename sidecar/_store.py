@@ -234,6 +234,11 @@ def hold_file(path: Path) -> int:
     an error instead of writing behind the first one's back. ``flock`` is dropped by
     the kernel when the holder dies, SIGKILL included, so a restart never waits for a
     lock a dead process left. Readers (``saga-sidecar runs``) take no lock.
+
+    The lock is a file of its own, never the database: closing a descriptor on the
+    database would drop SQLite's POSIX locks on it (see prepare_db_file). Take it
+    before anything in this process opens the database, so a second ``serve`` refused
+    here has not opened it at all.
     """
     prepare_db_file(path, warn=False)
     lock = Path(f"{path}.lock")
@@ -280,9 +285,18 @@ def prepare_db_file(path: Path, *, warn: bool = True) -> None:
             problem="other users may read the stored tool arguments",
             fix=f"run `chmod 700 {path.parent}` or pick another --db folder",
         )
-    # Create the file 0600 before SQLite does (it would use the umask's mode).
-    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
-    os.close(fd)
+    # Create the file 0600 before SQLite does (it would use the umask's mode), and
+    # never open an existing one: closing any descriptor on a file drops every POSIX
+    # lock this process holds on it, SQLite's shared lock included, which SQLite
+    # (counting its locks per file inside the process) never takes again. A reader
+    # closing the file (sqlite3, a backup) then finds no other connection, checkpoints
+    # and deletes the -wal the sidecar still commits into: lost on kill -9.
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    except FileExistsError:
+        pass
+    else:
+        os.close(fd)  # a new file: no lock of anyone's on it yet
     for suffix in ("", "-wal", "-shm"):
         side = Path(f"{path}{suffix}")
         if side.exists():

@@ -3,8 +3,10 @@ in front of the lookup of runs put away)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -15,14 +17,24 @@ from pathlib import Path
 
 import httpx
 import pytest
-from sidecar_testkit import start_sidecar
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+from sidecar_testkit import open_run, settings_for, start_sidecar
 from test_outbox import unwinding, view
 
-from sidecar import _putaway_filter, _store
+from sidecar import Sidecar, _putaway_filter, _store
+from sidecar._alert_service import install_alerting
+from sidecar._alert_settings import AlertSettings
 from sidecar._alerting import evaluate
+from sidecar._errors import StoreError
 from sidecar._outbox import Outbox
 from sidecar._storage import PutAway
-from sidecar._store import BACKSTOP_PAGES, SqliteStore
+from sidecar._store import (
+    BACKSTOP_PAGES,
+    SqliteAlertStore,
+    SqliteStore,
+    hold_file,
+    prepare_db_file,
+)
 
 
 def test_an_alert_commit_never_checkpoints_the_wal_itself(tmp_path: Path) -> None:
@@ -304,3 +316,127 @@ def test_a_second_serve_on_the_same_file_stops_at_start(tmp_path: Path) -> None:
     again, _ = start_sidecar(db)  # would fail if a dead holder kept the lock
     again.terminate()
     assert again.wait(timeout=30) == 0
+
+
+needs_proc_locks = pytest.mark.skipif(
+    not Path("/proc/locks").exists(), reason="reads the kernel's lock table (Linux)"
+)
+
+
+def _posix_locks(pid: int, path: Path) -> list[str]:
+    """The POSIX locks process ``pid`` holds on ``path``, as /proc/locks lists them
+    ("1: POSIX ADVISORY READ <pid> <maj:min:inode> <start> <end>")."""
+    inode = f":{os.stat(path).st_ino}"
+    held = []
+    for line in Path("/proc/locks").read_text().splitlines():
+        fields = [f for f in line.split() if f != "->"]  # "->": a waiter, not a holder
+        if fields[1] == "POSIX" and fields[4] == str(pid) and fields[5].endswith(inode):
+            held.append(line)
+    return held
+
+
+@needs_proc_locks
+def test_opening_the_file_again_keeps_sqlites_lock_on_it(tmp_path: Path) -> None:
+    """What a serving process does to its file after the store opened it (the outbox's
+    store, the hold, another prepare) leaves SQLite's shared lock on it. Closing a
+    descriptor of our own on the file dropped that lock, and any other process closing
+    the file (a sqlite3 query, a backup) then deleted the -wal still committed into."""
+    db = tmp_path / "sidecar.db"
+    store = SqliteStore(db)
+    held: int | None = None
+    try:
+        store.write([("run-1", f"{1:016x}", 1.0, "svc", "i-1", b"x")])
+        assert _posix_locks(os.getpid(), db)
+        alerts = SqliteAlertStore(db)
+        held = hold_file(db)
+        prepare_db_file(db)
+        assert _posix_locks(os.getpid(), db)
+        alerts.close()
+    finally:
+        store.close()
+        if held is not None:
+            os.close(held)
+
+
+def _send_runs(otlp_port: int, runs: int) -> set[tuple[str, str]]:
+    """POST ``runs`` new runs one request each; the (run id, span id) of each, all 200."""
+    sent: set[tuple[str, str]] = set()
+    for _ in range(runs):
+        run = open_run()
+        spans = run.spans()
+        answer = httpx.post(
+            f"http://127.0.0.1:{otlp_port}/v1/traces",
+            content=encode_spans(spans).SerializeToString(),
+            headers={"Content-Type": "application/x-protobuf"},
+            timeout=30,
+        )
+        assert answer.status_code == 200, answer.text
+        sent |= {(run.run_id, f"{s.context.span_id:016x}") for s in spans}
+    return sent
+
+
+_READ_AND_CLOSE = (
+    "import sqlite3, sys; db = sqlite3.connect(sys.argv[1]); "
+    "db.execute('SELECT count(*) FROM spans').fetchall(); db.close()"
+)
+
+
+@needs_proc_locks
+@pytest.mark.parametrize("outsider", ["a sqlite3 reader", "a refused second serve"])
+def test_acknowledged_spans_survive_kill_9_after_another_process_closed_the_file(
+    tmp_path: Path, outsider: str
+) -> None:
+    """A 200 means stored, whoever opened and closed the file meanwhile: an operator's
+    query, a backup, a second ``serve`` refused at start. Each believed it was the
+    file's last connection (the sidecar's lock was gone), checkpointed and deleted the
+    -wal: what the sidecar committed after that went into a deleted file, and a kill -9
+    lost it."""
+    db = tmp_path / "sidecar.db"
+    proc, ports = start_sidecar(db)
+    try:
+        acked = _send_runs(ports["otlp_http"], 10)
+        if outsider == "a sqlite3 reader":
+            argv = [sys.executable, "-c", _READ_AND_CLOSE, str(db)]
+            subprocess.run(argv, check=True, timeout=60)
+        else:
+            argv = [sys.executable, "-c", "from sidecar._cli import main; main()", "serve"]
+            argv += ["--db", str(db), "--api-port", "0"]
+            argv += ["--otlp-http-port", "0", "--otlp-grpc-port", "0"]
+            second = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+            assert second.returncode == 1 and "already serves" in second.stderr, second.stderr
+        assert Path(f"{db}-wal").exists()
+        assert _posix_locks(proc.pid, db)
+        acked |= _send_runs(ports["otlp_http"], 10)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    with contextlib.closing(sqlite3.connect(db)) as opened:
+        stored = set(opened.execute("SELECT run_id, span_id FROM spans").fetchall())
+    lost = acked - stored
+    assert not lost, f"{len(lost)} of {len(acked)} acknowledged spans lost"
+
+
+def test_a_refused_sidecar_never_opened_the_database(tmp_path: Path) -> None:
+    """The hold comes before any connection: install_alerting claims the file before
+    its outbox opens it, so a sidecar refused because another serves the file has
+    not opened it (nor written the outbox's tables into it)."""
+    db = tmp_path / "sidecar.db"
+    held = hold_file(db)  # as the serving sidecar does
+    try:
+        sidecar = Sidecar(settings_for(tmp_path))
+        with pytest.raises(StoreError, match="another sidecar already serves"):
+            install_alerting(sidecar, AlertSettings(log_sink=False))
+        assert db.stat().st_size == 0
+        assert not Path(f"{db}-wal").exists()
+    finally:
+        os.close(held)
+
+
+async def test_a_hold_taken_before_start_is_let_go_by_stop(tmp_path: Path) -> None:
+    """install_alerting holds the file from before start: a sidecar stopped without
+    having started lets it go, so a next sidecar in the process may serve the file."""
+    unstarted = Sidecar(settings_for(tmp_path))
+    service = install_alerting(unstarted, AlertSettings(log_sink=False))
+    await unstarted.stop()
+    service.close()
+    os.close(hold_file(tmp_path / "sidecar.db"))
