@@ -80,6 +80,19 @@ CONNECT_TIMEOUT_S = 5
 # idle_session_timeout (the lead connection) and pg_current_xact_id (sync) need 14.
 MIN_SERVER_VERSION = 140000
 POOL_WAIT_S = 5.0  # a request waits this long for a connection, then answers 503
+STORE_POOL = 4  # PgStore's connections
+OUTBOX_POOL = 2  # PgAlertStore's
+CONNECTIONS_EACH = STORE_POOL + OUTBOX_POOL + 2
+"""Connections one sidecar holds on the server: its two pools, and one of its own each
+for the leader lock (PgStore.try_lead) and the outbox's presence lock (one more for a
+moment: a store's migration at start, a run's alert history)."""
+# The server's refusals for want of a connection slot (SQLSTATE 53300, which libpq does
+# not hand on for a failed connection: only the text).
+_NO_SLOT = (
+    "too many clients already",
+    "remaining connection slots are reserved",
+    "too many connections for",
+)
 INSTALL_HINT = "pip install 'saga-otel[sidecar]' (psycopg[binary] and psycopg-pool)"
 
 _OUTBOX_V1 = """
@@ -368,10 +381,18 @@ def _psycopg() -> Any:
 
 
 def connect_error(target: DbTarget, exc: BaseException) -> StoreError:
+    fix = "check the URL given with --db (SAGA_SIDECAR_DB) and that the server is up"
+    if any(text in str(exc) for text in _NO_SLOT):
+        # The server is up and the URL right: it has no connection left to give.
+        fix = (
+            "the server has no connection slot left: raise max_connections in its "
+            "postgresql.conf (or the CONNECTION LIMIT of the role or database the error "
+            f"names) or close clients you do not need; each sidecar holds up to "
+            f"{CONNECTIONS_EACH} connections"
+        )
     return StoreError(
         f"cannot connect to PostgreSQL at {_where(target)} ({target.shown}): "
-        f"{scrub(target, exc)}; check the URL given with --db (SAGA_SIDECAR_DB) and that "
-        "the server is up"
+        f"{scrub(target, exc)}; {fix}"
     )
 
 
@@ -486,7 +507,7 @@ class PgStore(_Pooled):
     """The run store on PostgreSQL (see :class:`sidecar._storage.Store`)."""
 
     def __init__(self, target: DbTarget) -> None:
-        super().__init__(target, max_size=4, name="saga-sidecar-store")
+        super().__init__(target, max_size=STORE_POOL, name="saga-sidecar-store")
         self._seq = 0  # the newest span sequence number folded in
         self._own: set[int] = set()  # sequence numbers of spans this process wrote
         # Missing sequence numbers -> the xmax of the read that found them: given up once
@@ -1034,7 +1055,7 @@ class PgAlertStore(OutboxReads, _Pooled):
     """The alert outbox's rows on PostgreSQL (see :class:`sidecar._storage.AlertStore`)."""
 
     def __init__(self, target: DbTarget) -> None:
-        super().__init__(target, max_size=2, name="saga-sidecar-outbox")
+        super().__init__(target, max_size=OUTBOX_POOL, name="saga-sidecar-outbox")
         self._key = ""  # the presence lock's key, as text; "" while none is held
         self._presence: Any = None  # the connection holding it
         # This store in its claims ("<key>@<who>"): its process, and a nonce for two

@@ -303,6 +303,19 @@ def prepare_db_file(path: Path, *, warn: bool = True) -> None:
             os.chmod(side, 0o600)
 
 
+def open_error(what: str, path: Path, exc: OSError | sqlite3.Error, fix: str) -> StoreError:
+    """The StoreError for ``what`` in ``path`` that would not open, ending with ``fix``:
+    unless the file is no SQLite database, or a damaged one, which no writable path
+    mends."""
+    if getattr(exc, "sqlite_errorcode", None) in (sqlite3.SQLITE_NOTADB, sqlite3.SQLITE_CORRUPT):
+        fix = (
+            "the file is not a SQLite database, or is damaged: if --db names the wrong "
+            "file, give the right one; else move it aside with its -wal and -shm (the next "
+            "start creates an empty database) or restore a backup (docs/operations.md)"
+        )
+    return StoreError(f"cannot open {what} {str(path)!r}: {exc}; {fix}")
+
+
 CHECKPOINT_INTERVAL = 1.0
 """Seconds between the background WAL checkpoints (``SqliteStore._checkpoints``)."""
 BACKSTOP_PAGES = 16384
@@ -344,10 +357,8 @@ class SqliteStore:
                 if side.exists():
                     os.chmod(side, 0o600)
         except (OSError, sqlite3.Error) as exc:
-            raise StoreError(
-                f"cannot open the sidecar database {str(path)!r}: {exc}; pass a writable "
-                "path with --db (SAGA_SIDECAR_DB)"
-            ) from exc
+            fix = "pass a writable path with --db (SAGA_SIDECAR_DB)"
+            raise open_error("the sidecar database", path, exc, fix) from exc
         self._closing = threading.Event()  # stops the store's threads
         self._checkpoint_soon = threading.Event()  # a checkpoint now, not at the interval
         self._checkpointer = threading.Thread(
@@ -889,10 +900,8 @@ class SqliteAlertStore(OutboxReads):
             self._db.execute(f"PRAGMA wal_autocheckpoint = {BACKSTOP_PAGES}")
             migrate(self._db, repr(str(path)))
         except (OSError, sqlite3.Error) as exc:
-            raise StoreError(
-                f"cannot open the alert outbox in {path}: {exc}; check the path is writable "
-                "(--db) and not on a network filesystem"
-            ) from exc
+            fix = "check the path is writable (--db) and not on a network filesystem"
+            raise open_error("the alert outbox in", path, exc, fix) from exc
 
     def close(self) -> None:
         with self._lock:

@@ -22,6 +22,7 @@ from pg_server import PgServer
 from sidecar_testkit import compensation_failed_run, open_run
 
 from sidecar._errors import ConfigError
+from sidecar._pgstore import CONNECTIONS_EACH, connect_error
 from sidecar._storage import parse_db, redact_url
 
 SERVE = [sys.executable, "-c", "from sidecar._cli import main; main()", "serve"]
@@ -91,6 +92,36 @@ def test_an_unreachable_database_is_one_line_naming_the_host(tmp_path: Path) -> 
     assert "refused" in line.lower()
     assert "hunter2-secret" not in out.stderr + out.stdout
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_server_out_of_connections_is_told_to_raise_max_connections() -> None:
+    """A server with "too many clients already" is full: not a wrong URL, nor down."""
+    server = 'connection to server at "127.0.0.1", port 5432 failed: FATAL:  sorry, '
+    exc = psycopg.OperationalError(f"connection failed: {server}too many clients already")
+    (line,) = str(connect_error(parse_db("postgresql://saga@127.0.0.1/saga"), exc)).splitlines()
+    assert "too many clients already" in line and "max_connections" in line
+    assert f"up to {CONNECTIONS_EACH} connections" in line and "server is up" not in line
+    scaling = (Path(__file__).parents[2] / "docs" / "scaling.md").read_text()
+    assert f"holds up to {CONNECTIONS_EACH} connections" in " ".join(scaling.split())
+
+
+def test_a_role_at_its_connection_limit_is_one_line_naming_the_limit(
+    tmp_path: Path, postgres: PgServer
+) -> None:
+    role = f"capped_{os.getpid()}"
+    with psycopg.connect(postgres.url(), autocommit=True) as admin:
+        admin.execute(f"CREATE ROLE {role} LOGIN PASSWORD 'capped-pw' CONNECTION LIMIT 0")
+    try:
+        url = f"postgresql://{role}:capped-pw@127.0.0.1:{postgres.port}/postgres"
+        out = _serve("--db", url, cwd=tmp_path)
+        assert out.returncode != 0
+        (line,) = out.stderr.strip().splitlines()
+        assert "Traceback" not in out.stderr
+        assert "too many connections for role" in line and "CONNECTION LIMIT" in line
+        assert "server is up" not in line and "capped-pw" not in out.stderr
+    finally:
+        with psycopg.connect(postgres.url(), autocommit=True) as admin:
+            admin.execute(f"DROP ROLE {role}")
 
 
 def test_a_wrong_password_is_one_line_without_the_password(

@@ -440,3 +440,19 @@ async def test_a_hold_taken_before_start_is_let_go_by_stop(tmp_path: Path) -> No
     await unstarted.stop()
     service.close()
     os.close(hold_file(tmp_path / "sidecar.db"))
+
+
+@pytest.mark.parametrize("opener", [SqliteStore, SqliteAlertStore])
+def test_a_file_that_is_no_database_is_named_with_what_to_do(
+    tmp_path: Path, opener: type[SqliteStore] | type[SqliteAlertStore]
+) -> None:
+    """A file that is not SQLite (a wrong --db, a damaged disk) is not mended by a
+    writable path or a local disk, which the message said to check."""
+    db = tmp_path / "sidecar.db"
+    db.write_bytes(b"not a database " * 300)
+    with pytest.raises(StoreError) as info:
+        opener(db)
+    (line,) = str(info.value).splitlines()
+    assert repr(str(db)) in line and "not a SQLite database" in line
+    assert "move it aside" in line and "restore a backup" in line
+    assert "writable" not in line and "network" not in line
