@@ -249,6 +249,12 @@ M_SIDECAR_FORWARD_DROPPED: Final = "saga_sidecar_forward_dropped_spans_total"
 M_SIDECAR_ALERTS: Final = "saga_sidecar_alerts_total"
 M_SIDECAR_ALERT_DELAY: Final = "saga_sidecar_alert_delay_seconds"
 M_SIDECAR_OUTBOX_DEPTH: Final = "saga_sidecar_outbox_depth"
+# Alerts raised whose write to the outbox the database refused (a write lock held past
+# the busy timeout, a full disk, PostgreSQL failing): held in memory and written once it
+# answers. dropped: alerts lost unwritten (past the bound on those held, a bug, a stop
+# while the database refused), raised again by the next start's re-evaluation if still open.
+M_SIDECAR_ALERTS_UNWRITTEN: Final = "saga_sidecar_alerts_unwritten"
+M_SIDECAR_ALERTS_DROPPED: Final = "saga_sidecar_alerts_dropped_total"
 # How long the oldest OTLP request still waiting for its commit has waited (0: none):
 # grows while the database is stalled (agents' acks time out meanwhile).
 M_SIDECAR_INTAKE_WAITING: Final = "saga_sidecar_intake_waiting_seconds"

@@ -88,7 +88,8 @@ class AlertService:
         try:
             if events:
                 # On PostgreSQL on the outbox's database thread, in order (the loop never
-                # waits on it); an alert lost to a crash meanwhile is raised again at start.
+                # waits on it). One the database refuses is written once it answers
+                # (Outbox.write); one lost to a crash meanwhile is raised again at start.
                 self.outbox.add_soon(events)
             return events
         except SidecarError as exc:
@@ -174,7 +175,8 @@ class AlertService:
         return changed
 
     def reevaluate(self, views: Iterable[View], now: float) -> int:
-        """Raise what stored views hold open, resolve what they no longer do; rows inserted.
+        """Raise what stored views hold open, resolve what they no longer do; rows inserted
+        (none when the database refuses the write: then written once it answers).
 
         Run by run: a view the rules fail on is logged and counted, and costs only its own
         run's alerts (it ran before delivery starts, so one bad view stopped every run's).
@@ -189,7 +191,7 @@ class AlertService:
                 events += self._masked(raised, view)
             except Exception as exc:
                 self._evaluation_failed(run_id, exc)
-        return self.outbox.add(events)
+        return self.outbox.write(events)
 
     def stored_views(self, state: RunState) -> list[View]:
         """The view of every run ``state`` holds, for :meth:`reevaluate`; a run whose view

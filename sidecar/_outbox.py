@@ -80,6 +80,13 @@ SEND_MARGIN_S: Final = 5.0
 # The sink column of an alert no configured sink takes (no sink, or routed nowhere): the
 # row is kept in state HELD and handed to the sinks of a later start that route it.
 NO_SINK: Final = "(none)"
+# Alerts whose write the database refused (a write lock held past the busy timeout, a full
+# disk, PostgreSQL failing) wait in memory, in the order raised, and are written once it
+# answers (Outbox._rewrite): at most this many, and this many bytes of their JSON. Past
+# either, newer ones are dropped (logged, counted); the next start's re-evaluation raises
+# those still open.
+MAX_UNWRITTEN: Final = 10_000
+MAX_UNWRITTEN_BYTES: Final = 64 * 1024 * 1024
 
 OUTCOME_DELIVERED: Final = "delivered"
 OUTCOME_RETRIED: Final = "retried"
@@ -169,6 +176,8 @@ class AlertMetrics:
     delay: Histogram
     outbox_depth: Gauge
     evaluation_failures: Counter
+    unwritten: Gauge
+    dropped: Counter
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> AlertMetrics:
@@ -199,6 +208,18 @@ class AlertMetrics:
                 "raised; the other runs' were.",
                 registry=registry,
             ),
+            unwritten=Gauge(
+                sc.M_SIDECAR_ALERTS_UNWRITTEN,
+                "Alerts raised whose write to the outbox the database refused, held in "
+                "memory until it answers.",
+                registry=registry,
+            ),
+            dropped=Counter(
+                sc.M_SIDECAR_ALERTS_DROPPED,
+                "Alerts lost unwritten (past the bound on those held, or at a stop while the "
+                "database refused); the next start raises those still open.",
+                registry=registry,
+            ),
         )
 
 
@@ -212,6 +233,58 @@ class OutboxRow:
     attempts: int
     last_error: str | None
     event: AlertEvent
+
+
+@dataclass(frozen=True, slots=True)
+class Unwritten:
+    """Alerts whose write the database refused, oldest first, to be written again in that
+    order (a resolve after its fire, an episode after the last). Pure: :meth:`keep` answers
+    the next value; the outbox holds one."""
+
+    events: tuple[AlertEvent, ...] = ()
+    size: int = 0  # bytes of their JSON, as a row holds it
+
+    def keep(
+        self, events: Iterable[AlertEvent], most: int, most_bytes: int
+    ) -> tuple[Unwritten, int]:
+        """These alerts and ``events`` after them, each unless it repeats one before it (the
+        outbox's insert-or-ignore key would drop it, see :func:`_written_as`), within
+        ``most`` alerts and ``most_bytes``; and how many new ones did not fit (the newest:
+        what is kept keeps its order)."""
+        kept, size, dropped = list(self.events), self.size, 0
+        seen: set[tuple[str, str, int]] = set()
+        last: dict[tuple[str, str], tuple[str, int]] = {}  # per alert of a run
+        for event in self.events:
+            seen.add(_written_as(event, last))
+        for event in events:
+            key = _written_as(event, last, look=True)
+            if key in seen:
+                continue
+            grown = size + len(_text(event))
+            if len(kept) >= most or grown > most_bytes:
+                dropped += 1
+                continue
+            seen.add(_written_as(event, last))
+            kept.append(event)
+            size = grown
+        return Unwritten(tuple(kept), size), dropped
+
+
+def _written_as(
+    event: AlertEvent, last: dict[tuple[str, str], tuple[str, int]], *, look: bool = False
+) -> tuple[str, str, int]:
+    """The row key ``event`` gets after the events ``last`` has seen: its dedup key, action
+    and, for an alert a run raises again once resolved (``_EPISODIC``), which episode from
+    the first (a fire after a resolve opens the next, as :func:`_episode` numbers it when
+    written). A second event with one key adds no row. ``last`` takes ``event`` in, unless
+    ``look``."""
+    run = (event.alertname, event.run_id)
+    action, episode = last.get(run, ("", 0))
+    if event.alertname in _EPISODIC and event.action is Action.FIRE and action == "resolve":
+        episode += 1
+    if not look:
+        last[run] = (event.action.value, episode)
+    return (event.dedup_key, event.action.value, episode)
 
 
 class Outbox:
@@ -254,6 +327,12 @@ class Outbox:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
         self._deferred: list[AlertEvent] = []  # add_soon on SQLite: written two turns later
+        # Alerts the database refused, written again once it answers (write, _rewrite):
+        # touched only where the outbox writes (the loop on SQLite, its thread on
+        # PostgreSQL). _dropping: past the bound since they were last written (logged once).
+        self._unwritten = Unwritten()
+        self._dropping = False
+        self._rewrite_wake: asyncio.Event | None = None
         target = db if isinstance(db, DbTarget) or str(db) == ":memory:" else parse_db(db)
         self._store: AlertStore = open_alert_store(
             target if isinstance(target, DbTarget) else DbTarget("sqlite", path=Path(target))
@@ -308,12 +387,123 @@ class Outbox:
                 self._wake_sink(name)
         return inserted
 
+    def write(self, events: Sequence[AlertEvent]) -> int:
+        """:meth:`add`, after the alerts the database refused before; rows inserted.
+
+        A refusal (StoreError: a write lock held past the busy timeout, a full disk,
+        PostgreSQL failing) loses no alert: they wait in memory, in order
+        (:class:`Unwritten`), and :meth:`_rewrite` writes them once the database answers.
+        Meanwhile new ones wait behind them without asking the database (the retry's
+        backoff paces the asking). Where the outbox writes: inline on SQLite, on its
+        database thread on PostgreSQL.
+        """
+        if not events:
+            return 0
+        if self._unwritten.events:
+            self._hold(events)
+            return 0
+        try:
+            return self.add(events)
+        except StoreError as exc:
+            self._hold(events)
+            log.error(
+                "sidecar.alerts.write_failed",
+                error=str(exc),
+                alerts=len(events),
+                unwritten=len(self._unwritten.events),
+                fix="free the database (a lock held, a full disk, PostgreSQL down): the "
+                "alerts are written and sent once it answers, without a restart",
+            )
+            return 0
+
+    def _hold(self, events: Iterable[AlertEvent]) -> None:
+        """Keep ``events`` behind the alerts waiting to be written (bounded: past it, the
+        newest are dropped, logged once and counted) and wake :meth:`_rewrite`."""
+        self._unwritten, dropped = self._unwritten.keep(events, MAX_UNWRITTEN, MAX_UNWRITTEN_BYTES)
+        if self.metrics is not None:
+            self.metrics.unwritten.set(len(self._unwritten.events))
+        if dropped:
+            if not self._dropping:
+                log.error(
+                    "sidecar.alerts.dropped",
+                    alerts=dropped,
+                    reason=f"{len(self._unwritten.events)} alerts ({self._unwritten.size} "
+                    f"bytes) wait for the database already, the most held (at most "
+                    f"{MAX_UNWRITTEN}, {MAX_UNWRITTEN_BYTES} bytes)",
+                    fix="free the database, then restart the sidecar: its start raises "
+                    "again the alerts still open; those held are written once it answers",
+                )
+            self._dropping = True
+            self._count_dropped(dropped)
+        self._wake_rewrite()
+
+    def _count_dropped(self, alerts: int) -> None:
+        if self.metrics is not None:
+            self.metrics.dropped.inc(alerts)
+
+    def _write_again(self, attempts: int) -> int:
+        """Write the alerts held (:meth:`write`), in one transaction; rows inserted. Raises
+        StoreError while the database refuses."""
+        held = self._unwritten
+        if not held.events:
+            return 0
+        try:
+            inserted = self.add(held.events)
+        except StoreError:
+            raise
+        except Exception as exc:  # not the database: a bug, which would hold every alert after
+            self._written(Unwritten())
+            self._lost(exc, len(held.events))
+            return 0
+        self._written(Unwritten())
+        log.warning(
+            "sidecar.alerts.written_late",
+            alerts=len(held.events),
+            deliveries_added=inserted,
+            attempts=attempts,
+        )
+        return inserted
+
+    def _written(self, left: Unwritten) -> None:
+        self._unwritten, self._dropping = left, False
+        if self.metrics is not None:
+            self.metrics.unwritten.set(len(left.events))
+
+    async def _rewrite(self) -> None:
+        """Write the alerts the database refused once it answers: asked again after the
+        outbox's backoff (as a sink is), for as long as it refuses. No loss meanwhile: a
+        crash is covered by the next start's re-evaluation, as for any write."""
+        wake = self._rewrite_wake
+        assert wake is not None
+        failures = 0
+        while True:
+            wake.clear()
+            if not self._unwritten.events:  # read across threads: one reference, replaced
+                failures = 0
+                await wake.wait()
+                continue
+            failures += 1
+            await self._sleep(self.backoff.delay(failures, self._rng))
+            with contextlib.suppress(StoreError):
+                await self.call(self._write_again, failures)
+
+    def _wake_rewrite(self) -> None:
+        wake, loop = self._rewrite_wake, self._loop
+        if wake is None or loop is None:
+            return  # not started yet: start() looks at what is held
+        if threading.get_ident() == self._loop_thread:
+            wake.set()
+        else:
+            with contextlib.suppress(RuntimeError):  # the loop closed: the outbox closes too
+                loop.call_soon_threadsafe(wake.set)
+
     def add_soon(self, events: list[AlertEvent]) -> Future[int] | None:
-        """:meth:`add` without waiting: on the database thread on PostgreSQL (in order with
-        every other write of this outbox); on SQLite two loop turns later (at once when no
-        loop runs), so the intake answers its sender before the outbox's own COMMIT
-        (see :meth:`_add_deferred`). Errors are logged; an alert lost to one (or to a
-        crash meanwhile) is raised again by the next start's re-evaluation.
+        """:meth:`write` without waiting: on the database thread on PostgreSQL (in order
+        with every other write of this outbox); on SQLite two loop turns later (at once when
+        no loop runs), so the intake answers its sender before the outbox's own COMMIT
+        (see :meth:`_add_deferred`). What the database refuses waits to be written again
+        (:meth:`write`); an alert lost to a crash meanwhile is raised again by the next
+        start's re-evaluation.
         """
         if self._closed:
             self.add(events)  # raises StoreError
@@ -330,8 +520,8 @@ class Outbox:
                 loop.call_soon(loop.call_soon, self._add_deferred)
             self._deferred += events
             return None
-        future = self._io_thread.submit(self.add, events)
-        future.add_done_callback(functools.partial(_log_failure, len(events)))
+        future = self._io_thread.submit(self.write, events)
+        future.add_done_callback(functools.partial(self._failed, len(events)))
         return future
 
     def _add_deferred(self) -> None:
@@ -340,9 +530,25 @@ class Outbox:
         if not events:
             return
         try:
-            self.add(events)
-        except Exception as exc:  # a callback has no caller to tell: log it, loudly
-            _write_failed(exc, len(events))
+            self.write(events)
+        except Exception as exc:  # not the database (write keeps those): a bug, log it loudly
+            self._lost(exc, len(events))
+
+    def _failed(self, alerts: int, future: Future[int]) -> None:
+        exc = future.exception()
+        if exc is not None:
+            self._lost(exc, alerts)
+
+    def _lost(self, exc: BaseException, alerts: int) -> None:
+        """Alerts a write lost to something other than the database's refusal (no caller
+        left to tell): loud, counted, and what happens next."""
+        self._count_dropped(alerts)
+        log.error(
+            "sidecar.alerts.dropped",
+            error=f"{type(exc).__name__}: {exc}",
+            alerts=alerts,
+            fix="the next start raises again the alerts still open",
+        )
 
     async def flush(self) -> None:
         """Wait until every :meth:`add_soon` so far is committed (tests, shutdown)."""
@@ -376,7 +582,7 @@ class Outbox:
                 sink_name,
                 event.alertname,
                 event.run_id,
-                json.dumps(event.to_dict(), sort_keys=True),
+                _text(event),
                 HELD if sink_name == NO_SINK else PENDING,
                 now,
             )
@@ -447,7 +653,7 @@ class Outbox:
         changed = 0
         with self._store.transaction() as tx:
             for row_id, event in events:
-                tx.set_event(row_id, json.dumps(event.to_dict(), sort_keys=True))
+                tx.set_event(row_id, _text(event))
                 changed += 1
         return changed
 
@@ -485,6 +691,8 @@ class Outbox:
             )
         if self.metrics is not None and not self._store.inline:  # one process: add and _mark
             self._tasks.append(asyncio.create_task(self._refresh_depth(), name="outbox-depth"))
+        self._rewrite_wake = asyncio.Event()
+        self._tasks.append(asyncio.create_task(self._rewrite(), name="outbox-rewrite"))
 
     async def run(self) -> None:
         """Deliver until cancelled (for a background-task runner)."""
@@ -507,14 +715,36 @@ class Outbox:
             await sink.close()
 
     def close(self) -> None:
-        # What add_soon still holds commits before the store closes (and before the
-        # closed flag, which add checks: a write queued on PostgreSQL's thread failed
-        # as "closed" when the flag came first).
-        self._add_deferred()
+        # What add_soon still holds, and what the database refused before, commits before
+        # the store closes (and before the closed flag, which add checks: a write queued on
+        # PostgreSQL's thread failed as "closed" when the flag came first).
+        if self._closed:
+            return
         if self._io_thread is not None:
+            self._io_thread.submit(self._write_last, [])
             self._io_thread.shutdown(wait=True)
+        else:
+            events, self._deferred = self._deferred, []
+            self._write_last(events)
         self._closed = True
         self._store.close()
+
+    def _write_last(self, events: list[AlertEvent]) -> None:
+        """At close: the alerts held and then ``events``, asked once. What the database
+        still refuses is lost to this process (logged, counted): the next start's
+        re-evaluation raises again the alerts still open."""
+        try:
+            if self._unwritten.events:
+                self._unwritten, dropped = self._unwritten.keep(
+                    events, MAX_UNWRITTEN, MAX_UNWRITTEN_BYTES
+                )
+                self._count_dropped(dropped)
+                self._write_again(0)
+            elif events:
+                self.add(events)
+        except Exception as exc:
+            self._lost(exc, len(self._unwritten.events) or len(events))
+            self._written(Unwritten())
 
     async def wait_idle(self, limit: float = 10.0) -> bool:
         """True once nothing is pending (tests and benchmarks), False after ``limit`` seconds."""
@@ -799,17 +1029,9 @@ def _nothing() -> None:
     return None
 
 
-def _log_failure(alerts: int, future: Future[int]) -> None:
-    exc = future.exception()
-    if exc is not None:
-        _write_failed(exc, alerts)
-
-
-def _write_failed(exc: BaseException, alerts: int) -> None:
-    """An add_soon that failed (no caller left to tell): loud, and what happens next."""
-    log.error(
-        "sidecar.alerts.write_failed", error=str(exc), alerts=alerts, raised_again_at_start=True
-    )
+def _text(event: AlertEvent) -> str:
+    """An event as its row holds it."""
+    return json.dumps(event.to_dict(), sort_keys=True)
 
 
 def _row(r: OutboxRecord) -> OutboxRow:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sqlite3
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -417,6 +418,41 @@ def settings_for(tmp_path: Path, **kw: Any) -> Settings:
     if _POSTGRES and "db_url" not in merged:
         merged["db_url"] = _POSTGRES[0].url_for(merged.pop("db_path"))
     return Settings(**merged)
+
+
+def refuse_alert_writes(db: str, refuse: bool = True) -> None:
+    """Make the database ``db`` (what :func:`db_for` gives) refuse every new alert row, as a
+    full disk does, or (``refuse=False``) take them again: a trigger, from a session of its
+    own, so the outbox meets a real refusal of its write (StoreError), not a stub."""
+    if db.startswith("postgresql"):
+        import psycopg
+
+        with psycopg.connect(db, autocommit=True) as conn:
+            if refuse:
+                conn.execute(
+                    "CREATE FUNCTION refuse_alerts() RETURNS trigger LANGUAGE plpgsql AS "
+                    "$$ BEGIN RAISE EXCEPTION 'could not extend file: No space left on "
+                    "device'; END $$"
+                )
+                conn.execute(
+                    "CREATE TRIGGER refuse_alerts BEFORE INSERT ON alert_outbox "
+                    "FOR EACH ROW EXECUTE FUNCTION refuse_alerts()"
+                )
+            else:
+                conn.execute("DROP TRIGGER refuse_alerts ON alert_outbox")
+                conn.execute("DROP FUNCTION refuse_alerts()")
+        return
+    conn = sqlite3.connect(db, isolation_level=None)
+    try:
+        if refuse:
+            conn.execute(
+                "CREATE TRIGGER refuse_alerts BEFORE INSERT ON alert_outbox "
+                "BEGIN SELECT RAISE(ABORT, 'database or disk is full'); END"
+            )
+        else:
+            conn.execute("DROP TRIGGER refuse_alerts")
+    finally:
+        conn.close()
 
 
 async def export_http(sidecar: Sidecar, spans: Sequence[ReadableSpan], **kw: Any) -> Any:

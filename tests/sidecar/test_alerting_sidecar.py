@@ -27,9 +27,11 @@ from sidecar_testkit import (
     RunScript,
     compensated_run,
     compensation_failed_run,
+    db_for,
     export_http,
     heartbeat_spans,
     open_run,
+    refuse_alert_writes,
     settings_for,
     stuck_run,
 )
@@ -760,3 +762,27 @@ async def test_a_dead_delivery_task_fails_healthz_and_shows_on_metrics(
     (logged,) = [r.__dict__ for r in caplog.records if r.getMessage() == "sidecar.task.failed"]
     assert logged["task"] == "install_alerting.deliver"
     assert logged["error"] == "RuntimeError: the outbox went away"
+
+
+async def test_a_start_whose_alerts_the_database_refuses_writes_and_delivers_them_later(
+    tmp_path: Path, clock: FakeClock, hook: Hook
+) -> None:
+    """The start's re-evaluation raises what a crash left unsaid; if the database refuses
+    its write, the alerts wait and are written once it answers, and delivery runs
+    meanwhile. The refusal ended the delivery task: nothing was sent until the next
+    restart."""
+    run = compensated_run()
+    first = Sidecar(settings_for(tmp_path), clock=clock)
+    install_alerting(first, alert_settings(hook)).outbox.add_soon = lambda events: None  # type: ignore[method-assign]
+    async with first:
+        await export_http(first, split_at_unwind(run)[0])  # its alert lost to a crash
+    db = db_for(tmp_path / "sidecar.db")
+    refuse_alert_writes(db)
+    second = Sidecar(settings_for(tmp_path), clock=clock)
+    service = install_alerting(second, alert_settings(hook))
+    async with second:
+        await asyncio.wait_for(service.reevaluated.wait(), 15)
+        assert hook.got == [] and service.outbox.rows() == []
+        refuse_alert_writes(db, refuse=False)
+        fired = await hook.wait(sc.ALERT_COMPENSATION_STARTED, "firing")
+        assert fired["labels"]["run_id"] == run.run_id

@@ -17,9 +17,10 @@ import psycopg
 import pytest
 from aiohttp import web
 from prometheus_client import CollectorRegistry
-from sidecar_testkit import BOTH_BACKENDS, db_for
+from sidecar_testkit import BOTH_BACKENDS, db_for, refuse_alert_writes
 
 from saga_otel import semconv as sc
+from sidecar import _outbox as outbox_module
 from sidecar._alert_service import AlertService
 from sidecar._alert_settings import AlertSettings
 from sidecar._alerting import Action, AlertEvent, dedup_key, evaluate
@@ -35,6 +36,7 @@ from sidecar._outbox import (
     Backoff,
     Outbox,
     Routing,
+    Unwritten,
     alert_history,
 )
 from sidecar._outbox_sql import COUNT_IN_STATE, FIRING, PRUNE_RUN_ALERTS
@@ -1036,4 +1038,117 @@ async def test_a_failed_add_soon_is_logged_loudly(
         await box.flush()
     failed = [r for r in caplog.records if r.getMessage() == "sidecar.alerts.write_failed"]
     assert failed and "disk full" in failed[0].__dict__["error"]
-    assert failed[0].__dict__["alerts"] == 1  # how many alerts the restart must raise again
+    assert failed[0].__dict__["alerts"] == 1  # how many alerts wait to be written
+
+
+# --- a database that refuses the outbox's writes ----------------------------------------
+
+
+def orphaned(run_id: str) -> AlertEvent:
+    (event,) = evaluate(view(run_id), view(run_id, status=sc.STATE_ORPHANED), now=2.0)
+    return event
+
+
+def back(run_id: str) -> AlertEvent:
+    (event,) = evaluate(view(run_id, status=sc.STATE_ORPHANED), view(run_id), now=3.0)
+    return event
+
+
+def test_unwritten_alerts_keep_their_order_drop_repeats_and_stay_bounded() -> None:
+    plenty = 10**6
+    held, dropped = Unwritten().keep([fire("r1"), fire("r1"), resolve("r1"), fire("r1")], 9, plenty)
+    # A fire again after its resolve is the same row (one page per alert and run): dropped.
+    assert [(e.run_id, e.action) for e in held.events] == [
+        ("r1", Action.FIRE),
+        ("r1", Action.RESOLVE),
+    ]
+    assert dropped == 0
+    # SagaRunOrphaned pages again once resolved: that fire opens the next episode.
+    held, _ = held.keep([orphaned("r2"), orphaned("r2"), back("r2"), back("r2")], 9, plenty)
+    held, _ = held.keep([orphaned("r2")], 9, plenty)
+    assert [e.action for e in held.events if e.run_id == "r2"] == [
+        Action.FIRE,
+        Action.RESOLVE,
+        Action.FIRE,
+    ]
+    assert held.keep([orphaned("r2")], 9, plenty) == (held, 0)  # a repeat of the last
+    # Bounded in alerts and in bytes: the newest go, the order of the rest stays.
+    full, dropped = Unwritten().keep([fire(f"r{i}") for i in range(5)], 3, plenty)
+    assert [e.run_id for e in full.events] == ["r0", "r1", "r2"] and dropped == 2
+    one = full.size // 3
+    full, dropped = Unwritten().keep([fire("r0"), fire("r1")], 9, one + 1)
+    assert [e.run_id for e in full.events] == ["r0"] and dropped == 1
+
+
+async def test_alerts_the_database_refused_are_written_and_sent_once_it_answers(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Runbooks SagaSidecarStoreFailing and SagaSidecarIntakeStalled: free the database,
+    no restart. Alerts raised while it refuses their rows (a full disk, a lock held past
+    its timeout) wait in memory, counted, and are written and sent in order once it
+    answers. They were dropped until a restart re-evaluated the runs."""
+    db = db_for(tmp_path / "db")
+    sink = FakeSink()
+    registry = CollectorRegistry()
+    box = Outbox(
+        db,
+        [sink],
+        metrics=AlertMetrics.create(registry),
+        backoff=Backoff(initial=0.01, maximum=0.05),
+    )
+    await box.start()
+    refuse_alert_writes(db)
+    with caplog.at_level(logging.ERROR, logger="sidecar.alerts"):
+        box.add_soon([fire("r1")])
+        await box.flush()
+        box.add_soon([fire("r1"), resolve("r1"), orphaned("r2")])  # r1's fire again: a repeat
+        await box.flush()
+        await asyncio.sleep(0.2)  # tried again meanwhile, refused again
+
+    def unwritten() -> float | None:
+        return registry.get_sample_value(sc.M_SIDECAR_ALERTS_UNWRITTEN)
+
+    assert unwritten() == 3
+    assert sink.got == [] and box.rows() == []
+    # Once, when the refusals began, saying what to do.
+    (failed,) = [r for r in caplog.records if r.getMessage() == "sidecar.alerts.write_failed"]
+    assert "free the database" in failed.__dict__["fix"]
+    refuse_alert_writes(db, refuse=False)
+    await wait_for(lambda: len(sink.got) == 3)
+    assert [(e.run_id, e.action) for e in sink.got] == [
+        ("r1", Action.FIRE),
+        ("r1", Action.RESOLVE),
+        ("r2", Action.FIRE),
+    ]
+    assert unwritten() == 0
+    assert registry.get_sample_value(sc.M_SIDECAR_ALERTS_DROPPED) == 0
+    await box.stop()
+
+
+async def test_past_the_bound_the_newest_unwritten_alerts_are_dropped_logged_and_counted(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(outbox_module, "MAX_UNWRITTEN", 2)
+    db = db_for(tmp_path / "db")
+    sink = FakeSink()
+    registry = CollectorRegistry()
+    box = Outbox(
+        db,
+        [sink],
+        metrics=AlertMetrics.create(registry),
+        backoff=Backoff(initial=0.01, maximum=0.05),
+    )
+    await box.start()
+    refuse_alert_writes(db)
+    with caplog.at_level(logging.ERROR, logger="sidecar.alerts"):
+        for run_id in ("r1", "r2", "r3", "r4"):
+            box.add_soon([fire(run_id)])
+            await box.flush()
+    assert registry.get_sample_value(sc.M_SIDECAR_ALERTS_UNWRITTEN) == 2
+    assert registry.get_sample_value(sc.M_SIDECAR_ALERTS_DROPPED) == 2
+    (dropped,) = [r for r in caplog.records if r.getMessage() == "sidecar.alerts.dropped"]
+    assert "restart" in dropped.__dict__["fix"]  # its start raises those still open
+    refuse_alert_writes(db, refuse=False)
+    await wait_for(lambda: len(sink.got) == 2)
+    assert [e.run_id for e in sink.got] == ["r1", "r2"]
+    await box.stop()
