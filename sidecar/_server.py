@@ -34,7 +34,7 @@ from grpc import aio
 from prometheus_client import CollectorRegistry, Counter
 
 from saga_otel import semconv as sc
-from saga_otel.records import describe_error
+from saga_otel.records import backoff_seconds, describe_error
 
 from ._backends import hold_database, open_store
 from ._connections import FD_RESERVE, PORTS, CappedSite, connection_cap, fd_limit
@@ -97,6 +97,9 @@ MAX_DEAF_DEFER_S = 5.0
 # blocked) loses the lead on the database's clock, and another replica takes it. Longer
 # than a slow sync, short beside the orphan window.
 LEADER_HOLD_S = 10.0
+# Orphan marks the store refused are written again at a tick, after a backoff from the
+# tick interval up to this: on SQLite each try may wait out the busy timeout on the loop.
+MARKS_RETRY_MAX_S = 15.0
 
 
 class TickGate:
@@ -268,6 +271,12 @@ class Sidecar:
         self._read_from = float("inf")
         self.leading = False  # replicas: whether this one detects orphans (see _tick_loop)
         self._resolving = asyncio.Lock()
+        # Orphan marks the store refused (run -> mark), written again at a later tick
+        # (_store_marks_again): a restart, and the other replicas, know an orphaning only
+        # by its stored mark. One per run; those no longer their runs' are dropped.
+        self._unstored: dict[str, float] = {}
+        self._marks_failures = 0  # tries in a row the store refused (the backoff's)
+        self._marks_due = 0.0  # time.monotonic() of the next try
 
     # --- hooks for the alerting side --------------------------------------------
 
@@ -525,15 +534,24 @@ class Sidecar:
         return await loop.run_in_executor(self._db_thread, functools.partial(fn, *args))
 
     def _submit(
-        self, what: str, fn: Callable[..., object], *args: object, fix: str | None = None
+        self,
+        what: str,
+        fn: Callable[..., object],
+        *args: object,
+        fix: str | None = None,
+        failed: Callable[[], None] | None = None,
     ) -> None:
         """``fn(*args)`` without waiting for it on PostgreSQL (in order with every other
         call); at once on SQLite. Failures are logged (``what`` failed): only for writes
-        the state re-derives after a restart (orphan marks, prunes), or whose loss
-        ``fix`` says what it costs."""
+        the state re-derives after a restart (prunes), that ``failed`` writes again (it
+        is called on the loop), or whose loss ``fix`` says what it costs."""
         if self._db_thread is None:
             fn(*args)
             return
+        loop = None
+        if failed is not None:
+            with contextlib.suppress(RuntimeError):  # no loop: nothing to hand it to
+                loop = asyncio.get_running_loop()
 
         def done(future: Future[object]) -> None:
             exc = future.exception()
@@ -542,19 +560,31 @@ class Sidecar:
                     log.error("sidecar.db.write_failed", what=what, error=str(exc), rederived=True)
                 else:
                     log.error("sidecar.db.write_failed", what=what, error=str(exc), fix=fix)
+                if failed is not None and loop is not None and isinstance(exc, StoreError):
+                    with contextlib.suppress(RuntimeError):  # the loop closed: stopping
+                        loop.call_soon_threadsafe(failed)
 
         self._db_thread.submit(fn, *args).add_done_callback(done)
 
     def _write_later(
-        self, what: str, fn: Callable[..., object], arg: object, *, event: str, fix: str
+        self,
+        what: str,
+        fn: Callable[..., object],
+        arg: object,
+        *,
+        event: str,
+        fix: str,
+        failed: Callable[[], None] | None = None,
     ) -> None:
         """:meth:`_submit` from intake or the tick, which must go on whatever the store
         says: a store error is logged as ``event``, with what it costs (``fix``), whether
-        it comes at once (SQLite) or later (PostgreSQL's thread)."""
+        it comes at once (SQLite) or later (PostgreSQL's thread), and ``failed`` is called."""
         try:
-            self._submit(what, fn, arg, fix=fix)
+            self._submit(what, fn, arg, fix=fix, failed=failed)
         except StoreError:
             log.exception(event, fix=fix)
+            if failed is not None:
+                failed()
 
     def _rebuild(self) -> None:
         """Fold the stored runs not put away back into the state (clocks restart now: we
@@ -1331,13 +1361,53 @@ class Sidecar:
         self.metrics.stream.transitions(transitions, self.state)
         self._lapsed(transitions)
         if self.store is not None:
+            marks = [(t.run_id, t.at) for t in transitions]
             self._write_later(
-                "store orphan marks", self.store.mark_orphaned,
-                [(t.run_id, t.at) for t in transitions],
-                event="sidecar.orphan_marks.not_stored", fix="they are derived again at restart",
+                "store orphan marks", self.store.mark_orphaned, marks,
+                event="sidecar.orphan_marks.not_stored",
+                fix="they are written again once the store answers (while still the runs' "
+                "marks); until then a restart or another replica does not see them",
+                failed=functools.partial(self._marks_refused, marks),
             )  # fmt: skip
         self._announce(transitions, now)
         return transitions
+
+    def _marks_refused(self, marks: list[tuple[str, float]]) -> None:
+        """Keep orphan marks the store refused for :meth:`_store_marks_again` (on the loop)."""
+        self._unstored.update(marks)
+        self._marks_failures += 1
+        interval = max(self.settings.tick_interval, 0.1)
+        self._marks_due = time.monotonic() + backoff_seconds(
+            self._marks_failures, initial=interval, maximum=MARKS_RETRY_MAX_S, jitter_ratio=0.5
+        )
+
+    async def _store_marks_again(self) -> None:
+        """Write again the orphan marks the store refused, once their backoff is over:
+        those still their runs' own (a run heard from since, taken up by a recoverer or
+        forgotten has none, or a later one, written on its own). Without them a restart
+        folds the run back as running (its alert resolved, then paged anew once quiet
+        again) and the other replicas never see it orphaned."""
+        store = self.store
+        if not self._unstored or store is None:
+            return
+        if time.monotonic() < self._marks_due:
+            return
+        marks = self.state.marked(self._unstored.items())
+        self._unstored = {}
+        if not marks:
+            return
+        try:
+            await self._call(store.mark_orphaned, marks)
+        except StoreError:
+            self._marks_refused(marks)
+            return
+        log.warning(
+            "sidecar.orphan_marks.stored_late",
+            count=len(marks),
+            run_ids=[r for r, _ in marks[:5]],
+            attempts=self._marks_failures + 1,
+        )
+        self._marks_failures = 0
 
     def _announce(self, transitions: Iterable[Transition], now: float) -> None:
         """Tell the listeners of status changes no span made (an orphaning, here or read
@@ -1401,6 +1471,8 @@ class Sidecar:
                     fix="orphans are judged once what arrived meanwhile is read; if this "
                     "repeats, give the sidecar more CPU or a faster disk",
                 )
+            if self._db_thread is None or self.leading:  # the marking replica's
+                await self._store_marks_again()
             if not judge or (self._db_thread is not None and not self.leading):
                 continue
             now = self._now()

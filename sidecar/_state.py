@@ -1359,6 +1359,16 @@ class RunState:
         lapsed = _lapse(run) if resolution is not None and _before_mark(resolution.at, at) else None
         return Transition(run_id, before, run.status, at, lapsed)
 
+    def marked(self, marks: Iterable[tuple[str, float]]) -> list[tuple[str, float]]:
+        """Of ``marks`` (run id, orphan mark), those still their runs' marks: a run heard
+        from since, taken up by a recoverer or forgotten has none, or a later one."""
+        runs = self._runs
+        return [
+            (run_id, at)
+            for run_id, at in marks
+            if (run := runs.get(run_id)) is not None and run.orphaned_at == at
+        ]
+
     def read_orphaned(self, run_id: str, at: float, change: int) -> Transition | None:
         """An orphan mark another replica stored (``restore_orphaned``) in a row of change
         number ``change``, unless this replica heard from the run after it: a span of the

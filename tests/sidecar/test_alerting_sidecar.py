@@ -20,6 +20,7 @@ import aiohttp
 import psycopg
 import pytest
 from aiohttp import web
+from psycopg import sql
 from sidecar_testkit import (
     BOTH_BACKENDS,
     CREDIT,
@@ -786,3 +787,121 @@ async def test_a_start_whose_alerts_the_database_refuses_writes_and_delivers_the
         refuse_alert_writes(db, refuse=False)
         fired = await hook.wait(sc.ALERT_COMPENSATION_STARTED, "firing")
         assert fired["labels"]["run_id"] == run.run_id
+
+
+async def test_an_agent_dead_while_the_database_refuses_writes_pages_once_it_answers(
+    tmp_path: Path, clock: FakeClock, hook: Hook, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Runbooks SagaSidecarStoreFailing and SagaSidecarIntakeStalled: free the database,
+    no restart. An agent dies while another session holds the lock the sidecar's writes
+    need (SQLite's write lock; PostgreSQL's marks and outbox tables) past the busy or lock
+    timeout: the run's orphan mark and its alert are refused. Once the lock is gone, the
+    sidecar still running, the alert is written and delivered and the mark stored. Both
+    were dropped: no page until a restart, and the restart, missing the mark, folded the
+    run back as running, resolving the page, then paged it again once quiet."""
+    settings = settings_for(tmp_path)
+    if settings.db_url:
+        with psycopg.connect(settings.db_url, autocommit=True) as conn:
+            (name,) = conn.execute("SELECT current_database()").fetchone() or ("",)
+            # Each session of the sidecar's gives up a lock wait after 0.2 s (the default
+            # waits for ever: a delay, never a refusal).
+            conn.execute(
+                sql.SQL("ALTER DATABASE {} SET lock_timeout = '200ms'").format(sql.Identifier(name))
+            )
+    caplog.set_level(logging.ERROR, logger="sidecar")
+    sidecar = Sidecar(settings, clock=clock)
+    service = install_alerting(sidecar, alert_settings(hook))
+    async with sidecar:
+        if not settings.db_url:
+            # Its busy timeouts (5 s and 10 s) only make the test slow: refused sooner.
+            store, outbox = sidecar.store, service.outbox._store
+            for db in (store._db, outbox._db):  # type: ignore[union-attr, attr-defined]
+                db.execute("PRAGMA busy_timeout = 200")
+        run = open_run(instance="agent-9")
+        beat = functools.partial(heartbeat_spans, "agent-9", [run.run_id])
+        await export_http(sidecar, [*run.spans(), *beat(clock.now)])
+        clock.now += 1.0
+        await export_http(sidecar, beat(clock.now))
+        held, release = threading.Event(), threading.Event()
+        holder = asyncio.create_task(asyncio.to_thread(_hold_the_writes, settings, held, release))
+        assert await asyncio.to_thread(held.wait, 10)
+        clock.now += 3.5  # three 1 s heartbeats missed: dead
+        sidecar.tick()
+        await _until(lambda: any(_alert_refused(r) for r in caplog.records))
+        await _until(lambda: any(_mark_refused(r) for r in caplog.records))
+        registry = sidecar.metrics.registry
+        assert registry.get_sample_value(sc.M_SIDECAR_ALERTS_UNWRITTEN) == 1
+        assert hook.got == [] and _stored_mark(settings, run.run_id) is None
+        release.set()
+        await holder
+        await hook.wait(sc.ALERT_RUN_ORPHANED, "firing")
+        await _until(lambda: _stored_mark(settings, run.run_id) is not None)
+        assert registry.get_sample_value(sc.M_SIDECAR_ALERTS_UNWRITTEN) == 0
+    # Restarted, it folds the run back orphaned: nothing resolves, nothing pages again.
+    again = Sidecar(settings, clock=clock)
+    service = install_alerting(again, alert_settings(hook))
+    async with again:
+        await asyncio.wait_for(service.reevaluated.wait(), 15)
+        assert await service.outbox.wait_idle()
+        assert again.state.status(run.run_id) == sc.STATE_ORPHANED
+    assert hook.seen() == [(sc.ALERT_RUN_ORPHANED, "firing")]
+
+
+async def _until(cond: Callable[[], bool], limit: float = 15.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limit
+    while not cond():
+        assert loop.time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+def _alert_refused(record: logging.LogRecord) -> bool:
+    return record.getMessage() == "sidecar.alerts.write_failed"
+
+
+def _mark_refused(record: logging.LogRecord) -> bool:
+    """The log line of a refused orphan mark: at once on SQLite, from the database
+    thread on PostgreSQL."""
+    message = record.getMessage()
+    return message == "sidecar.orphan_marks.not_stored" or (
+        message == "sidecar.db.write_failed" and record.__dict__.get("what") == "store orphan marks"
+    )
+
+
+def _stored_mark(settings: Any, run_id: str) -> float | None:
+    """The run's orphan mark as the database holds it, read on a session of its own."""
+    if settings.db_url:
+        with psycopg.connect(settings.db_url) as conn:
+            row = conn.execute(
+                "SELECT orphaned_at FROM run_marks WHERE run_id = %s", (run_id,)
+            ).fetchone()
+    else:
+        db = sqlite3.connect(settings.db_path)
+        try:
+            row = db.execute(
+                "SELECT orphaned_at FROM run_marks WHERE run_id = ?", (run_id,)
+            ).fetchone()
+        finally:
+            db.close()
+    return None if row is None or row[0] is None else float(row[0])
+
+
+def _hold_the_writes(settings: Any, held: threading.Event, release: threading.Event) -> None:
+    """Hold, from another session, what the sidecar's writes of orphan marks and alerts
+    need, until ``release``: SQLite's write lock; PostgreSQL's two tables (reads pass)."""
+    if settings.db_url:
+        with psycopg.connect(settings.db_url, autocommit=False) as conn:
+            conn.execute("SET lock_timeout = 0")
+            conn.execute("LOCK TABLE run_marks, alert_outbox IN EXCLUSIVE MODE")
+            held.set()
+            release.wait(60)
+            conn.commit()
+        return
+    db = sqlite3.connect(settings.db_path, isolation_level=None)
+    try:
+        db.execute("BEGIN IMMEDIATE")
+        held.set()
+        release.wait(60)
+        db.execute("COMMIT")
+    finally:
+        db.close()

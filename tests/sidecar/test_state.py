@@ -208,6 +208,21 @@ def test_idle_run_without_heartbeats_is_orphaned_after_the_timeout() -> None:
     assert state.orphaned_unresolved() == 1
 
 
+def test_marked_answers_the_orphan_marks_still_their_runs() -> None:
+    """What the sidecar writes again of the marks the store refused: a mark its run
+    outlived (heard from since, then orphaned anew) or a run it never knew is not."""
+    state = RunState(idle_timeout=60)
+    run = open_run(instance="agent-b")
+    state.apply(records(run.spans()), T)
+    (first,) = state.tick(T + 61)
+    assert first.at == T + 61
+    assert state.marked([(run.run_id, T + 61), ("unknown", T + 61)]) == [(run.run_id, T + 61)]
+    state.apply(beats([run.run_id], [T + 62]), T + 62)  # late, not dead
+    assert state.marked([(run.run_id, T + 61)]) == []
+    (again,) = state.tick(T + 62 + 200)
+    assert state.marked([(run.run_id, T + 61), (run.run_id, again.at)]) == [(run.run_id, again.at)]
+
+
 def test_heartbeats_keep_a_run_alive_until_three_intervals_pass() -> None:
     state = RunState(idle_timeout=5)
     run = open_run(instance="agent-hb")
