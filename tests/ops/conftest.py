@@ -56,6 +56,8 @@ LABELS: dict[str, frozenset[str]] = {
     sc.M_SIDECAR_ALERTS: frozenset({"alertname", "sink", "outcome"}),
     sc.M_SIDECAR_ALERT_DELAY: frozenset({"sink"}),
     sc.M_SIDECAR_OUTBOX_DEPTH: frozenset(),
+    sc.M_SIDECAR_ALERTS_UNWRITTEN: frozenset(),
+    sc.M_SIDECAR_ALERTS_DROPPED: frozenset(),
     sc.M_SIDECAR_INTAKE_WAITING: frozenset(),
     sc.M_SIDECAR_SERIES_OVERFLOWED: frozenset({"metric"}),
     sc.M_SIDECAR_TASKS_FAILED: frozenset(),

@@ -263,6 +263,8 @@ async def test_alert_metrics_are_on_the_sidecars_metrics_page(
     )
     assert 'saga_sidecar_alert_delay_seconds_count{sink="webhook"} 1.0' in text
     assert "saga_sidecar_outbox_depth 0.0" in text
+    assert "saga_sidecar_alerts_unwritten 0.0" in text
+    assert "saga_sidecar_alerts_dropped_total 0.0" in text
 
 
 @pytest.mark.parametrize("first_alerts", [False, True], ids=["no-alerting", "write-lost"])
