@@ -1152,3 +1152,31 @@ async def test_past_the_bound_the_newest_unwritten_alerts_are_dropped_logged_and
     await wait_for(lambda: len(sink.got) == 2)
     assert [e.run_id for e in sink.got] == ["r1", "r2"]
     await box.stop()
+
+
+async def test_alerts_held_at_close_are_written_if_the_database_answers_then(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A stop asks the database once more; what it still refuses is logged and counted
+    (the next start raises again what is still open)."""
+    db = db_for(tmp_path / "db")
+    box = Outbox(db, [FakeSink()])
+    refuse_alert_writes(db)
+    box.add_soon([fire("r1")])
+    await box.flush()
+    refuse_alert_writes(db, refuse=False)
+    box.add_soon([resolve("r1")])  # behind it
+    box.close()
+    assert [(r.dedup_key, r.action) for r in Outbox(db, [FakeSink()]).rows()] == [
+        (fire("r1").dedup_key, "fire"),
+        (fire("r1").dedup_key, "resolve"),
+    ]
+    registry = CollectorRegistry()
+    last = Outbox(db, [FakeSink()], metrics=AlertMetrics.create(registry))
+    refuse_alert_writes(db)
+    with caplog.at_level(logging.ERROR, logger="sidecar.alerts"):
+        last.add_soon([fire("r2")])
+        await last.flush()
+        last.close()
+    assert registry.get_sample_value(sc.M_SIDECAR_ALERTS_DROPPED) == 1
+    assert any(r.getMessage() == "sidecar.alerts.dropped" for r in caplog.records)
