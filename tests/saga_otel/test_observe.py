@@ -117,12 +117,9 @@ class Credits:
         self.undone.append(credit["credit_id"])
 
 
-async def unwind_credits(
-    cap: Captured, credits: Credits, issue: Sequence[str], undo: Sequence[str]
-) -> str:
-    """The user's runner: issues the credits in ``issue`` through one observed step,
-    fails, and reverses the credits in ``undo`` in that order (a refused reversal is
-    left for later, and the next one runs); returns the run id."""
+def credit_step(cap: Captured, credits: Credits) -> tuple[dict[str, Any], Any]:
+    """The run's keywords (``cap``'s telemetry) and ``credits`` as an observed step whose
+    undo takes the credit id its do returned."""
     kw: dict[str, Any] = {"saga": "obs", "tracer_provider": cap.provider}
     kw.update(registry=cap.registry, logger=cap.logger)
     step = observed(
@@ -131,6 +128,16 @@ async def unwind_credits(
         compensation=lambda info: {"credit_id": info.result["credit_id"]},
         **kw,
     )
+    return kw, step
+
+
+async def unwind_credits(
+    cap: Captured, credits: Credits, issue: Sequence[str], undo: Sequence[str]
+) -> str:
+    """The user's runner: issues the credits in ``issue`` through one observed step,
+    fails, and reverses the credits in ``undo`` in that order (a refused reversal is
+    left for later, and the next one runs); returns the run id."""
+    kw, step = credit_step(cap, credits)
     with pytest.raises(Failed), observed_run(**kw) as run:
         issued = {c: await settle(step.do(c)) for c in issue}
         try:
@@ -279,14 +286,7 @@ class Cancelled(BaseException):
 
 async def test_a_run_cancelled_before_its_runner_undid_anything_escalates(mode: Driver) -> None:
     cap, credits = capture(), Credits(mode)
-    kw: dict[str, Any] = {"saga": "obs", "tracer_provider": cap.provider}
-    kw.update(registry=cap.registry, logger=cap.logger)
-    step = observed(
-        credits,
-        step="issue_credit",
-        compensation=lambda info: {"credit_id": info.result["credit_id"]},
-        **kw,
-    )
+    kw, step = credit_step(cap, credits)
     with pytest.raises(Cancelled), observed_run(**kw) as run:
         await settle(step.do("cr1"))
         raise Cancelled  # while the agent waits on the model: no undo ran
