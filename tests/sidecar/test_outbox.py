@@ -1080,13 +1080,9 @@ def test_unwritten_alerts_keep_their_order_drop_repeats_and_stay_bounded() -> No
     assert [e.run_id for e in full.events] == ["r0"] and dropped == 1
 
 
-async def test_alerts_the_database_refused_are_written_and_sent_once_it_answers(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    """Runbooks SagaSidecarStoreFailing and SagaSidecarIntakeStalled: free the database,
-    no restart. Alerts raised while it refuses their rows (a full disk, a lock held past
-    its timeout) wait in memory, counted, and are written and sent in order once it
-    answers. They were dropped until a restart re-evaluated the runs."""
+async def refused_outbox(tmp_path: Path) -> tuple[str, FakeSink, CollectorRegistry, Outbox]:
+    """A started outbox with one sink, its own metrics, a quick backoff, and a database
+    that refuses its writes until ``refuse_alert_writes(db, refuse=False)``."""
     db = db_for(tmp_path / "db")
     sink = FakeSink()
     registry = CollectorRegistry()
@@ -1098,6 +1094,17 @@ async def test_alerts_the_database_refused_are_written_and_sent_once_it_answers(
     )
     await box.start()
     refuse_alert_writes(db)
+    return db, sink, registry, box
+
+
+async def test_alerts_the_database_refused_are_written_and_sent_once_it_answers(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Runbooks SagaSidecarStoreFailing and SagaSidecarIntakeStalled: free the database,
+    no restart. Alerts raised while it refuses their rows (a full disk, a lock held past
+    its timeout) wait in memory, counted, and are written and sent in order once it
+    answers. They were dropped until a restart re-evaluated the runs."""
+    db, sink, registry, box = await refused_outbox(tmp_path)
     with caplog.at_level(logging.ERROR, logger="sidecar.alerts"):
         box.add_soon([fire("r1")])
         await box.flush()
@@ -1129,17 +1136,7 @@ async def test_past_the_bound_the_newest_unwritten_alerts_are_dropped_logged_and
     tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(outbox_module, "MAX_UNWRITTEN", 2)
-    db = db_for(tmp_path / "db")
-    sink = FakeSink()
-    registry = CollectorRegistry()
-    box = Outbox(
-        db,
-        [sink],
-        metrics=AlertMetrics.create(registry),
-        backoff=Backoff(initial=0.01, maximum=0.05),
-    )
-    await box.start()
-    refuse_alert_writes(db)
+    db, sink, registry, box = await refused_outbox(tmp_path)
     with caplog.at_level(logging.ERROR, logger="sidecar.alerts"):
         for run_id in ("r1", "r2", "r3", "r4"):
             box.add_soon([fire(run_id)])
