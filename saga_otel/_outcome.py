@@ -268,22 +268,49 @@ class _Turn:
     time, taken again by the thread holding it (a callback of the run's own code, an
     escalation handler say, may call into the run), and let go of whole around a call
     that blocks (:meth:`released`), as a ``threading.Condition`` lets go of its lock
-    while it waits."""
+    while it waits.
+
+    Ctrl-C may be raised in the main thread just after its ``acquire()`` took the lock,
+    before the next line records it: every take asks the lock itself whether this
+    thread holds it (an ``RLock``, which knows its owner; the turn counts its own depth)
+    so an interrupt never leaves the lock held with no owner, nor waits on it again.
+    """
 
     __slots__ = ("_depth", "_lock", "_owner")
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._owner: int | None = None  # written only by the thread holding the lock
         self._depth = 0
+
+    def _holds(self) -> bool:
+        return bool(self._lock._is_owned())  # type: ignore[attr-defined]  # as Condition asks
+
+    def _take(self, me: int, depth: int) -> bool:
+        """Take the lock; False if interrupted before it was taken. An interrupt raised
+        just after it was taken is raised holding it, books set."""
+        try:
+            self._lock.acquire()
+            self._owner, self._depth = me, depth
+        except BaseException:
+            if not self._holds():
+                raise
+            self._owner, self._depth = me, depth
+            raise
+        return True
 
     def __enter__(self) -> None:
         me = threading.get_ident()
         if self._owner == me:
             self._depth += 1
             return
-        self._lock.acquire()
-        self._owner, self._depth = me, 1
+        try:
+            self._take(me, 1)
+        except BaseException:
+            if self._holds():  # taken, then interrupted: the block never ran, so let go
+                self._owner, self._depth = None, 0
+                self._lock.release()
+            raise
 
     def __exit__(self, *_exc: object) -> None:
         self._depth -= 1
@@ -299,9 +326,9 @@ class _Turn:
         if self._owner != me:
             return fn()
         depth = self._depth
-        self._owner, self._depth = None, 0
-        self._lock.release()
         try:
+            self._owner, self._depth = None, 0
+            self._lock.release()
             return fn()
         finally:
             self._retake(me, depth)
@@ -310,14 +337,14 @@ class _Turn:
         interrupt: BaseException | None = None
         while True:
             try:
-                self._lock.acquire()
+                self._take(me, depth)
             except BaseException as exc:
                 # Ctrl-C while another thread has the turn: raised once it is held again,
                 # so the script sees it at its yield holding the turn, as it holds it there.
                 interrupt = exc
-                continue
+                if not self._holds():
+                    continue
             break
-        self._owner, self._depth = me, depth
         if interrupt is not None:
             raise interrupt
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -521,3 +523,96 @@ def test_a_driven_sync_mode_is_driven_again_from_its_own_code() -> None:
 
 def _run(m: SyncMode, fn: Any) -> Script[None]:
     yield m.run(fn)
+
+
+# Ctrl-C in the main thread can be raised just after its acquire() took a run's turn,
+# before the next line records it. Each case runs in a child (signals go to its main
+# thread) under a timeout: the bug was a turn held for ever.
+_CHILD_PREAMBLE = """
+import signal, sys, threading, time
+from saga_otel._outcome import _Turn
+main = threading.get_ident()
+
+def free(turn):
+    # Another thread can take the turn: it was not left held.
+    got = threading.Event()
+    def take():
+        with turn:
+            got.set()
+    t = threading.Thread(target=take, daemon=True)
+    t.start()
+    return got.wait(2)
+"""
+
+_INTERRUPTED_TAKE = """
+held_for_ever = 0
+for _ in range(200):
+    turn = _Turn()
+    held = threading.Event()
+    def other():
+        with turn:
+            held.set()
+            time.sleep(0.002)
+        signal.pthread_kill(main, signal.SIGINT)  # Ctrl-C as the turn is handed over
+    t = threading.Thread(target=other)
+    t.start()
+    held.wait()
+    try:
+        with turn:
+            pass
+        time.sleep(0.001)  # or the signal lands here
+    except KeyboardInterrupt:
+        pass
+    t.join()
+    try:
+        time.sleep(0.001)
+    except KeyboardInterrupt:
+        pass
+    held_for_ever += not free(turn)
+print("held for ever:", held_for_ever)
+"""
+
+_INTERRUPTED_RETAKE = """
+turn = _Turn()
+turn.__enter__()  # the main thread drives the run
+in_leaf, held = threading.Event(), threading.Event()
+def other():
+    in_leaf.wait()
+    with turn:  # another thread's turn while the main thread's tool runs
+        held.set()
+        time.sleep(0.05)
+    signal.pthread_kill(main, signal.SIGINT)  # Ctrl-C as the turn comes back
+threading.Thread(target=other, daemon=True).start()
+def leaf():
+    in_leaf.set()
+    held.wait()
+try:
+    turn.released(leaf)
+    print("no interrupt")
+except KeyboardInterrupt:
+    print("interrupted")
+print("holds it:", turn._holds())
+turn.__exit__(None, None, None)
+print("free after:", free(turn))
+"""
+
+
+def _child(body: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "-c", _CHILD_PREAMBLE + body],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    return done.stdout
+
+
+def test_ctrl_c_as_a_thread_takes_the_turn_never_leaves_it_held() -> None:
+    assert _child(_INTERRUPTED_TAKE).splitlines() == ["held for ever: 0"]
+
+
+@pytest.mark.parametrize("attempt", range(5))
+def test_ctrl_c_as_the_turn_comes_back_after_a_leaf_is_raised_holding_it(attempt: int) -> None:
+    lines = _child(_INTERRUPTED_RETAKE).splitlines()
+    assert lines[1:] == ["holds it: True", "free after: True"], lines
