@@ -4,13 +4,16 @@
 provider, adds a :class:`~saga_otel._processor.SagaSpanProcessor` and a
 :class:`~saga_otel._heartbeat.Heartbeat`, records the result as the process's
 active :class:`SidecarExport` (in :data:`saga_otel._state.STATE`) and shuts it
-down at interpreter exit within ``shutdown_timeout``.
+down at interpreter exit within ``shutdown_timeout``: through ``atexit``, and as a
+finalizer of multiprocessing, which ends the children it starts with ``os._exit``
+(:func:`_exit_hooks`).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import multiprocessing.util
 import os
 import ssl
 import threading
@@ -417,6 +420,46 @@ def _at_exit() -> None:
         active.shutdown()
 
 
+# multiprocessing ends a child it started (fork or forkserver: a Process, a Pool or
+# ProcessPoolExecutor worker; billiard, Celery's fork of it, shares its registries) with
+# os._exit once the child's finalizers ran: atexit never runs there, and the run-end
+# span still queued was lost (the sidecar then paged a finished run orphaned). So the
+# exit flush is one of its finalizers too. multiprocessing.util is imported here, not
+# when the user imports multiprocessing (often later, or only in the child's bootstrap:
+# too late for the after-fork callback below). Priority: before the child's other
+# finalizers (a queue's feeder thread, a pool of its own), as the atexit hook runs
+# before the provider's.
+_EXIT_PRIORITY: Final = 100
+
+
+def _exit_hooks() -> None:
+    """Make the exit flush a multiprocessing finalizer of this process and of every
+    child forked from it (at configure()).
+
+    A child's bootstrap clears the finalizers it inherited (after the
+    ``os.register_at_fork`` hooks ran), then runs the after-fork callbacks
+    registered in its ancestors: that is where the child gets its own.
+    """
+    _finalize_exit()
+    if not STATE.after_forker:  # inherited by the whole process tree
+        STATE.after_forker = True
+        multiprocessing.util.register_after_fork(STATE, _finalize_in_child)
+
+
+def _finalize_exit() -> None:
+    """The exit flush as a finalizer of this process, once (shutdown is idempotent: when
+    it also runs at atexit, the second call does nothing)."""
+    pid = os.getpid()
+    if STATE.exit_finalizer_pid == pid:
+        return
+    STATE.exit_finalizer_pid = pid
+    multiprocessing.util.Finalize(None, _at_exit, exitpriority=_EXIT_PRIORITY)
+
+
+def _finalize_in_child(_state: object) -> None:
+    _finalize_exit()
+
+
 def configure(
     sidecar_endpoint: str | Sequence[str] | None = None,
     *,
@@ -457,7 +500,11 @@ def configure(
     for ``retry_max`` seconds and its unacknowledged spans go at once to the next.
 
     ``shutdown_timeout`` bounds what process exit (or ``shutdown()``) spends
-    delivering the last spans, whatever the sidecar does. A saga span larger
+    delivering the last spans, whatever the sidecar does: at interpreter exit, and
+    when a multiprocessing child ends (a ``Process``, a ``Pool`` or
+    ``ProcessPoolExecutor`` worker, which skip ``atexit``). A process that ends
+    itself with ``os._exit`` skips both: call ``shutdown()`` on what ``configure()``
+    returned first. A saga span larger
     than ``max_span_bytes`` once encoded is replaced by a small marker span.
 
     The standard ``OTEL_EXPORTER_OTLP_TRACES_*`` / ``OTEL_EXPORTER_OTLP_*``
@@ -564,6 +611,7 @@ def configure(
             # (atexit is last-in, first-out) and the bound is ours.
             atexit.register(_at_exit)
             STATE.atexit_registered = True
+        _exit_hooks()
     if open_run_ids():
         export.ensure_heartbeat()
     return export

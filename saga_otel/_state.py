@@ -64,6 +64,11 @@ class ProcessState:
         self.open_runs: set[str] = set()
         self.active: ActiveExport | None = None
         self.atexit_registered = False
+        # The exit flush as a multiprocessing finalizer (_config._exit_hooks): the
+        # process whose finalizers hold it, and whether the children forked from
+        # here are told to add their own.
+        self.exit_finalizer_pid = 0
+        self.after_forker = False
 
     def _fresh_locks(self) -> None:
         self.tickets_lock = threading.Lock()

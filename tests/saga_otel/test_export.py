@@ -1253,6 +1253,85 @@ def test_a_forked_child_sends_its_own_spans_and_heartbeats(receiver: Receiver) -
     assert parent_run and {instance(g) for g in parent_run} == {parent["parent"]}
 
 
+_MP_CHILD_AGENT = """
+import multiprocessing, multiprocessing.util, sys, time
+from saga_otel import Saga, configure, tool
+
+export = configure(sys.argv[1], ack_timeout=0.05, shutdown_timeout=30.0)
+
+@tool("compensable", compensate="undo", compensate_args=lambda i: {"n": i.result})
+def write(n: int) -> int:
+    return n
+
+@tool("convergent")
+def undo(n: int) -> None:
+    pass
+
+saga = Saga("mp-child", tools=[write, undo])
+
+def work() -> None:
+    # The test's own finalizer runs before the library's (higher priority): it says the
+    # target returned, and only then does the test let the receiver answer.
+    multiprocessing.util.Finalize(
+        None, print, args=("exiting",), kwargs={"flush": True}, exitpriority=1000
+    )
+    with saga.run_sync("mp-child-run") as run:
+        run.call("write", n=1)  # its answer is held; the step stops waiting at ack_timeout
+        deadline = time.monotonic() + 30
+        while not export.processor._inflight and time.monotonic() < deadline:
+            time.sleep(0.005)
+    # The run span is queued behind the held request. The target returns: multiprocessing
+    # runs the child's finalizers, then ends it with os._exit (atexit never runs).
+
+child = multiprocessing.get_context("fork").Process(target=work)
+child.start()
+child.join(60)
+print(child.exitcode, flush=True)
+"""
+
+
+def test_a_multiprocessing_child_delivers_its_last_spans_before_it_ends(
+    receiver: Receiver,
+) -> None:
+    import queue
+
+    receiver.hold = 60.0  # every answer waits for `release` (the bound: a broken test)
+    receiver.stall.set()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    env.pop(ENV_SIDECAR_ENDPOINT, None)
+    agent = subprocess.Popen(
+        [sys.executable, "-c", _MP_CHILD_AGENT, receiver.url],
+        env=env,
+        cwd=str(ROOT),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    lines: queue.Queue[str] = queue.Queue()
+    assert agent.stdout is not None
+    threading.Thread(target=lambda: [lines.put(x) for x in agent.stdout or ()], daemon=True).start()
+    try:
+        assert lines.get(timeout=60).strip() == "exiting"
+        receiver.release.set()  # the child is past its target: its exit must deliver
+        assert lines.get(timeout=60).strip() == "0"
+        agent.wait(timeout=60)
+    finally:
+        receiver.release.set()
+        if agent.poll() is None:
+            agent.kill()
+        agent.wait()
+    assert agent.returncode == 0, agent.stderr.read() if agent.stderr else ""
+    with receiver.lock:
+        ends = [
+            g.attrs.get(sc.SAGA_RUN_STATUS)
+            for g in receiver.spans
+            if g.attrs.get(sc.SAGA_RUN_ID) == "mp-child-run"
+            and g.attrs.get(sc.SAGA_PHASE) == sc.PHASE_RUN
+        ]
+    # Lost, the sidecar would see the run open and page it orphaned, offering to undo it.
+    assert ends == ["completed"], "the child's run-end span never left it"
+
+
 # --------------------------------------------------------------------------
 # bounded exit, whatever the sidecar does (issue 13, point 8)
 
