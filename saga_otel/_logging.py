@@ -62,6 +62,28 @@ def render_line(fields: Mapping[str, Any]) -> str:
 
 
 _write_locks: dict[int, threading.Lock] = {}
+# Guards _write_locks' membership. It and every write lock are held across a fork, as
+# the logging module holds its handlers' locks: a lock held by a thread that the child
+# does not have (fork copies one thread) stayed held there forever, and the child hung
+# at its first log line; held by the forking thread, no line is half-written either.
+_locks_lock = threading.Lock()
+
+
+def _hold_for_fork() -> None:
+    _locks_lock.acquire()
+    for lock in _write_locks.values():
+        lock.acquire()
+
+
+def _release_after_fork() -> None:
+    for lock in _write_locks.values():
+        lock.release()
+    _locks_lock.release()
+
+
+os.register_at_fork(
+    before=_hold_for_fork, after_in_parent=_release_after_fork, after_in_child=_release_after_fork
+)
 _CLASSES: dict[int, type[Any]] = {}
 # structlog's level methods and their numbers (as structlog's LEVEL_TO_NAME).
 _METHOD_LEVELS = {
@@ -111,7 +133,8 @@ class LineWriter:
 
     def __init__(self, stream: IO[str]) -> None:
         self._stream = stream
-        self._lock = _write_locks.setdefault(id(stream), threading.Lock())
+        with _locks_lock:
+            self._lock = _write_locks.setdefault(id(stream), threading.Lock())
 
     def msg(self, line: str) -> None:
         self.write_line(line + "\n")

@@ -7,6 +7,7 @@ No label ever holds a run id: that would grow the series without bound.
 
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +37,12 @@ class SagaMetrics:
 
 
 _lock = threading.Lock()
+# Held across a fork: taken by a thread the child does not have (fork copies one), it
+# stayed held there and the child's first metric set waited forever; and a set half
+# registered in the parent would be registered again.
+os.register_at_fork(
+    before=_lock.acquire, after_in_parent=_lock.release, after_in_child=_lock.release
+)
 _sets: dict[int, tuple[CollectorRegistry, SagaMetrics]] = {}
 
 

@@ -7,7 +7,10 @@ import io
 import json
 import logging
 import re
+import subprocess
+import sys
 from datetime import UTC, datetime
+from pathlib import Path
 
 import pytest
 import structlog
@@ -228,3 +231,53 @@ def test_instrumentation_writes_through_a_bound_default_logger() -> None:
     with pytest.raises(KeyError), instr.attempt(run, "do", "charge", index=0, attempt=2):
         raise KeyError("x")
     assert [(e["event"], e["level"]) for e in lines(quiet)] == [("saga.step.finished", "warning")]
+
+
+# A thread is mid-line when the process forks: its write waits for `go`, which a timer
+# sets a moment later. The child writes a line of its own to the same stream.
+_FORK_MID_LINE = r"""
+import faulthandler, os, threading
+from saga_otel._logging import LineWriter
+
+class Held:
+    def __init__(self):
+        self.lines = []
+        self.entered = threading.Event()
+        self.go = threading.Event()
+
+    def write(self, text):
+        if text == "parent\n":
+            self.entered.set()
+            self.go.wait(30)
+        self.lines.append(text)
+
+    def flush(self):
+        pass
+
+stream = Held()
+threading.Thread(target=LineWriter(stream).write_line, args=("parent\n",), daemon=True).start()
+assert stream.entered.wait(30)
+threading.Timer(0.3, stream.go.set).start()
+pid = os.fork()
+if pid == 0:
+    faulthandler.dump_traceback_later(10, exit=True)  # a hung child ends, showing where
+    LineWriter(stream).write_line("child\n")  # a writer of its own: the stream's one lock
+    os._exit(0 if stream.lines == ["parent\n", "child\n"] else 3)
+_, status = os.waitpid(pid, 0)
+print(os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_a_fork_while_another_thread_writes_a_line_leaves_the_child_able_to_log() -> None:
+    """The write locks are held across a fork (as the logging module holds its handlers'):
+    the fork waits for the line being written, and the child's lock is free."""
+    done = subprocess.run(
+        [sys.executable, "-c", _FORK_MID_LINE],
+        cwd=str(Path(__file__).resolve().parents[2]),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    # 1: the child hung on the lock (faulthandler's exit); 3: it saw a half-written line.
+    assert done.stdout.strip() == "0", done.stderr
