@@ -17,6 +17,7 @@ every failure here is swallowed and retried at a later beat with backoff.
 from __future__ import annotations
 
 import contextlib
+import encodings.idna  # noqa: F401  # before any thread connects: see _transport
 import json
 import select
 import socket

@@ -19,6 +19,13 @@ The recovery client's calls to the sidecar's API go through it too
 from __future__ import annotations
 
 import contextlib
+
+# The "idna" codec, imported now, in the importing thread. Python imports it lazily at
+# the process's first getaddrinfo (every connect, even to 127.0.0.1), which is the
+# sender's or the heartbeat's first connection: a fork landing while that thread was
+# half-way through the import left the child with "unknown encoding: idna" for life
+# (every export and presence connect failed). requests imports it up front too.
+import encodings.idna  # noqa: F401
 import gzip
 import http.client
 import socket

@@ -1332,6 +1332,99 @@ def test_a_multiprocessing_child_delivers_its_last_spans_before_it_ends(
     assert ends == ["completed"], "the child's run-end span never left it"
 
 
+_FORK_MID_IDNA = """
+import faulthandler, importlib.abc, importlib.machinery, os, sys, threading, time
+
+PARENT = os.getpid()
+importing = threading.Event()
+forked = threading.Event()
+
+
+class SlowStringprep(importlib.abc.MetaPathFinder):
+    # Holds an import of "stringprep" (the idna codec's first import, so the codec is
+    # half-imported) open until the fork is done, as a slow disk would; only on a thread
+    # of the library's, where Python imports the codec lazily at the first connect.
+    def find_spec(self, name, path, target=None):
+        if name != "stringprep" or os.getpid() != PARENT:
+            return None
+        if threading.current_thread() is threading.main_thread():
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        real = spec.loader
+
+        class Slow(importlib.abc.Loader):
+            def create_module(self, spec):
+                return None
+
+            def exec_module(self, module):
+                importing.set()
+                forked.wait(30)
+                real.exec_module(module)
+
+        spec.loader = Slow()
+        return spec
+
+
+sys.meta_path.insert(0, SlowStringprep())
+from saga_otel import Saga, configure, tool
+
+export = configure(sys.argv[1], ack_timeout=0.2, heartbeat_interval=0.05)
+
+
+@tool("compensable", compensate="undo", compensate_args=lambda i: {"n": i.result})
+def write(n: int) -> int:
+    return n
+
+
+@tool("convergent")
+def undo(n: int) -> None:
+    pass
+
+
+saga = Saga("idna", tools=[write, undo])
+with saga.run_sync("idna-parent-run") as run:
+    run.call("write", n=1)  # its export is the process's first connection
+# Fork once the parent's spans are delivered, or while the codec is half-imported.
+deadline = time.monotonic() + 30
+while not importing.is_set() and not export.force_flush(0.05) and time.monotonic() < deadline:
+    pass
+pid = os.fork()
+if pid == 0:
+    faulthandler.dump_traceback_later(30, exit=True)
+    with saga.run_sync("idna-child-run") as run:
+        run.call("write", n=2)
+    os._exit(0 if export.force_flush(10.0) else 3)
+forked.set()
+_, status = os.waitpid(pid, 0)
+print(os.waitstatus_to_exitcode(status), flush=True)
+"""
+
+
+def test_a_child_forked_while_the_idna_codec_is_half_imported_still_exports(
+    receiver: Receiver,
+) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    env.pop(ENV_SIDECAR_ENDPOINT, None)
+    done = subprocess.run(
+        [sys.executable, "-c", _FORK_MID_IDNA, receiver.url],
+        env=env,
+        cwd=str(ROOT),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    # 3: the child's spans never left it ("unknown encoding: idna" at every connect).
+    assert done.stdout.strip() == "0", done.stderr
+    with receiver.lock:
+        phases = {
+            g.attrs.get(sc.SAGA_PHASE)
+            for g in receiver.spans
+            if g.attrs.get(sc.SAGA_RUN_ID) == "idna-child-run"
+        }
+    assert phases >= {sc.PHASE_DO, sc.PHASE_RUN}
+
+
 # --------------------------------------------------------------------------
 # bounded exit, whatever the sidecar does (issue 13, point 8)
 
