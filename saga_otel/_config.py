@@ -602,6 +602,7 @@ def configure(
                     if processor is not None and presence
                     else None
                 ),
+                registry=registry,
             ),
             shutdown_timeout=shutdown_timeout,
         )

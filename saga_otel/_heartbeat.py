@@ -13,11 +13,14 @@ from collections.abc import Callable
 
 from opentelemetry import context as otel_context
 from opentelemetry.sdk.trace import TracerProvider
+from prometheus_client import CollectorRegistry
 
 from saga_otel import semconv as sc
 from saga_otel._logging import Logger
+from saga_otel._metrics import metrics_for
 from saga_otel._presence import Presence
 from saga_otel._state import STATE
+from saga_otel.records import describe_error
 
 __all__ = ["Heartbeat", "open_run_ids", "register_open_run", "unregister_open_run"]
 
@@ -52,8 +55,10 @@ class Heartbeat:
         logger: Logger,
         wait: Callable[[threading.Event, float], bool] | None = None,
         presence: Presence | None = None,
+        registry: CollectorRegistry | None = None,
     ) -> None:
         self._provider = provider
+        self._errors = metrics_for(registry).telemetry_errors
         # The live connection whose close tells the sidecar this process died.
         self._presence = presence
         self._tracer = provider.get_tracer("saga_otel")
@@ -107,7 +112,10 @@ class Heartbeat:
                 return
             self.emit(runs)
             if self._presence is not None:
-                self._presence.beat()
+                try:
+                    self._presence.beat()
+                except Exception as exc:  # a dead heartbeat thread pages every open run
+                    self._swallowed("presence", "presence beat failed", exc)
             self._wait(self._stop, self._interval)
 
     def emit(self, runs: list[str]) -> None:
@@ -125,7 +133,13 @@ class Heartbeat:
             )
             span.end()
         except Exception as exc:
-            with contextlib.suppress(Exception):
-                self._log.error(
-                    sc.EV_TELEMETRY_ERROR, message="heartbeat not emitted", error=repr(exc)
-                )
+            self._swallowed("heartbeat", "heartbeat not emitted", exc)
+
+    def _swallowed(self, kind: str, message: str, exc: Exception) -> None:
+        """Count and log an error of the heartbeat thread's; it goes on beating."""
+        with contextlib.suppress(Exception):
+            self._errors.labels(kind=kind).inc()
+        with contextlib.suppress(Exception):
+            self._log.error(
+                sc.EV_TELEMETRY_ERROR, kind=kind, message=message, error=describe_error(exc)
+            )

@@ -11,7 +11,8 @@ first. Heartbeats stay the rule for host death and for SDKs without this
 stream (docs/semantic-conventions.md, "Presence").
 
 Only the heartbeat thread uses a Presence; telemetry never breaks the agent, so
-every failure here is swallowed and retried at a later beat with backoff.
+every failure here is retried at a later beat with backoff (network failures
+swallowed, anything else counted and logged by the heartbeat).
 """
 
 from __future__ import annotations
@@ -81,7 +82,12 @@ class Presence:
         self._path = parts.path
 
     def beat(self) -> None:
-        """Open the connection if it is not, else keep it alive. Never raises."""
+        """Open the connection if it is not, else keep it alive.
+
+        A failure is retried at a later beat, with backoff. A network failure is
+        swallowed; anything else is raised after the same backoff is set, for the
+        heartbeat to count and log (at most once a backoff, not once a beat).
+        """
         if self._disabled:
             return
         try:
@@ -94,7 +100,7 @@ class Presence:
             else:
                 self._chunk(b"beat\n")
             self._failures = 0
-        except (OSError, ValueError):
+        except Exception as exc:
             self._drop()
             if len(self._urls) > 1:  # that replica failed: the next one, after the backoff
                 self._next_url = (self._next_url + 1) % len(self._urls)
@@ -103,6 +109,8 @@ class Presence:
             self._next_try = self._clock() + backoff_seconds(
                 self._failures, initial=0.5, maximum=30.0
             )
+            if not isinstance(exc, OSError | ValueError):
+                raise
 
     def close(self) -> None:
         """Say goodbye (a clean shutdown, not a death) and close. Never raises."""

@@ -37,7 +37,7 @@ from saga_otel import semconv as sc
 from saga_otel._acks import wait_for_ack, wait_for_ack_async
 from saga_otel._config import ENV_SIDECAR_ENDPOINT, SidecarExport, configure
 from saga_otel._errors import ConfigurationError
-from saga_otel._heartbeat import register_open_run, unregister_open_run
+from saga_otel._heartbeat import Heartbeat, register_open_run, unregister_open_run
 from saga_otel._state import STATE
 from saga_otel._transport import MAX_PARTIAL_MESSAGE, PartialSuccess, partial_rejections
 
@@ -596,6 +596,63 @@ def test_heartbeats_while_runs_are_open(
     assert export.force_flush(5.0)
     assert len(receiver.heartbeats()) <= settled + 1
     assert all(h.attrs[sc.SAGA_HEARTBEAT_OPEN_RUNS] for h in receiver.heartbeats())
+
+
+class _CodeclessPresence:
+    """A presence whose connect fails as in a child forked while the idna codec was being
+    imported: a LookupError, not a network error."""
+
+    def __init__(self) -> None:
+        self.beats = 0
+
+    def beat(self) -> None:
+        self.beats += 1
+        raise LookupError("unknown encoding: idna")
+
+    def close(self) -> None:
+        pass
+
+
+class _NoSpans:
+    def start_span(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("tracer broken")
+
+
+class _BrokenTracerProvider(TracerProvider):
+    def get_tracer(self, *args: Any, **kwargs: Any) -> Any:
+        return _NoSpans()
+
+
+def test_the_heartbeat_thread_outlives_any_error_of_its_beats(
+    registry: CollectorRegistry, log: RecordingLogger
+) -> None:
+    """A dead heartbeat thread gets every run open in the process paged orphaned: whatever
+    a beat raises is counted and logged, and the next beat comes."""
+    presence = _CodeclessPresence()
+    beat = Heartbeat(
+        _BrokenTracerProvider(shutdown_on_exit=False),
+        0.01,
+        log,
+        presence=presence,  # type: ignore[arg-type]
+        registry=registry,
+    )
+    register_open_run("run-a")
+    try:
+        beat.ensure_started()
+        assert until(lambda: presence.beats >= 3), "the heartbeat thread died"
+    finally:
+        unregister_open_run("run-a")
+        beat.stop(1.0)
+    for kind in ("presence", "heartbeat"):
+        counted = registry.get_sample_value(sc.M_TELEMETRY_ERRORS, {"kind": kind}) or 0.0
+        assert counted >= 3, kind
+    logged = {
+        (kw["kind"], kw["error"]) for _, event, kw in log.calls if event == sc.EV_TELEMETRY_ERROR
+    }
+    assert logged == {
+        ("presence", "LookupError: unknown encoding: idna"),
+        ("heartbeat", "RuntimeError: tracer broken"),
+    }
 
 
 def test_otlp_headers_env_reaches_the_receiver(

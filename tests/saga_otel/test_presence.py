@@ -138,3 +138,37 @@ async def test_with_several_endpoints_the_live_connection_moves_to_the_next(
             assert loop.time() < deadline, "never connected to the next endpoint"
             await asyncio.sleep(0.01)
         presence.close()
+
+
+def test_an_error_that_is_not_the_networks_is_raised_once_a_backoff(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A connect that fails for a reason of the process's own (a child forked while the
+    idna codec was half-imported: LookupError) backs off as a network failure does, and is
+    raised for the heartbeat to count and log: once a backoff, not once a beat."""
+    import socket
+
+    from saga_otel._logging import default_logger
+    from saga_otel._presence import Presence
+    from saga_otel._transport import TransportSettings
+
+    tries: list[object] = []
+
+    def codecless(*args: object, **kwargs: object) -> socket.socket:
+        tries.append(args)
+        raise LookupError("unknown encoding: idna")
+
+    monkeypatch.setattr(socket, "create_connection", codecless)
+    clock = Clock()
+    presence = Presence(
+        "http://127.0.0.1:9/v1/traces", TransportSettings(headers={}), lambda: "agent-9",
+        default_logger(), clock=clock,
+    )  # fmt: skip
+    with pytest.raises(LookupError):
+        presence.beat()
+    presence.beat()  # within the backoff: no connect, nothing raised
+    assert len(tries) == 1
+    clock.now += 60.0  # past any backoff
+    with pytest.raises(LookupError):
+        presence.beat()
+    assert len(tries) == 2
