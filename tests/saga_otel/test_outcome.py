@@ -541,33 +541,34 @@ def free(turn):
             got.set()
     t = threading.Thread(target=take, daemon=True)
     t.start()
-    return got.wait(2)
+    return got.wait(10)
 """
 
 _INTERRUPTED_TAKE = """
 held_for_ever = 0
 for _ in range(200):
     turn = _Turn()
-    held = threading.Event()
+    held, sent = threading.Event(), threading.Event()
     def other():
         with turn:
             held.set()
             time.sleep(0.002)
         signal.pthread_kill(main, signal.SIGINT)  # Ctrl-C as the turn is handed over
+        sent.set()
     t = threading.Thread(target=other)
     t.start()
-    held.wait()
     try:
-        with turn:
+        held.wait()
+        try:
+            with turn:
+                pass
+        except KeyboardInterrupt:
             pass
-        time.sleep(0.001)  # or the signal lands here
+        sent.wait()
+        time.sleep(0.01)  # a signal not raised yet is raised here, not in t.join()
     except KeyboardInterrupt:
         pass
     t.join()
-    try:
-        time.sleep(0.001)
-    except KeyboardInterrupt:
-        pass
     held_for_ever += not free(turn)
 print("held for ever:", held_for_ever)
 """
@@ -575,22 +576,29 @@ print("held for ever:", held_for_ever)
 _INTERRUPTED_RETAKE = """
 turn = _Turn()
 turn.__enter__()  # the main thread drives the run
-in_leaf, held = threading.Event(), threading.Event()
+in_leaf, held, sent = threading.Event(), threading.Event(), threading.Event()
 def other():
     in_leaf.wait()
     with turn:  # another thread's turn while the main thread's tool runs
         held.set()
         time.sleep(0.05)
     signal.pthread_kill(main, signal.SIGINT)  # Ctrl-C as the turn comes back
+    sent.set()
 threading.Thread(target=other, daemon=True).start()
 def leaf():
     in_leaf.set()
     held.wait()
+outcome = "no interrupt"
 try:
-    turn.released(leaf)
-    print("no interrupt")
+    try:
+        turn.released(leaf)
+    except KeyboardInterrupt:
+        outcome = "interrupted"
+    sent.wait()
+    time.sleep(0.01)  # a signal not raised yet is raised here
 except KeyboardInterrupt:
-    print("interrupted")
+    pass
+print(outcome)
 print("holds it:", turn._holds())
 turn.__exit__(None, None, None)
 print("free after:", free(turn))
