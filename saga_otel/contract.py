@@ -83,6 +83,8 @@ _INT_ATTRS = (
     sc.SAGA_STEP_INDEX,
     sc.SAGA_STEP_ATTEMPT,
     sc.SAGA_RECOVERY_TOKEN,
+    sc.SAGA_HEARTBEAT_BEAT,
+    sc.SAGA_HEARTBEAT_PARTS,
 )
 _KINDS: dict[str, type] = {
     **dict.fromkeys(_STR_ATTRS, str),
@@ -189,6 +191,12 @@ def check(
             math.isfinite(interval) and interval > 0
         ):
             out.append(Problem(sc.SAGA_HEARTBEAT_INTERVAL_S, interval, "must be a positive double"))
+        beat = get(sc.SAGA_HEARTBEAT_BEAT, 0)
+        if not _is_int(beat) or beat < 0:
+            out.append(Problem(sc.SAGA_HEARTBEAT_BEAT, beat, "must be an int >= 0"))
+        parts = get(sc.SAGA_HEARTBEAT_PARTS, 1)
+        if not _is_int(parts) or parts < 1:
+            out.append(Problem(sc.SAGA_HEARTBEAT_PARTS, parts, "must be an int >= 1"))
     elif not get(sc.SAGA_RUN_ID):
         out.append(
             Problem(

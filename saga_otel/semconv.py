@@ -158,6 +158,11 @@ SAGA_ESCALATION_CARD: Final = "saga.escalation.card"
 # --- heartbeat ------------------------------------------------------------
 SAGA_HEARTBEAT_OPEN_RUNS: Final = "saga.heartbeat.open_runs"
 SAGA_HEARTBEAT_INTERVAL_S: Final = "saga.heartbeat.interval_s"
+# A beat too large for one span is sent as several (its parts), each naming some of the
+# open runs: the beat's number (the same on every part, another on each beat) and how many
+# parts it has. A heartbeat without them is a whole beat, as before they existed.
+SAGA_HEARTBEAT_BEAT: Final = "saga.heartbeat.beat"
+SAGA_HEARTBEAT_PARTS: Final = "saga.heartbeat.parts"
 
 # --- OpenTelemetry GenAI conventions (tool calls) ---------------------------
 GEN_AI_OPERATION_NAME: Final = "gen_ai.operation.name"

@@ -146,3 +146,33 @@ def test_a_run_id_the_sidecar_refuses_is_a_violation_with_the_rule_s_words(bad: 
 def test_the_longest_printable_run_id_is_kept() -> None:
     span = real_span(do_attrs(**{sc.SAGA_RUN_ID: "日" * sc.RUN_ID_MAX_CHARS}))
     assert contract_violations([span]) == []
+
+
+def _heartbeat(**over: Any) -> dict[str, Any]:
+    attrs: dict[str, Any] = {
+        sc.SAGA_PHASE: sc.PHASE_HEARTBEAT,
+        sc.SAGA_CONTRACT_VERSION: sc.CONTRACT_VERSION,
+        sc.SAGA_HEARTBEAT_OPEN_RUNS: ["run-1"],
+        sc.SAGA_HEARTBEAT_INTERVAL_S: 1.0,
+    }
+    attrs.update(over)
+    return attrs
+
+
+@pytest.mark.parametrize(
+    ("over", "attribute", "value"),
+    [
+        ({sc.SAGA_HEARTBEAT_BEAT: -1}, sc.SAGA_HEARTBEAT_BEAT, -1),
+        ({sc.SAGA_HEARTBEAT_BEAT: "7"}, sc.SAGA_HEARTBEAT_BEAT, "7"),
+        ({sc.SAGA_HEARTBEAT_PARTS: 0}, sc.SAGA_HEARTBEAT_PARTS, 0),
+        ({sc.SAGA_HEARTBEAT_PARTS: True}, sc.SAGA_HEARTBEAT_PARTS, True),
+    ],
+)
+def test_a_heartbeat_part_needs_an_int_beat_and_a_positive_count_of_parts(
+    over: dict[str, Any], attribute: str, value: Any
+) -> None:
+    span = real_span(_heartbeat(**over), sc.HEARTBEAT_SPAN_NAME)
+    (problem,) = check(dict(span.attributes or {}))
+    assert (problem.attribute, problem.value) == (attribute, value) and problem.fix
+    rejected, message = intake(span)
+    assert rejected == 1 and str(problem) in message
