@@ -40,7 +40,9 @@ from ._outbox_sql import (
     sql,
 )
 from ._storage import (
+    BEAT_V8,
     HELD_OWNER_ROWS,
+    JOINS_SQL,
     LEASE_ROW,
     MARK_ROW,
     NOT_PUT_AWAY,
@@ -68,6 +70,7 @@ from ._storage import (
     SpanRow,
     StoredSpan,
     T,
+    merge_heartbeats,
     owners_from_rows,
     put_away_page_sql,
     span_from_row,
@@ -201,6 +204,8 @@ CREATE INDEX IF NOT EXISTS {table}_changed ON {table} (changed);
     ),
     # 7: as SQLite's (who resolved a run; replicas read it with the mark's row).
     7: RESOLVED_BY_V7.format(add="ADD COLUMN IF NOT EXISTS"),
+    # 8: as SQLite's (the beat an instance's row holds the runs of).
+    8: BEAT_V8.format(add="ADD COLUMN IF NOT EXISTS", bigint="BIGINT"),
 }
 # The owners' put-away flag (schema 5) of sorted run ids, their rows locked in that
 # order (as the intake locks them), so two replicas' put-aways cannot deadlock on them.
@@ -235,6 +240,22 @@ _XMAX = "(SELECT pg_snapshot_xmax(pg_current_snapshot())::text::bigint)"
 _INSTANCE_CHANGES = (
     "SELECT instance, last_heartbeat, interval_s, open_runs, changed FROM instances "
     "WHERE changed >= %s"
+)
+# An instance's heartbeat rows, one per instance (merge_heartbeats: one statement may not
+# update a row twice), each joining the beat the row holds or taking its place. Under
+# the row's lock: two replicas storing parts of one beat at once both end in the row.
+_STORE_HEARTBEATS = (
+    "INSERT INTO instances(instance, last_heartbeat, interval_s, open_runs, beat, "
+    "beat_parts, beat_merged) SELECT * FROM unnest(%b::text[], %b::float8[], %b::float8[], "
+    "%b::text[], %b::int8[], %b::int8[], %b::int8[]) ON CONFLICT (instance) DO UPDATE SET "
+    "last_heartbeat = excluded.last_heartbeat, interval_s = excluded.interval_s, "
+    f"open_runs = CASE WHEN {JOINS_SQL} THEN (SELECT COALESCE(json_agg(u.r), '[]')::text "
+    "FROM (SELECT json_array_elements_text(COALESCE(instances.open_runs, '[]')::json) "
+    "UNION SELECT json_array_elements_text(excluded.open_runs::json)) AS u(r)) "
+    "ELSE excluded.open_runs END, "
+    f"beat_merged = CASE WHEN {JOINS_SQL} THEN instances.beat_merged + excluded.beat_merged "
+    "ELSE excluded.beat_merged END, beat = excluded.beat, beat_parts = excluded.beat_parts, "
+    f"changed = excluded.changed RETURNING instance, changed, beat_merged, {_XMAX}"
 )
 # The shared rows' columns, then the mark a clear ended (marks), then the change number.
 _MARK_CHANGES = MARK_ROW.replace(" FROM ", ", cleared, changed FROM ") + " WHERE changed >= %s"
@@ -731,21 +752,15 @@ class PgStore(_Pooled):
                 self._own.add(seq)  # in our state already: changes() skips them
                 change = int(xmax)
         if heartbeats:
-            # One row per instance, its last heartbeat (one statement may not update a
-            # row twice): what a heartbeat at a time would leave.
-            last = {row[0]: row for row in heartbeats}
-            cur.execute(
-                "INSERT INTO instances(instance, last_heartbeat, interval_s, open_runs) "
-                "SELECT * FROM unnest(%b::text[], %b::float8[], %b::float8[], %b::text[]) "
-                "ON CONFLICT (instance) DO UPDATE SET "
-                "last_heartbeat = excluded.last_heartbeat, interval_s = excluded.interval_s, "
-                "open_runs = excluded.open_runs, changed = excluded.changed "
-                f"RETURNING instance, changed, {_XMAX}",
-                _columns(list(last.values()), 4),
-            )
-            # Ours are in our state already: changes() skips them (as our own spans).
-            for instance, number, xmax in cur.fetchall():
-                self._versions["instances", str(instance)] = int(number)
+            rows = merge_heartbeats(heartbeats)
+            cur.execute(_STORE_HEARTBEATS, _columns(rows, 7))
+            merged = {row[0]: row[6] for row in rows}
+            for instance, number, held, xmax in cur.fetchall():
+                # Ours are in our state already: changes() skips them (as our own spans);
+                # not a row that joined parts of its beat stored before, maybe by another
+                # replica: read back, it names their runs too.
+                if held is None or held <= merged[instance]:
+                    self._versions["instances", str(instance)] = int(number)
                 change = int(xmax)
         return change
 

@@ -77,6 +77,7 @@ from ._storage import (
     Screening,
     SpanRow,
     Store,
+    heartbeat_row,
 )
 from ._views import RunSummary, RunView
 
@@ -1085,9 +1086,16 @@ class Sidecar:
         for span, raw in zip(decoded.spans, decoded.raw, strict=True):
             attrs = span.attributes
             if attrs.get(sc.SAGA_PHASE) == sc.PHASE_HEARTBEAT:
-                interval = float(attrs.get(sc.SAGA_HEARTBEAT_INTERVAL_S, 1.0))
-                open_runs = list(attrs.get(sc.SAGA_HEARTBEAT_OPEN_RUNS, ()))
-                heartbeats.append((span.instance, now, interval, json.dumps(open_runs)))
+                heartbeats.append(
+                    heartbeat_row(
+                        span.instance,
+                        now,
+                        float(attrs.get(sc.SAGA_HEARTBEAT_INTERVAL_S, 1.0)),
+                        attrs.get(sc.SAGA_HEARTBEAT_OPEN_RUNS, ()),
+                        attrs.get(sc.SAGA_HEARTBEAT_BEAT),
+                        attrs.get(sc.SAGA_HEARTBEAT_PARTS, 1),
+                    )
+                )
             else:
                 rows.append(
                     (attrs[sc.SAGA_RUN_ID], span.span_id, now, span.service, span.instance, raw)

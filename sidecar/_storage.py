@@ -16,6 +16,7 @@ both backends and their users import it without a circle.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from urllib.parse import urlsplit
 from ._errors import ConfigError
 from ._leases import Lease, LeaseRefusal, Owner
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 """The schema this sidecar writes. 1: the first (no outbox claims); 2: outbox claims;
 3: the index of finished runs put away from memory (``run_index``); 4: the outbox's
 fires marked ``resolved_at`` and its indexes on state and on the fires still firing;
@@ -34,7 +35,10 @@ fires marked ``resolved_at`` and its indexes on state and on the fires still fir
 (PostgreSQL; nothing on SQLite): change numbers on heartbeats, run marks and leases,
 and the mark a clear ended, so replicas read every change by the database's order,
 clears included, whatever their clocks say; 7: who resolved a run (``run_marks``'
-``resolution_by``; NULL for the resolutions stored before, whose person is unknown).
+``resolution_by``; NULL for the resolutions stored before, whose person is unknown);
+8: the beat an instance's heartbeat row holds the runs of (``instances``' ``beat``,
+``beat_parts``, ``beat_merged``), so the parts of one beat, stored apart, are unioned
+(``merge_heartbeats``).
 
 Opening an older database upgrades it in place; a newer one is refused
 (``_store.py`` and ``_pgstore.py`` hold the steps, one per version).
@@ -218,12 +222,52 @@ class RunQuery(NamedTuple):
 
 SpanRow = tuple[str, str, float, str, str, bytes]
 """(run_id, span_id, received_at, service, instance, protobuf bytes)."""
-HeartbeatRow = tuple[str, float, float, str]
-"""(instance, heard at, interval seconds, the open runs it named as a JSON list)."""
+HeartbeatRow = tuple[str, float, float, str, int | None, int, int]
+"""(instance, heard at, interval seconds, the open runs it named as a JSON list, the
+beat's number (None: a heartbeat without one, a whole beat), how many parts the beat
+has, how many of them the row holds)."""
 HeardRow = tuple[str, float, float, str, int]
 """A ``HeartbeatRow`` another process stored, and its change number (``Store.changes``)."""
 InstanceRow = tuple[str, float, float]
 """(instance, last heartbeat, interval seconds)."""
+
+
+def heartbeat_row(
+    instance: str, at: float, interval: float, open_runs: Sequence[str],
+    beat: int | None = None, parts: int = 1,
+) -> HeartbeatRow:  # fmt: skip
+    """The row of one heartbeat span (one part of its beat)."""
+    return (instance, at, interval, json.dumps(list(open_runs)), beat, parts, 1)
+
+
+def joins(held: HeartbeatRow, row: HeartbeatRow) -> bool:
+    """Whether ``row`` is another part of the beat ``held`` holds (the runs they name are
+    then unioned), not a new beat (whose runs take the place of ``held``'s). Counting the
+    parts held keeps an agent that never changes its beat number from growing the row
+    past one beat's worth. The stores' upserts apply the same rule in SQL."""
+    beat = row[4]
+    return beat is not None and held[4] == beat and held[6] + row[6] <= row[5]
+
+
+# ``joins`` in SQL, for the stores' upserts of an instance's row (``instances``, the row
+# held; ``excluded``, the row stored).
+JOINS_SQL = (
+    "(excluded.beat IS NOT NULL AND instances.beat = excluded.beat "
+    "AND instances.beat_merged + excluded.beat_merged <= excluded.beat_parts)"
+)
+
+
+def merge_heartbeats(rows: Iterable[HeartbeatRow]) -> list[HeartbeatRow]:
+    """One row per instance, as storing ``rows`` one after the other leaves it (in order
+    of first appearance): a row replaces the one before unless it ``joins`` it."""
+    out: dict[str, HeartbeatRow] = {}
+    for row in rows:
+        held = out.get(row[0])
+        if held is not None and joins(held, row):
+            runs = list(dict.fromkeys([*json.loads(held[3]), *json.loads(row[3])]))
+            row = (*row[:3], json.dumps(runs), row[4], row[5], held[6] + row[6])
+        out[row[0]] = row
+    return list(out.values())
 
 
 class IntakeRows(NamedTuple):
@@ -594,6 +638,15 @@ CREATE INDEX IF NOT EXISTS run_owners_held ON run_owners (run_id) WHERE put_away
 RESOLVED_BY_V7 = "ALTER TABLE run_marks {add} resolution_by TEXT;"
 """Schema step 7 (both backends): who resolved a run. Rows stored before keep their note
 and time with NULL here: their person is unknown, and nothing is made up for them."""
+
+BEAT_V8 = """
+ALTER TABLE instances {add} beat {bigint};
+ALTER TABLE instances {add} beat_parts {bigint};
+ALTER TABLE instances {add} beat_merged {bigint};
+"""
+"""Schema step 8 (both backends): the beat an instance's row holds the runs of, how many
+parts it has and how many the row holds (``merge_heartbeats``). NULL in the rows stored
+before: the next heartbeat takes their place, as any heartbeat did."""
 
 
 LEASE_ROW = (

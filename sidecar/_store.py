@@ -37,7 +37,9 @@ from ._outbox_sql import (
 )
 from ._putaway_filter import PutAwayFilter
 from ._storage import (
+    BEAT_V8,
     HELD_OWNER_ROWS,
+    JOINS_SQL,
     LEASE_ROW,
     MARK_ROW,
     NO_CHANGES,
@@ -65,6 +67,7 @@ from ._storage import (
     SpanRow,
     StoredSpan,
     T,
+    merge_heartbeats,
     owners_from_rows,
     put_away_page_sql,
 )
@@ -175,7 +178,20 @@ CREATE INDEX IF NOT EXISTS run_index_seen ON run_index (last_seen);
     6: "",
     # 7: who resolved a run, as they named themselves; NULL for the resolutions before it.
     7: RESOLVED_BY_V7.format(add="ADD COLUMN"),
+    # 8: the beat an instance's row holds the runs of (the parts of one beat are unioned).
+    8: BEAT_V8.format(add="ADD COLUMN", bigint="INTEGER"),
 }
+# An instance's heartbeat row (merge_heartbeats' rule: a part of the beat held joins it).
+_STORE_HEARTBEAT = (
+    "INSERT INTO instances(instance, last_heartbeat, interval_s, open_runs, beat, "
+    "beat_parts, beat_merged) VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT(instance) DO UPDATE "
+    "SET last_heartbeat=excluded.last_heartbeat, interval_s=excluded.interval_s, "
+    f"open_runs=CASE WHEN {JOINS_SQL} THEN (SELECT json_group_array(value) FROM "
+    "(SELECT value FROM json_each(instances.open_runs) "
+    "UNION SELECT value FROM json_each(excluded.open_runs))) ELSE excluded.open_runs END, "
+    f"beat_merged=CASE WHEN {JOINS_SQL} THEN instances.beat_merged + excluded.beat_merged "
+    "ELSE excluded.beat_merged END, beat=excluded.beat, beat_parts=excluded.beat_parts"
+)
 
 
 def _statements(script: str) -> list[str]:
@@ -502,13 +518,7 @@ class SqliteStore:
                     spans,
                 )
             if heartbeats:
-                db.executemany(
-                    "INSERT INTO instances(instance, last_heartbeat, interval_s, open_runs) "
-                    "VALUES (?, ?, ?, ?) ON CONFLICT(instance) DO UPDATE SET "
-                    "last_heartbeat=excluded.last_heartbeat, interval_s=excluded.interval_s, "
-                    "open_runs=excluded.open_runs",
-                    heartbeats,
-                )
+                db.executemany(_STORE_HEARTBEAT, merge_heartbeats(heartbeats))
             db.execute("COMMIT")
         except sqlite3.Error as exc:
             self._rollback()

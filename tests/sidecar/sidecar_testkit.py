@@ -318,7 +318,10 @@ def heartbeat_spans(
     at: float,
     interval: float = 1.0,
     resource: dict[str, Any] | None = None,
+    beat: int | None = None,
+    parts: int = 1,
 ) -> list[ReadableSpan]:
+    """One heartbeat span at ``at``; with ``beat``, a part of that beat (of ``parts``)."""
     exporter = InMemorySpanExporter()
     provider = TracerProvider(
         resource=Resource(resource)
@@ -334,6 +337,11 @@ def heartbeat_spans(
             sc.SAGA_CONTRACT_VERSION: sc.CONTRACT_VERSION,
             sc.SAGA_HEARTBEAT_OPEN_RUNS: list(open_runs),
             sc.SAGA_HEARTBEAT_INTERVAL_S: interval,
+            **(
+                {}
+                if beat is None
+                else {sc.SAGA_HEARTBEAT_BEAT: beat, sc.SAGA_HEARTBEAT_PARTS: parts}
+            ),
         },
     )
     span.end(end_time=int(at * NS))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import signal
@@ -52,7 +53,7 @@ from sidecar._otlp import Decoded, extract, parse_protobuf
 from sidecar._outbox import DELIVERED, PENDING, AlertMetrics, Backoff, Outbox
 from sidecar._pgstore import CLAIM_TTL_S, PgAlertStore, PgStore, check_version
 from sidecar._sinks import DeliveryRetry
-from sidecar._storage import parse_db
+from sidecar._storage import heartbeat_row, parse_db
 
 pytestmark = pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
 
@@ -623,6 +624,39 @@ async def test_a_follower_that_heard_the_agent_after_the_mark_does_not_restore_i
     assert orphaned == [Action.FIRE, Action.RESOLVE]
 
 
+async def test_the_parts_of_one_beat_at_the_follower_bring_every_run_back_at_the_leader(
+    tmp_path: Path,
+) -> None:
+    """A beat too large for one span comes as parts, in requests of their own: here both
+    at the follower, after the leader's orphan marks and before the follower read them (so
+    the follower keeps the runs and clears no mark). The leader reads the instance's row:
+    it names the runs of every part of the beat, not only the last part's, or the runs of
+    the others would stay orphaned at the leader while the follower has them running."""
+    clock = FakeClock()
+    got: list[tuple[str, AlertEvent]] = []
+    settings = settings_for(tmp_path, idle_timeout=5.0, tick_interval=3600.0)
+    leader, follower = _alerting_replicas(settings, clock, got)
+    async with leader, follower:
+        runs = [open_run(instance="agent-1") for _ in range(2)]
+        await export_http(follower, [s for run in runs for s in run.spans()])
+        await leader.sync()
+        clock.now += 10.0
+        assert [t.after for t in leader.tick()] == [sc.STATE_ORPHANED] * 2
+        await leader.flush()
+        clock.now += 1.0
+        for run in runs:  # beat 1 in two parts, a request each
+            beat = heartbeat_spans("agent-1", [run.run_id], clock.now, beat=1, parts=2)
+            await export_http(follower, beat)
+        await follower.sync()  # reads the marks, older than the heartbeats it took
+        await leader.sync()
+        for replica in (leader, follower):
+            assert [replica.state.status(r.run_id) for r in runs] == [sc.STATE_RUNNING] * 2
+        await leader.flush()
+        await follower.sync()
+        async with Sidecar(settings, clock=clock) as started:  # the marks were ended
+            assert [started.state.status(r.run_id) for r in runs] == [sc.STATE_RUNNING] * 2
+
+
 async def test_a_mark_cleared_through_one_replica_is_cleared_at_the_others(
     tmp_path: Path,
 ) -> None:
@@ -1103,7 +1137,7 @@ async def test_a_sync_read_before_a_prune_does_not_bring_instances_back(
     assert settings.db_url is not None
     other = PgStore(parse_db(settings.db_url))  # another replica stored the heartbeat
     async with Sidecar(settings, clock=clock) as sidecar:
-        other.write([], [("agent-gone", clock.now, 1.0, "[]")])
+        other.write([], [heartbeat_row("agent-gone", clock.now, 1.0, [])])
         await sidecar.sync()
         assert sidecar.state.instance_count() == 1
         store = sidecar.store
@@ -1237,13 +1271,35 @@ def test_a_replica_reads_back_only_the_heartbeats_others_stored(tmp_path: Path) 
     a, b = PgStore(parse_db(url)), PgStore(parse_db(url))
     try:
         a.changes(100.0), b.changes(100.0)
-        a.write([], [("agent-a", 101.0, 1.0, "[]")])
-        b.write([], [("agent-b", 101.5, 1.0, "[]")])
+        a.write([], [heartbeat_row("agent-a", 101.0, 1.0, [])])
+        b.write([], [heartbeat_row("agent-b", 101.5, 1.0, [])])
         assert [row[0] for row in a.changes(102.0).instances] == ["agent-b"]
         assert [row[0] for row in b.changes(102.0).instances] == ["agent-a"]
-        b.write([], [("agent-a", 103.0, 1.0, "[]")])  # the agent now beats through b
+        b.write([], [heartbeat_row("agent-a", 103.0, 1.0, [])])  # the agent now beats through b
         assert [row[0] for row in a.changes(104.0).instances] == ["agent-a"]  # b's new row
         assert a.changes(105.0).instances == []  # each row once: a reread is not a beat
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_replica_reads_back_a_row_its_part_of_a_beat_joined(tmp_path: Path) -> None:
+    """b stores the second part of a beat whose first part a stored, before b read a's row:
+    the row names the runs of both parts, and b reads it back once (a's part is news to
+    b, as a's rows are); a row b alone wrote is not read back."""
+    url = db_for(tmp_path / "sidecar.db")
+    a, b = PgStore(parse_db(url)), PgStore(parse_db(url))
+    try:
+        a.changes(100.0), b.changes(100.0)
+        a.write([], [heartbeat_row("agent-1", 101.0, 1.0, ["r1"], beat=1, parts=2)])
+        b.write([], [heartbeat_row("agent-1", 101.0, 1.0, ["r2"], beat=1, parts=2)])
+        ((_, _, _, runs, _),) = b.changes(102.0).instances
+        assert sorted(json.loads(runs)) == ["r1", "r2"]
+        assert b.changes(103.0).instances == []
+        ((_, _, _, runs, _),) = a.changes(104.0).instances
+        assert sorted(json.loads(runs)) == ["r1", "r2"]
+        b.write([], [heartbeat_row("agent-1", 105.0, 1.0, ["r1"], beat=2, parts=1)])
+        assert b.changes(106.0).instances == []
     finally:
         a.close()
         b.close()

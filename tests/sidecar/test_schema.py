@@ -26,7 +26,7 @@ from sidecar._backends import open_store
 from sidecar._otlp import extract, parse_protobuf
 from sidecar._outbox import DELIVERED, PENDING, Outbox, _load
 from sidecar._pgstore import _STEPS as pg_steps
-from sidecar._storage import SCHEMA_VERSION
+from sidecar._storage import SCHEMA_VERSION, heartbeat_row
 from sidecar._store import _STEPS as sqlite_steps
 from sidecar._store import _statements as statements
 
@@ -195,7 +195,7 @@ async def test_a_version_1_database_is_upgraded_in_place(tmp_path: Path, backend
     async with Sidecar(settings, clock=FakeClock()) as sc_:
         view = sc_.state.view(run_id)
         assert view is not None and view["status"] == sc.STATUS_COMPENSATION_FAILED
-        assert sc_.store is not None and sc_.store.schema_version() == SCHEMA_VERSION == 7
+        assert sc_.store is not None and sc_.store.schema_version() == SCHEMA_VERSION == 8
     # The outbox row written by version 1 is still there, pending, in the new shape.
     box = Outbox(where, [])
     try:
@@ -390,3 +390,35 @@ async def test_a_version_6_database_keeps_its_resolutions_with_no_one_named(
         ("r-later", "settled", "alice"),
         ("r-resolved", "reversed cr_1 by hand", None),
     ]
+
+
+def test_a_version_7_database_takes_the_parts_of_a_beat(tmp_path: Path, backend: str) -> None:
+    """Version 8 keeps the beat an instance's row holds the runs of. A row stored before
+    holds none: the next heartbeat takes its place, and the parts of its beat join."""
+    where = db_for(tmp_path / "sidecar.db")
+    steps = pg_steps if backend == "postgresql" else sqlite_steps
+    script = ";".join(
+        ["CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)"]
+        + [s for version in range(1, 8) for s in statements(steps[version])]
+    )
+    _execute(
+        where,
+        script,
+        [
+            ("INSERT INTO meta(key, value) VALUES ('schema', '7')", ()),
+            (
+                "INSERT INTO instances(instance, last_heartbeat, interval_s, open_runs) "
+                "VALUES (?, ?, ?, ?)",
+                ("agent-1", 1.0, 1.0, '["r0"]'),
+            ),
+        ],
+    )
+    store = open_store(settings_for(tmp_path).database)
+    try:
+        assert store.schema_version() == SCHEMA_VERSION == 8
+        store.write([], [heartbeat_row("agent-1", 2.0, 1.0, ["r1"], beat=1, parts=2)])
+        store.write([], [heartbeat_row("agent-1", 2.0, 1.0, ["r2"], beat=1, parts=2)])
+    finally:
+        store.close()
+    ((runs, beat),) = _rows(where, "SELECT open_runs, beat FROM instances")
+    assert (sorted(json.loads(runs)), beat) == (["r1", "r2"], 1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -32,7 +33,7 @@ from support import sql_on
 from saga_otel import semconv as sc
 from sidecar import Sidecar
 from sidecar._backends import open_store
-from sidecar._storage import Resolution, parse_db
+from sidecar._storage import Resolution, heartbeat_row, parse_db
 
 pytestmark = BOTH_BACKENDS
 
@@ -255,3 +256,51 @@ def test_unwritable_db_path_is_a_clear_error(tmp_path: Path, backend: str) -> No
         assert "--db" in str(exc)
     else:
         raise AssertionError("opened a database that cannot be")
+
+
+def test_the_parts_of_one_beat_stored_apart_leave_the_row_naming_every_run(
+    tmp_path: Path,
+) -> None:
+    """A beat too large for one span comes as parts, in separate requests, possibly at
+    two replicas (two stores on one database here): the instance's row names the runs of
+    every part stored (what other replicas read), not only the last part's; the next beat
+    takes its place. An agent whose beat number never changes grows the row by at most
+    one beat's parts, and a heartbeat without a number replaces the row, as ever."""
+    where = settings_for(tmp_path).database
+    a, b = open_store(where), open_store(where)
+
+    def held() -> tuple[list[str], object]:
+        with sql_on(db_for(tmp_path / "sidecar.db")) as run:
+            ((runs, beat),) = run("SELECT open_runs, beat FROM instances")
+        return sorted(json.loads(runs)), beat
+
+    try:
+        a.write([], [heartbeat_row("agent-1", 101.0, 1.0, ["r1", "r2"], beat=7, parts=3)])
+        b.write([], [heartbeat_row("agent-1", 101.0, 1.0, ["r3"], beat=7, parts=3)])
+        assert held() == (["r1", "r2", "r3"], 7)
+        # Two parts in one request, the last one of the beat at the other store.
+        a.write(
+            [],
+            [
+                heartbeat_row("agent-1", 102.0, 1.0, ["r1"], beat=8, parts=3),
+                heartbeat_row("agent-1", 102.0, 1.0, ["r2"], beat=8, parts=3),
+            ],
+        )
+        assert held() == (["r1", "r2"], 8)
+        b.write([], [heartbeat_row("agent-1", 102.0, 1.0, ["r4"], beat=8, parts=3)])
+        assert held() == (["r1", "r2", "r4"], 8)
+        # A fourth "part" of a three-part beat is a new beat in disguise: it replaces.
+        b.write([], [heartbeat_row("agent-1", 103.0, 1.0, ["r5"], beat=8, parts=3)])
+        assert held() == (["r5"], 8)
+        a.write([], [heartbeat_row("agent-1", 104.0, 1.0, ["r6"])])  # no number: whole
+        assert held() == (["r6"], None)
+        a.write([], [heartbeat_row("agent-1", 105.0, 1.0, ["r7"])])
+        assert held() == (["r7"], None)
+        # Any int64 an agent may send is stored (a refused write would refuse its request).
+        big = heartbeat_row("agent-1", 106.0, 1.0, ["r8"], beat=2**63 - 1, parts=2**40)
+        a.write([], [big])
+        b.write([], [(*big[:3], '["r9"]', *big[4:])])
+        assert held() == (["r8", "r9"], 2**63 - 1)
+    finally:
+        a.close()
+        b.close()
