@@ -505,7 +505,8 @@ def configure(
     ``ProcessPoolExecutor`` worker, which skip ``atexit``). A process that ends
     itself with ``os._exit`` skips both: call ``shutdown()`` on what ``configure()``
     returned first. A saga span larger
-    than ``max_span_bytes`` once encoded is replaced by a small marker span.
+    than ``max_span_bytes`` once encoded is replaced by a small marker span; a
+    heartbeat that would be is sent as several spans (its parts) that fit.
 
     The standard ``OTEL_EXPORTER_OTLP_TRACES_*`` / ``OTEL_EXPORTER_OTLP_*``
     variables apply to this export too: ``HEADERS``, ``COMPRESSION`` (``gzip``
@@ -603,6 +604,7 @@ def configure(
                     else None
                 ),
                 registry=registry,
+                max_span_bytes=max_span_bytes,
             ),
             shutdown_timeout=shutdown_timeout,
         )

@@ -24,7 +24,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext
 
-__all__ = ["encode"]
+__all__ = ["encode", "string_item_bytes"]
 
 _KINDS: Final = (1, 2, 3, 4, 5)  # SpanKind.value 0..4 -> SPAN_KIND_INTERNAL..CONSUMER
 _HAS_IS_REMOTE: Final = 0x100
@@ -246,6 +246,21 @@ def _direct(spans: Sequence[ReadableSpan]) -> bytes:
             body.append(_text(0x1A, resource.schema_url))
         out.append(_ld(0x0A, b"".join(body)))
     return b"".join(out)
+
+
+def _varint_len(n: int) -> int:
+    return max(1, (n.bit_length() + 6) // 7)
+
+
+def string_item_bytes(value: str) -> int:
+    """The bytes ``value`` adds to a span's encoding as one more item of a string array
+    attribute: its AnyValue and both length prefixes. The prefixes of the fields around
+    the array grow too as it does, by a few bytes at most (a varint each)."""
+    n = len(value) if value.isascii() else len(value.encode("utf-8"))
+    if n < 126:  # the common case: both prefixes a byte long
+        return n + 4
+    inner = 1 + _varint_len(n) + n  # AnyValue{string_value}
+    return 1 + _varint_len(inner) + inner  # ArrayValue.values item
 
 
 def encode(spans: Sequence[ReadableSpan]) -> bytes:

@@ -17,7 +17,7 @@ from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, SpanKind, S
 from opentelemetry.trace.span import TraceState
 
 from saga_otel import semconv as sc
-from saga_otel._wire import encode
+from saga_otel._wire import encode, string_item_bytes
 
 KEYS = st.text(min_size=1, max_size=150)  # past 127 bytes the lengths take two bytes
 TEXT = st.text(max_size=300)
@@ -156,3 +156,28 @@ def test_equal_resources_share_one_group_as_in_the_sdk() -> None:
     body = encode(spans)  # type: ignore[arg-type]
     assert body == encode_spans(spans).SerializeToString()  # type: ignore[arg-type]
     assert len(ExportTraceServiceRequest.FromString(body).resource_spans) == 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.text(max_size=300), min_size=1, max_size=5))
+def test_string_item_bytes_is_what_one_more_array_item_adds(items: list[str]) -> None:
+    """What the heartbeat's size budget counts per run id: the item's own bytes, exactly.
+    The fields around the array grow by their length prefixes only (a few bytes)."""
+    resource = Resource({"service.name": "agent"})
+
+    def size(values: list[str]) -> int:
+        span = ReadableSpan(
+            name=sc.HEARTBEAT_SPAN_NAME,
+            context=SpanContext(1, 1, is_remote=False),
+            resource=resource,
+            attributes={sc.SAGA_HEARTBEAT_OPEN_RUNS: tuple(values)},
+            start_time=1,
+            end_time=2,
+        )
+        return len(encode([span]))
+
+    for value in items:
+        grown = size([*items, value]) - size(items)
+        assert string_item_bytes(value) <= grown <= string_item_bytes(value) + 5
+    long = ["x" * 20_000]
+    assert size([*long, "é" * 200]) - size(long) == string_item_bytes("é" * 200)
