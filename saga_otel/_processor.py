@@ -14,7 +14,9 @@ by span. A span too large to send (413 alone, or over ``max_span_bytes`` once
 encoded), or rejected on its own, is never acknowledged: it is replaced by a small
 marker span of the same run and trace, carrying ``saga.export.dropped`` (see
 ``docs/semantic-conventions.md``), after an error log naming the run, the step,
-the size and, for a rejected span, the sidecar's message.
+the size and, for a rejected span, the sidecar's message. A heartbeat gets no
+marker (one without its run list would say nothing is open): ``_heartbeat`` cuts
+a beat into spans that fit, and one that cannot fit is dropped, logged as such.
 
 Several endpoints (sidecar replicas on one database): requests take them in
 turn; one that refuses, resets, times out or answers 429/5xx is skipped for
@@ -105,6 +107,7 @@ class _Item:
     # A marker carries the ticket of the span it replaces, released with this reason
     # (not acknowledged) once the marker was answered.
     failed: str | None = None
+    beat: int | None = None  # a heartbeat's beat number (saga.heartbeat.beat), if any
 
 
 def _is_saga_span(span: ReadableSpan) -> bool:
@@ -114,6 +117,11 @@ def _is_saga_span(span: ReadableSpan) -> bool:
 
 def _is_heartbeat(span: ReadableSpan) -> bool:
     return (span.attributes or {}).get(sc.SAGA_PHASE) == sc.PHASE_HEARTBEAT
+
+
+def _beat_of(span: ReadableSpan) -> int | None:
+    beat = (span.attributes or {}).get(sc.SAGA_HEARTBEAT_BEAT)
+    return beat if isinstance(beat, int) and not isinstance(beat, bool) else None
 
 
 class SagaSpanProcessor(SpanProcessor):
@@ -194,6 +202,9 @@ class SagaSpanProcessor(SpanProcessor):
         self._cond = threading.Condition()
         self._queue: deque[_Item] = deque()
         self._inflight = 0
+        # The newest beat number queued: a heartbeat of an older beat is dropped when its
+        # turn comes (the newer one names every run open now), with all of its parts.
+        self._newest_beat = 0
         self._stopping = False
         self._kick = threading.Event()  # cuts a backoff short (flush/shutdown)
         self._overflow_logged = False
@@ -229,8 +240,11 @@ class SagaSpanProcessor(SpanProcessor):
             if self._closed or not _is_saga_span(span):
                 return
             ticket: Ticket | None = None
-            # Heartbeats are never waited on; the rest get a ticket in durable mode.
-            if self.durable and not _is_heartbeat(span):
+            if _is_heartbeat(span):  # never waited on
+                self._enqueue(_Item(span, None, beat=_beat_of(span)))
+                return
+            # The rest get a ticket in durable mode.
+            if self.durable:
                 ctx = span.context
                 if ctx is not None:
                     ticket = new_ticket(ctx.span_id, self)
@@ -245,6 +259,8 @@ class SagaSpanProcessor(SpanProcessor):
             full = len(self._queue) + self._inflight >= self._max_queue
             if not full:
                 self._queue.append(item)
+                if item.beat is not None and item.beat > self._newest_beat:
+                    self._newest_beat = item.beat
                 self._cond.notify()
         if not full:
             return
@@ -310,23 +326,36 @@ class SagaSpanProcessor(SpanProcessor):
     # -- the sender thread ---------------------------------------------------
 
     def _take_batch(self) -> list[_Item] | None:
-        """The next request's spans, or None when stopping (unsent spans are lost)."""
+        """The next request's spans, or None when stopping (unsent spans are lost).
+
+        Heartbeats of a beat older than the newest queued are dropped on the way: after
+        an outage only the newest beat goes, whole (each of its parts)."""
+        queue = self._queue
+        batch: list[_Item] = []
         with self._cond:
-            while not self._queue and not self._stopping:
-                self._cond.wait()
+            while not batch:
+                while not queue and not self._stopping:
+                    self._cond.wait()
+                if self._stopping:
+                    break
+                newest = self._newest_beat
+                while queue and len(batch) < self._max_batch:
+                    item = queue[0]
+                    if item.beat is not None and item.beat < newest:
+                        queue.popleft()  # superseded: says nothing the newer beat does not
+                        continue
+                    if item.alone and batch:
+                        break
+                    batch.append(queue.popleft())
+                    if item.alone:
+                        break
+                if not batch:
+                    self._cond.notify_all()  # only stale heartbeats were left: a flush may end
             if self._stopping:
-                left = list(self._queue)
-                self._queue.clear()
+                left = list(queue)
+                queue.clear()
             else:
                 left = None
-                if self._queue[0].alone:
-                    batch = [self._queue.popleft()]
-                else:
-                    batch = []
-                    while self._queue and len(batch) < self._max_batch:
-                        if self._queue[0].alone:
-                            break
-                        batch.append(self._queue.popleft())
                 self._inflight = len(batch)
         if left is not None:
             if left:
@@ -349,9 +378,8 @@ class SagaSpanProcessor(SpanProcessor):
                 outcome, delay = "retry", None
             if outcome == "retry":
                 failures += 1
-                kept = _prune_heartbeats(batch)
                 with self._cond:
-                    self._queue.extendleft(reversed(kept))
+                    self._queue.extendleft(reversed(batch))
                     self._inflight = 0
                     self._cond.notify_all()
                 wait = delay if delay is not None else self._backoff(failures)
@@ -361,7 +389,12 @@ class SagaSpanProcessor(SpanProcessor):
                 # Refused as a whole: each span goes again on its own, in order.
                 with self._cond:
                     self._queue.extendleft(
-                        reversed([_Item(i.span, i.ticket, True, i.marker, i.failed) for i in batch])
+                        reversed(
+                            [
+                                _Item(i.span, i.ticket, True, i.marker, i.failed, i.beat)
+                                for i in batch
+                            ]
+                        )
                     )
                     self._inflight = 0
                     self._cond.notify_all()
@@ -429,7 +462,7 @@ class SagaSpanProcessor(SpanProcessor):
                     reason=REASON_REJECTED,
                     dropped=sc.DROPPED_REJECTED,
                     message="the sidecar rejected a saga span (OTLP partial success; "
-                    "error says why); a marker span replaces it",
+                    "error says why)",
                     error=answer.message,
                 )
                 return "drop", None
@@ -503,15 +536,34 @@ class SagaSpanProcessor(SpanProcessor):
             size,
             reason=REASON_TOO_LARGE,
             dropped=sc.DROPPED_TOO_LARGE,
-            message=f"saga span too large to send ({why}); a marker span replaces it",
+            message=f"saga span too large to send ({why})",
         )
 
     def _replace(
         self, item: _Item, size: int, *, reason: str, dropped: str, message: str, **kw: object
     ) -> None:
         """Lose ``item`` loudly and queue a small marker of its run in its place, so
-        the sidecar knows the run and escalates it instead of never hearing of it."""
+        the sidecar knows the run and escalates it instead of never hearing of it. A
+        marker refused in turn, and a heartbeat, are lost with no marker (the log says)."""
         attrs = item.span.attributes or {}
+        heartbeat = _is_heartbeat(item.span)
+        if item.marker:
+            message += "; it is a marker already, nothing smaller can be sent"
+        elif heartbeat:
+            # A heartbeat without its run list would say "no runs open". Its parts fit
+            # unless the span is too large with no run named (the resource's size).
+            message += (
+                "; the heartbeat is dropped, with no marker: if none gets through, the "
+                "sidecar pages this process's open runs orphaned"
+            )
+            if reason == REASON_TOO_LARGE:
+                message += (
+                    " (a beat is cut into parts within max_span_bytes: one is too large only"
+                    " when its resource is, or when max_span_bytes exceeds the sidecar's"
+                    " --max-body)"
+                )
+        else:
+            message += "; a marker span replaces it"
         self.count(reason)
         # The waiter is released last: once it goes on, the agent (or a test) may read
         # the log before this thread runs again; with a marker, once the marker was
@@ -526,12 +578,10 @@ class SagaSpanProcessor(SpanProcessor):
                 step=attrs.get(sc.SAGA_STEP_NAME),
                 span_name=item.span.name,
                 size_bytes=size,
-                marker=not item.marker and not _is_heartbeat(item.span),
+                marker=not item.marker and not heartbeat,
                 **kw,
             )
-            if item.marker or _is_heartbeat(item.span):
-                # A refused marker: nothing smaller to send. A heartbeat: one without
-                # its run list would say "no runs open"; the next one may get through.
+            if item.marker or heartbeat:
                 return
             try:
                 marker = self._marker(item.span, size, dropped)
@@ -653,12 +703,3 @@ def _small(value: object) -> bool:
     if isinstance(value, (list, tuple)):
         return sum(len(str(v)) for v in value) <= _MARKER_VALUE_BYTES
     return True
-
-
-def _prune_heartbeats(batch: list[_Item]) -> list[_Item]:
-    """Keep only the newest heartbeat of a batch being retried: older ones say nothing more."""
-    last = -1
-    for i, item in enumerate(batch):
-        if _is_heartbeat(item.span):
-            last = i
-    return [item for i, item in enumerate(batch) if i == last or not _is_heartbeat(item.span)]

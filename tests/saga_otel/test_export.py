@@ -30,6 +30,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
 )
+from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanLimits, TracerProvider
 from prometheus_client import CollectorRegistry
 
@@ -1152,6 +1153,59 @@ def test_a_span_over_the_local_bound_is_never_posted(
     ok = _run_span(provider, "run-ok", "saga.do fine")
     ok.end()
     assert wait_for_ack(ok) is True
+
+
+def test_after_an_outage_only_the_newest_beat_is_sent_with_every_part(
+    port: int, setup: Any, provider: TracerProvider, log: RecordingLogger
+) -> None:
+    """Beats too large for one span go in parts (saga_otel._heartbeat). Queued behind a
+    down sidecar, an older beat says nothing the newest does not: it is dropped, and the
+    newest goes whole, never cut down to its last part (which would leave the runs of its
+    other parts unnamed)."""
+    export = setup(f"http://127.0.0.1:{port}", durable=False, max_span_bytes=2048, presence=False)
+    heartbeat = Heartbeat(provider, 1.0, log, max_span_bytes=2048)
+    ids = [f"run-{i:04d}-{'x' * 30}" for i in range(100)]
+    heartbeat.emit(ids)  # nothing listens yet
+    heartbeat.emit(ids[:50])
+    heartbeat.emit(ids)
+    rx = Receiver(port).start()
+    try:
+        assert until(lambda: {g.attrs[sc.SAGA_HEARTBEAT_BEAT] for g in rx.heartbeats()} == {3})
+        got = rx.heartbeats()
+        assert len(got) == got[0].attrs[sc.SAGA_HEARTBEAT_PARTS] > 1
+        assert sorted(r for g in got for r in g.attrs[sc.SAGA_HEARTBEAT_OPEN_RUNS]) == ids
+        assert export.force_flush(5.0)  # and nothing older after it
+        assert {g.attrs[sc.SAGA_HEARTBEAT_BEAT] for g in rx.heartbeats()} == {3}
+    finally:
+        rx.stop()
+
+
+def test_a_heartbeat_too_large_to_send_is_logged_as_dropped_not_replaced(
+    receiver: Receiver, setup: Any, registry: CollectorRegistry, log: RecordingLogger
+) -> None:
+    """Its parts fit unless the span is too large with no run named (a resource of 3 KB
+    here, over max_span_bytes=1024): it is dropped with no marker, and the log says so
+    and what it costs, instead of promising a marker that never comes."""
+    big = TracerProvider(
+        resource=Resource.create({sc.SERVICE_NAME: "agent", "k8s.pod.labels": "x" * 3000}),
+        shutdown_on_exit=False,
+    )
+    try:
+        setup(receiver.url, tracer_provider=big, max_span_bytes=1024, heartbeat_interval=0.05)
+        register_open_run("run-a")
+        try:
+            assert until(lambda: failures(registry, "too_large") >= 1)
+        finally:
+            unregister_open_run("run-a")
+        loud = [kw for _lvl, _, kw in log.calls if kw.get("reason") == "too_large"]
+        assert loud[0]["span_name"] == sc.HEARTBEAT_SPAN_NAME and loud[0]["marker"] is False
+        message = loud[0]["message"]
+        assert "marker span replaces it" not in message, message
+        assert "dropped, with no marker" in message and "orphaned" in message
+        assert "max_span_bytes" in message
+        assert _markers(receiver) == [] and receiver.heartbeats() == []
+    finally:
+        big.shutdown()
 
 
 async def test_a_huge_undo_argument_costs_no_other_run_its_spans_at_a_real_sidecar(
