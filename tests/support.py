@@ -7,6 +7,7 @@ import shutil
 import socket
 import sqlite3
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -151,3 +152,15 @@ def sql_on(db: str) -> Iterator[Sql]:
         yield run
     finally:
         conn.close()
+
+
+def run_child(script: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+    """``script`` run by this Python in a child process from the project's root (fork and
+    signal tests: what they break stays in the child), its output captured, bounded."""
+    return subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=str(Path(__file__).resolve().parents[1]),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )

@@ -7,10 +7,7 @@ import io
 import json
 import logging
 import re
-import subprocess
-import sys
 from datetime import UTC, datetime
-from pathlib import Path
 
 import pytest
 import structlog
@@ -18,6 +15,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import CollectorRegistry
+from support import run_child
 
 from saga_otel._logging import default_logger, is_default, json_lines_logger
 from saga_otel._telemetry import STACK_FRAMES, Instrumentation
@@ -271,13 +269,7 @@ print(os.waitstatus_to_exitcode(status))
 def test_a_fork_while_another_thread_writes_a_line_leaves_the_child_able_to_log() -> None:
     """The write locks are held across a fork (as the logging module holds its handlers'):
     the fork waits for the line being written, and the child's lock is free."""
-    done = subprocess.run(
-        [sys.executable, "-c", _FORK_MID_LINE],
-        cwd=str(Path(__file__).resolve().parents[2]),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = run_child(_FORK_MID_LINE)
     assert done.returncode == 0, done.stderr
     # 1: the child hung on the lock (faulthandler's exit); 3: it saw a half-written line.
     assert done.stdout.strip() == "0", done.stderr

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
+from support import run_child
 
 # A thread is building a metric set when the process forks: its registry's
 # registrations wait for `go`, which a timer sets a moment later.
@@ -41,13 +39,7 @@ print(os.waitstatus_to_exitcode(status))
 
 def test_a_fork_while_another_thread_builds_a_metric_set_leaves_the_child_able_to_build() -> None:
     """The module lock is held across a fork: the fork waits for the set being built."""
-    done = subprocess.run(
-        [sys.executable, "-c", _FORK_MID_BUILD],
-        cwd=str(Path(__file__).resolve().parents[2]),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = run_child(_FORK_MID_BUILD)
     assert done.returncode == 0, done.stderr
     # 1: the child hung on the lock (faulthandler's exit).
     assert done.stdout.strip() == "0", done.stderr

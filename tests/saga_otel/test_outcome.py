@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -13,6 +11,7 @@ from typing import Any
 
 import pytest
 from saga_modes import Driver
+from support import run_child
 
 from saga_otel import _acks
 from saga_otel._outcome import (
@@ -606,13 +605,8 @@ print("free after:", free(turn))
 
 
 def _child(body: str) -> str:
-    done = subprocess.run(
-        [sys.executable, "-c", _CHILD_PREAMBLE + body],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
+    done = run_child(_CHILD_PREAMBLE + body)
+    assert done.returncode == 0, done.stderr
     return done.stdout
 
 
