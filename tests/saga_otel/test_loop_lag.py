@@ -23,9 +23,12 @@ from prometheus_client import CollectorRegistry
 from saga_otel import RunStatus, Saga, configure, observed, observed_run, tool
 from saga_otel import semconv as sc
 
-DELAY = 0.3  # the slow sidecar's answer time, under the ack bound below
-ACK_TIMEOUT = 1.0
-MAX_LAG = DELAY / 2  # a wait that blocked the loop blocks it for DELAY; a busy CI host adds ~0.1 s
+DELAY = 0.6  # the slow sidecar's answer time, under the ack bound below
+ACK_TIMEOUT = 1.5
+# A wait that blocked the loop blocks it for DELAY. A busy 2-core CI host has shown gaps
+# of 158 ms with nothing blocking (DELAY was 0.3 s and this bound 150 ms): half of DELAY
+# keeps the two apart.
+MAX_LAG = DELAY / 2
 
 
 class SlowSidecar:
